@@ -1,0 +1,113 @@
+"""2-hop, accumulation-aware gradient synchronisation and clipping over sharded gradients.
+
+MiCS splits the data-parallel gradient average into two hops:
+
+1. every micro-step, gradients are **reduce-scattered inside the partition group** (fast, node-local
+   links); each rank keeps only its accumulated shard -- full-size gradients never persist;
+2. only at the gradient-accumulation boundary are those accumulated shards **all-reduced across the
+   replication group** (the slow, inter-node hop), once per optimizer step instead of once per
+   micro-step.
+
+The sum is the same as plain data parallel training, so results match single-process training.
+FSDP2 implements both hops for a 2-D (replicate, shard) mesh; what it needs from us is to turn the
+second hop off on non-boundary micro-steps (``set_requires_all_reduce(False)``), in which case it
+keeps the reduce-scattered partial sum internally and adds it in at the boundary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPModule]:
+    """All FSDP units inside ``module`` (including itself), in module order."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def set_cross_replica_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
+    """Turn the cross-replica all-reduce (hop 2) on or off for every unit; reduce-scatter always runs."""
+    for unit in units:
+        unit.set_requires_all_reduce(enabled, recurse=False)
+
+
+@contextmanager
+def defer_cross_replica_sync(module_or_units: nn.Module | Sequence[FSDPModule]) -> Iterator[None]:
+    """Run the backward passes inside this block with hop 1 only (see module docstring).
+
+    Use it for manual optimization with gradient accumulation::
+
+        for i, micro_batch in enumerate(micro_batches):
+            is_last = i == len(micro_batches) - 1
+            with nullcontext() if is_last else defer_cross_replica_sync(model):
+                loss = model(micro_batch).mean() / len(micro_batches)
+                loss.backward()
+        optimizer.step()
+
+    The boundary backward (outside the block) adds the accumulated partial sums and all-reduces
+    them once across the replication group. ``MiCSStrategy.block_backward_sync()`` -- which Lightning
+    enters on non-boundary micro-steps of automatic optimization -- is this same context.
+    """
+    units = fsdp_units(module_or_units) if isinstance(module_or_units, nn.Module) else list(module_or_units)
+    set_cross_replica_sync(units, False)
+    try:
+        yield
+    finally:
+        set_cross_replica_sync(units, True)
+
+
+def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
+    """The process groups over which ``grad``'s local pieces are disjoint (its ``Shard`` mesh dims)."""
+    mesh = grad.device_mesh
+    return [mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard)]
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients by their *global* norm, computed from the shards each rank holds.
+
+    Each rank sums ``|g|^p`` over its local shard; the sums are all-reduced over the groups across
+    which the shards are disjoint (the partition group). Replicas hold identical shards after the
+    boundary sync, so reducing over the replication group as well would count them twice. Gradients
+    are scaled in place exactly like :func:`torch.nn.utils.clip_grad_norm_` does, and the global
+    norm (identical on every rank) is returned.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
+    partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
+    for grad in grads:
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else []
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        key = tuple(id(g) for g in groups)
+        if key not in partial:
+            partial[key] = (groups, torch.zeros((), dtype=torch.float32, device=device))
+        acc = partial[key][1]
+        if local.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            acc.copy_(torch.maximum(acc, local.detach().abs().max().float()))
+        else:
+            acc.add_(torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, acc in partial.values():
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        for group in groups:
+            dist.all_reduce(acc, op=op, group=group)
+        total = torch.maximum(total, acc) if math.isinf(norm_type) else total + acc
+    total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local.mul_(clip_coef.to(local.dtype))
+    return total_norm

@@ -1,0 +1,75 @@
+"""Lightning precision flags mapped onto FSDP2 mixed-precision policies.
+
+FSDP2 keeps the sharded parameters (and so the optimizer's master weights) in their original
+dtype and casts only the all-gathered copy used for compute. The mapping:
+
+========== ===================================== =====================================
+flag       compute / all-gather dtype            gradient reduction and master weights
+========== ===================================== =====================================
+32-true    fp32                                  fp32
+bf16-mixed bf16                                  fp32 (outputs returned in fp32)
+16-mixed   fp16 (+ ShardedGradScaler)            fp32 (outputs returned in fp32)
+bf16-true  bf16 (the module is cast to bf16)     bf16
+========== ===================================== =====================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from lightning_mics.grad_sync import clip_grad_norm_
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+class MiCSPrecision(FSDPPrecision):
+    """Precision plugin for :class:`~lightning_mics.MiCSStrategy`.
+
+    Reuses Lightning's FSDP plugin for dtype contexts and fp16 loss scaling, and replaces what
+    differs under FSDP2: the mixed-precision *policy* handed to ``fully_shard`` and gradient
+    clipping by norm, which must see the global norm of the sharded gradients.
+    """
+
+    def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
+        if precision not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"precision={precision!r} is not supported by MiCSStrategy. "
+                f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
+            )
+        super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @classmethod
+    def from_plugin(cls, plugin: Precision) -> "MiCSPrecision":
+        """Convert the generic plugin Lightning built from ``Trainer(precision=...)``."""
+        if isinstance(plugin, cls):
+            return plugin
+        if type(plugin) not in _CONVERTIBLE:
+            raise ValueError(
+                f"MiCSStrategy cannot use the precision plugin {type(plugin).__name__}; pass "
+                f"Trainer(precision=...) as one of {', '.join(SUPPORTED_PRECISION)} or a MiCSPrecision instance."
+            )
+        return cls(plugin.precision)
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+            )
+        if self.precision == "16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        # "32-true" and "bf16-true": the module is already in its compute dtype.
+        return MixedPrecisionPolicy()
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
+        """Clip by the true global gradient norm over all shards; the norm is kept for logging."""
+        self.last_grad_norm = clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+
+
+#: Plugins Lightning builds from ``Trainer(precision=...)`` that carry nothing but the flag.
+_CONVERTIBLE = (Precision, HalfPrecision, MixedPrecision, FSDPPrecision)

@@ -1,0 +1,439 @@
+"""``MiCSStrategy``: the glue between Lightning and the MiCS pieces.
+
+The ideas live in their own modules -- :mod:`~lightning_mics.topology` (who shards with whom),
+:mod:`~lightning_mics.wrapping` (which modules become FSDP2 units), :mod:`~lightning_mics.grad_sync`
+(2-hop gradient sync, clipping), :mod:`~lightning_mics.precision` and
+:mod:`~lightning_mics.checkpoint`. This file only calls them at the right Lightning hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mics import checkpoint as ckpt
+from lightning_mics.grad_sync import defer_cross_replica_sync
+from lightning_mics.precision import MiCSPrecision
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
+from lightning_mics.wrapping import AutoWrapPolicy, has_meta_tensors, materialize_meta_module, shard_model
+
+log = logging.getLogger(__name__)
+
+#: Mesh dimension names: rows are partition groups, columns replication groups.
+REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
+
+
+class _MiCSRoot(nn.Module):
+    """The FSDP2 root unit around the LightningModule.
+
+    Lightning calls ``training_step`` rather than ``forward``; routing the call through this
+    wrapper's ``forward`` (Lightning's forward redirection) makes FSDP2's root hooks run, which
+    unshard the parameters owned directly by the LightningModule and drive the backward hooks.
+    """
+
+    def __init__(self, module: LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class MiCSStrategy(ParallelStrategy):
+    """Train with MiCS: shard model states inside small partition groups, replicate across them.
+
+    Args:
+        partition_size: ranks that shard one copy of the model states. ``None``/``"node"``: one node
+            (the MiCS default); ``"world"`` or ``-1``: every rank (ZeRO-3); ``1``: no sharding
+            (DDP-like); an int: that many ranks (a divisor of a node, or whole nodes).
+        ranks_per_node: ranks on each node. Default: the launcher's ``LOCAL_WORLD_SIZE`` (or SLURM /
+            Open MPI equivalent), else the number of devices per node. Set it to emulate a
+            multi-node layout on one machine.
+        auto_wrap_policy: which modules become FSDP units. ``None``: children of every
+            ``nn.ModuleList`` (e.g. transformer blocks); module class(es); a callable
+            ``(name, module) -> bool``; ``False``: only the root.
+        reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3 style,
+            least memory) or keep them until backward (``False``, less communication); an int
+            reshards to that many ranks instead (must divide the partition size).
+        process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: NCCL on CUDA, gloo on CPU.
+        timeout: timeout for collectives, so a dead rank cannot hang the others forever.
+    """
+
+    strategy_name = "mics"
+
+    def __init__(
+        self,
+        partition_size: PartitionSizeSpec = None,
+        ranks_per_node: Optional[int] = None,
+        auto_wrap_policy: AutoWrapPolicy = None,
+        reshard_after_forward: Union[bool, int] = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}.")
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            if reshard_after_forward < 1:
+                raise ValueError(
+                    f"reshard_after_forward={reshard_after_forward} must be True, False or a positive group size."
+                )
+        self.partition_size_spec = partition_size
+        self.ranks_per_node_override = ranks_per_node
+        self.auto_wrap_policy = auto_wrap_policy
+        self.reshard_after_forward = reshard_after_forward
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._topology: Optional[MiCSTopology] = None
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._fsdp_units: list[FSDPModule] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def topology(self) -> MiCSTopology:
+        if self._topology is None:
+            raise RuntimeError("The MiCS topology exists once the strategy has set up its processes.")
+        return self._topology
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists once the strategy has set up its processes.")
+        return self._device_mesh
+
+    @property
+    def fsdp_units(self) -> list[FSDPModule]:
+        """The FSDP2 units (wrapped blocks, then the root), available after ``setup``."""
+        return self._fsdp_units
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to insert a ``DistributedSampler`` (it only knows its built-in strategies)."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel worker: partitions shard states, not data.
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards load straight into the sharded model and optimizer
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> MiCSPrecision:
+        plugin = self._precision_plugin
+        if not isinstance(plugin, MiCSPrecision):
+            plugin = self._precision_plugin = MiCSPrecision.from_plugin(plugin or Precision())
+        return plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if precision_plugin is None else MiCSPrecision.from_plugin(precision_plugin)
+
+    # ------------------------------------------------------------------ processes and mesh
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._topology = MiCSTopology.create(self.world_size, self._ranks_per_node(), self.partition_size_spec)
+        self._device_mesh = self._build_mesh(self._topology)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
+
+    def _ranks_per_node(self) -> int:
+        if self.ranks_per_node_override is not None:
+            return self.ranks_per_node_override
+        return detect_ranks_per_node() or self.num_processes or self.world_size
+
+    def _build_mesh(self, topology: MiCSTopology) -> DeviceMesh:
+        """A (replicate, shard) mesh whose rows are the partition groups. With a single partition
+        there is nothing to replicate, so a 1-D shard mesh is used (plain FSDP, no all-reduce)."""
+        device_type = self.root_device.type
+        if topology.replication_degree == 1:
+            return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
+        return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+
+    # ------------------------------------------------------------------ model setup
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FSDPModule) for m in self.lightning_module.modules()):
+            raise TypeError(
+                "MiCSStrategy applies `fully_shard` itself, but the model already contains FSDP2 modules. Remove the "
+                "`fully_shard` calls from your LightningModule and choose the units with "
+                "`MiCSStrategy(auto_wrap_policy=...)`."
+            )
+        module = self.precision_plugin.convert_module(self.lightning_module)
+        assert module is self.lightning_module
+        root = _MiCSRoot(self.lightning_module)
+        self._fsdp_units = shard_model(
+            root,
+            self.device_mesh,
+            policy=self.auto_wrap_policy,
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=self.precision_plugin.mixed_precision_policy(),
+            force_sum_reduction=self._process_group_backend == "gloo",
+        )
+        if has_meta_tensors(root):
+            materialize_meta_module(self.lightning_module, self.root_device)
+        root.to(self.root_device)  # buffers and anything FSDP did not own
+        self.model = root
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._log_layout()
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        # The optimizer must reference the sharded DTensor parameters, so it is (re)created after
+        # sharding; one left from an earlier stage would point at stale tensors.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        if self.model is not None:
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # With empty_init, modules are created on the meta device and materialised shard by shard
+        # after fully_shard in `setup()` -- a model bigger than one rank's memory never exists whole.
+        empty_init_context = torch.device("meta") if empty_init else nullcontext()
+        with empty_init_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    def _log_layout(self) -> None:
+        if not self.is_global_zero:
+            return
+        topology = self.topology
+        total = sum(p.numel() for p in self.lightning_module.parameters())  # type: ignore[union-attr]
+        trainable = sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)  # type: ignore
+        share = 1.0 / topology.partition_size
+        log.info(
+            "%s\n  model states per rank: 1/%d of %s parameters (%s trainable) -> ~%s params, grads and optimizer "
+            "states each; %d FSDP units",
+            topology.describe(),
+            topology.partition_size,
+            f"{total:,}",
+            f"{trainable:,}",
+            f"{int(total * share):,}",
+            len(self._fsdp_units),
+        )
+
+    # ------------------------------------------------------------------ gradient sync
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-boundary micro-steps: reduce-scatter inside the partition only; the cross-replica
+        all-reduce runs once, on the boundary backward."""
+        with defer_cross_replica_sync(self._fsdp_units):
+            yield None
+
+    def no_cross_replica_sync(self) -> Any:
+        """For manual optimization: wrap the backward of every non-boundary micro-step in this."""
+        return defer_cross_replica_sync(self._fsdp_units)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+    ) -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # already loaded in place by `load_checkpoint`
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # already loaded in place by `load_checkpoint`
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MiCSStrategy.save_checkpoint does not take storage_options: it writes with DCP.")
+        path = Path(self.broadcast(str(filepath)))
+        layout = {
+            "world_size": self.topology.world_size,
+            "partition_size": self.topology.partition_size,
+            "ranks_per_node": self.topology.ranks_per_node,
+        }
+        ckpt.save_sharded(path, checkpoint, layout, self.is_global_zero)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return ckpt.load_sharded(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        import shutil
+
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "mics", cls, description="MiCS: shard inside one node, replicate across nodes, 2-hop gradient sync"
+        )
+        strategy_registry.register(
+            "mics_zero3", cls, description="MiCS strategy sharding across all ranks (ZeRO-3)", partition_size="world"
+        )
+        strategy_registry.register(
+            "mics_replicate", cls, description="MiCS strategy without sharding (DDP-like)", partition_size=1
+        )

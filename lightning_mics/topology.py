@@ -1,0 +1,265 @@
+"""Layout math for MiCS: which ranks shard the model states together and which replicate them.
+
+Everything here is pure arithmetic on integers (no process groups), so every layout rule can be
+unit-tested without spawning processes. :mod:`lightning_mics.strategy` turns a :class:`MiCSTopology`
+into a :class:`~torch.distributed.device_mesh.DeviceMesh`.
+
+Terminology (MiCS, Zhang et al., VLDB 2023):
+
+* **partition group** -- the ranks that together hold one complete copy of the model states, each
+  rank holding ``1/partition_size`` of it. Ranks are contiguous, so a partition fills a node before
+  it spans nodes: all-gathers and reduce-scatters then stay on the fast intra-node links.
+* **replication group** -- the ranks that hold the *same* shard in different partitions. Gradients
+  cross the slow inter-node links only inside these groups, once per accumulation window.
+* **intra-/inter-node sub-groups** -- when a partition spans ``k > 1`` nodes, its ranks on one node
+  (intra) and its ranks with the same local index on different nodes (inter). Hierarchical
+  collectives run in two stages over these.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal, Union
+
+#: What users may pass as ``partition_size``: ``None`` (one node, the MiCS default), a positive
+#: int, ``-1`` or ``"world"`` (shard across every rank: the ZeRO-3 baseline), ``"node"``.
+PartitionSizeSpec = Union[int, Literal["world", "node"], None]
+
+Group = tuple[int, ...]
+
+#: Environment variables that launchers use to say how many ranks run on each node, most specific
+#: first. torchrun/torchelastic set ``LOCAL_WORLD_SIZE``; SLURM sets ``SLURM_NTASKS_PER_NODE``
+#: (possibly as ``"4(x2)"``); Open MPI sets ``OMPI_COMM_WORLD_LOCAL_SIZE``.
+RANKS_PER_NODE_ENV_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def detect_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
+    """Return the ranks per node announced by the launcher, or ``None`` when none announces it.
+
+    Lightning's own launcher does not export such a variable; the strategy then falls back to the
+    number of devices per node it was given (``Trainer(devices=...)``).
+    """
+    env = os.environ if env is None else env
+    for name in RANKS_PER_NODE_ENV_VARS:
+        raw = env.get(name)
+        if not raw:
+            continue
+        head = raw.split("(")[0].split(",")[0].strip()  # SLURM: "4(x2)" or "4,4"
+        try:
+            value = int(head)
+        except ValueError:
+            raise ValueError(f"Environment variable {name}={raw!r} is not a whole number of ranks per node.") from None
+        if value < 1:
+            raise ValueError(f"Environment variable {name}={raw!r} must be a positive number of ranks per node.")
+        return value
+    return None
+
+
+def valid_partition_sizes(world_size: int, ranks_per_node: int) -> list[int]:
+    """All partition sizes that divide the world and never straddle a node boundary."""
+    within_node = [d for d in range(1, ranks_per_node + 1) if ranks_per_node % d == 0]
+    num_nodes = world_size // ranks_per_node
+    whole_nodes = [ranks_per_node * k for k in range(2, num_nodes + 1) if num_nodes % k == 0]
+    return within_node + whole_nodes
+
+
+def resolve_partition_size(spec: PartitionSizeSpec, world_size: int, ranks_per_node: int) -> int:
+    """Turn a user's ``partition_size`` into a validated integer.
+
+    Raises:
+        ValueError: with one message naming the valid choices for this world and node size.
+    """
+    _check_world(world_size, ranks_per_node)
+    if spec is None or spec == "node":
+        size = min(ranks_per_node, world_size)
+    elif spec == "world" or spec == -1:
+        size = world_size
+    elif isinstance(spec, bool) or not isinstance(spec, int):
+        raise ValueError(
+            f"partition_size={spec!r} is not understood. "
+            f"{_choices_text(world_size, ranks_per_node)}"
+        )
+    else:
+        size = spec
+    problem = _partition_problem(size, world_size, ranks_per_node)
+    if problem:
+        raise ValueError(
+            f"partition_size={spec!r} is invalid for world_size={world_size} with ranks_per_node={ranks_per_node}: "
+            f"{problem}. {_choices_text(world_size, ranks_per_node)}"
+        )
+    return size
+
+
+def _check_world(world_size: int, ranks_per_node: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}.")
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}.")
+    if world_size % ranks_per_node != 0:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node} does not divide world_size={world_size}: every node must run the same "
+            f"number of ranks. Pass ranks_per_node as a divisor of {world_size} "
+            f"(one of {_divisors(world_size)}), or fix the launcher's devices/num_nodes."
+        )
+
+
+def _partition_problem(size: int, world_size: int, ranks_per_node: int) -> str | None:
+    if size < 1 or size > world_size:
+        return f"it must lie between 1 and the world size {world_size}"
+    if world_size % size != 0:
+        return f"it does not divide the world size {world_size}"
+    if size < ranks_per_node and ranks_per_node % size != 0:
+        return f"a partition smaller than a node must divide ranks_per_node={ranks_per_node}, else it straddles nodes"
+    if size > ranks_per_node and size % ranks_per_node != 0:
+        return f"a partition larger than a node must be whole nodes (a multiple of ranks_per_node={ranks_per_node})"
+    return None
+
+
+def _choices_text(world_size: int, ranks_per_node: int) -> str:
+    sizes = ", ".join(str(s) for s in valid_partition_sizes(world_size, ranks_per_node))
+    return (
+        f"Valid choices: None or 'node' (one node = {min(ranks_per_node, world_size)} ranks, the MiCS default), "
+        f"'world' or -1 (all {world_size} ranks, ZeRO-3), 1 (pure replication), or one of: {sizes}."
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MiCSTopology:
+    """The rank layout of one MiCS run. Build it with :meth:`create`, which validates the input."""
+
+    world_size: int
+    ranks_per_node: int
+    partition_size: int
+
+    @classmethod
+    def create(
+        cls, world_size: int, ranks_per_node: int | None = None, partition_size: PartitionSizeSpec = None
+    ) -> MiCSTopology:
+        """Validate and build a layout. ``ranks_per_node=None`` means the whole world is one node."""
+        ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
+        size = resolve_partition_size(partition_size, world_size, ranks_per_node)
+        return cls(world_size=world_size, ranks_per_node=ranks_per_node, partition_size=size)
+
+    def __post_init__(self) -> None:
+        _check_world(self.world_size, self.ranks_per_node)
+        problem = _partition_problem(self.partition_size, self.world_size, self.ranks_per_node)
+        if problem:
+            raise ValueError(f"partition_size={self.partition_size}: {problem}.")
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def replication_degree(self) -> int:
+        """How many complete copies of the model states exist (= number of partition groups)."""
+        return self.world_size // self.partition_size
+
+    @property
+    def nodes_per_partition(self) -> int:
+        return max(1, self.partition_size // self.ranks_per_node)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether one partition covers more than one node (hierarchical collectives then help)."""
+        return self.partition_size > self.ranks_per_node
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """Shape of the (replicate, shard) device mesh: row ``i`` is partition group ``i``."""
+        return (self.replication_degree, self.partition_size)
+
+    # ----------------------------------------------------------------------------- groups
+    @cached_property
+    def partition_groups(self) -> tuple[Group, ...]:
+        p = self.partition_size
+        return tuple(tuple(range(start, start + p)) for start in range(0, self.world_size, p))
+
+    @cached_property
+    def replication_groups(self) -> tuple[Group, ...]:
+        p = self.partition_size
+        return tuple(tuple(range(shard, self.world_size, p)) for shard in range(p))
+
+    @cached_property
+    def intra_node_groups(self) -> tuple[Group, ...]:
+        """Per partition, its ranks on each node. Empty when partitions fit inside one node."""
+        if not self.spans_nodes:
+            return ()
+        m = self.ranks_per_node
+        return tuple(tuple(range(start, start + m)) for start in range(0, self.world_size, m))
+
+    @cached_property
+    def inter_node_groups(self) -> tuple[Group, ...]:
+        """Per partition, its ranks with the same local index on each of its nodes. Empty when
+        partitions fit inside one node."""
+        if not self.spans_nodes:
+            return ()
+        m = self.ranks_per_node
+        groups = []
+        for partition in self.partition_groups:
+            for local in range(m):
+                groups.append(tuple(partition[local::m]))
+        return tuple(groups)
+
+    # ----------------------------------------------------------------------------- per rank
+    def node_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.ranks_per_node
+
+    def partition_index(self, rank: int) -> int:
+        """Which partition group (= mesh row, replica index) ``rank`` belongs to."""
+        self._check_rank(rank)
+        return rank // self.partition_size
+
+    def shard_index(self, rank: int) -> int:
+        """Which shard of the model states ``rank`` holds (= its rank inside its partition group)."""
+        self._check_rank(rank)
+        return rank % self.partition_size
+
+    def partition_group_of(self, rank: int) -> Group:
+        return self.partition_groups[self.partition_index(rank)]
+
+    def replication_group_of(self, rank: int) -> Group:
+        return self.replication_groups[self.shard_index(rank)]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks.")
+
+    # ----------------------------------------------------------------------------- reporting
+    @property
+    def kind(self) -> str:
+        """A short human name for the layout."""
+        if self.partition_size == 1 and self.world_size > 1:
+            return "replicate (DDP-like)"
+        if self.replication_degree == 1:
+            return "zero3 (shard across the world)"
+        return "mics (hybrid shard)"
+
+    def describe(self) -> str:
+        """A multi-line summary for logs: groups and where they run."""
+        lines = [
+            f"MiCS layout: {self.kind}; world={self.world_size}, nodes={self.num_nodes} x {self.ranks_per_node} ranks, "
+            f"partition_size={self.partition_size}, replicas={self.replication_degree}",
+            f"  partition groups (shard model states): {_fmt_groups(self.partition_groups)}",
+            f"  replication groups (all-reduce at accumulation boundary): {_fmt_groups(self.replication_groups)}",
+        ]
+        if self.spans_nodes:
+            lines.append(
+                f"  partition spans {self.nodes_per_partition} nodes; inter-node sub-groups: "
+                f"{_fmt_groups(self.inter_node_groups)}"
+            )
+        return "\n".join(lines)
+
+
+def _fmt_groups(groups: tuple[Group, ...], limit: int = 8) -> str:
+    shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > limit else "")

@@ -1,0 +1,156 @@
+"""Which modules become FSDP2 units, and applying ``fully_shard`` to them on the MiCS mesh.
+
+Each wrapped module is one all-gather / reduce-scatter unit: its parameters are gathered together
+just before its forward and freed after, so peak memory holds one unit unsharded at a time. Too few
+units waste memory; too many send many small messages. Repeated blocks (the children of an
+``nn.ModuleList``, e.g. transformer layers) are the natural unit, and that is the default policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+#: A callable ``(module_name, module) -> bool`` that says whether to wrap ``module``.
+WrapPredicate = Callable[[str, nn.Module], bool]
+#: What users may pass as ``auto_wrap_policy``: ``None`` (default: ModuleList children),
+#: module classes, a callable predicate, or ``False``/empty to wrap only the root.
+AutoWrapPolicy = Union[None, bool, type[nn.Module], Iterable[type[nn.Module]], WrapPredicate]
+
+
+def wrap_module_list_children(name: str, module: nn.Module, parent: nn.Module | None = None) -> bool:
+    """Default predicate: wrap every child of an ``nn.ModuleList`` that owns parameters."""
+    return isinstance(parent, nn.ModuleList) and any(True for _ in module.parameters())
+
+
+def make_wrap_predicate(policy: AutoWrapPolicy) -> Callable[[str, nn.Module, nn.Module | None], bool]:
+    """Normalise the user's ``auto_wrap_policy`` into ``predicate(name, module, parent)``.
+
+    Raises:
+        TypeError: when the policy is not one of the accepted forms.
+    """
+    if policy is None or policy is True:
+        return wrap_module_list_children
+    if policy is False:
+        return lambda name, module, parent: False
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        policy = (policy,)
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        classes = tuple(policy)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"auto_wrap_policy entries must be nn.Module subclasses, got {bad!r}.")
+        return lambda name, module, parent: isinstance(module, classes)
+    if callable(policy):
+        user_predicate = policy
+        return lambda name, module, parent: bool(user_predicate(name, module))
+    raise TypeError(
+        f"auto_wrap_policy={policy!r} is not supported. Pass None (wrap nn.ModuleList children), a module class or "
+        "a list of module classes, a callable (name, module) -> bool, or False (wrap only the root)."
+    )
+
+
+def select_modules_to_wrap(root: nn.Module, policy: AutoWrapPolicy) -> list[tuple[str, nn.Module]]:
+    """Pick the modules to wrap, children before parents (FSDP2 must be applied bottom-up).
+
+    A candidate is skipped, with a log line, when it shares a parameter with modules outside it
+    (tied weights such as an embedding reused as the output head): a shared parameter must live in
+    the unit of the common ancestor, or one side would see a sharded tensor.
+    """
+    predicate = make_wrap_predicate(policy)
+    parents: dict[str, nn.Module | None] = {"": None}
+    for name, module in root.named_modules():
+        for child_name, _ in module.named_children():
+            parents[f"{name}.{child_name}" if name else child_name] = module
+
+    owners: dict[int, set[str]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(module_name)
+
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in root.named_modules():
+        if module is root or not predicate(name, module, parents.get(name)):
+            continue
+        prefix = name + "."
+        tied = [
+            pid
+            for pid in {id(p) for p in module.parameters()}
+            if any(owner != name and not owner.startswith(prefix) for owner in owners[pid])
+        ]
+        if tied:
+            log.info("not wrapping %s separately: it shares parameters with modules outside it (tied weights)", name)
+            continue
+        chosen.append((name, module))
+    # named_modules() is pre-order (parents first); FSDP2 wants children first.
+    return list(reversed(chosen))
+
+
+def shard_model(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    policy: AutoWrapPolicy = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    force_sum_reduction: bool = False,
+) -> list[FSDPModule]:
+    """Apply ``fully_shard`` to the selected blocks and then to ``root``; return all FSDP units.
+
+    ``root`` itself is never resharded after forward (its parameters are needed again at once in
+    backward), which is also FSDP2's own default for the root.
+
+    ``force_sum_reduction`` makes FSDP use only SUM reductions with explicit division, which gloo
+    needs (it implements neither ``AVG`` nor ``PREMUL_SUM``).
+    """
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    units: list[FSDPModule] = []
+    for name, module in select_modules_to_wrap(root, policy):
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        units.append(module)  # type: ignore[arg-type]
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    units.append(root)  # type: ignore[arg-type]
+    for unit in units:
+        unit.set_force_sum_reduction_for_comms(force_sum_reduction)
+    log.debug("sharded %d FSDP units", len(units))
+    return units
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device module's (already sharded) storage on ``device`` and initialise it.
+
+    Called after ``fully_shard`` so that each rank only allocates its shard. Every submodule that
+    defines ``reset_parameters`` re-initialises its own parameters, which is how PyTorch modules
+    (and the models in this project) define their initial values.
+    """
+    module.to_empty(device=device)
+    missing = []
+    for name, submodule in module.named_modules():
+        owns_state = any(True for _ in submodule.parameters(recurse=False)) or any(
+            True for _ in submodule.buffers(recurse=False)
+        )
+        if not owns_state:
+            continue
+        reset = getattr(submodule, "reset_parameters", None)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+        else:
+            missing.append(name or type(submodule).__name__)
+    if missing:
+        raise TypeError(
+            "The model was created on the meta device, but these modules own parameters or buffers and define no "
+            f"`reset_parameters()` to initialise them after sharding: {missing}. Add a `reset_parameters()` method to "
+            "them, or create the model without `empty_init=True`/meta device."
+        )

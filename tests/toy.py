@@ -1,0 +1,163 @@
+"""A tiny language model with every awkward feature the sharding must survive, its data, and the
+single-process reference training loop that distributed runs are compared against.
+
+Awkward features: parameter sizes not divisible by 4 or 8 (dim 10, vocab 11), the embedding tied
+to the output head, a frozen linear layer inside a wrapped block, and a constant buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, DIM, SEQ, LAYERS = 11, 10, 6, 3
+
+
+class Block(nn.Module):
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        self.mix = nn.Linear(DIM, DIM)
+        self.gate = nn.Linear(DIM, DIM, bias=False)
+        self.gate.weight.requires_grad_(not frozen)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.mix(h)) * torch.sigmoid(self.gate(h))
+
+
+class ToyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(frozen=(i == 1)) for i in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h * self.scale)
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    tokens, targets = batch
+    logits = model(tokens)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def make_dataset(num_samples: int, seed: int = 1234) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (num_samples, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One training run, described identically for the distributed and the reference side."""
+
+    world_size: int = 4
+    micro_batch: int = 2
+    accumulate: int = 1
+    steps: int = 3
+    lr: float = 0.5
+    momentum: float = 0.9
+    clip: float | None = None
+    seed: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self.world_size * self.micro_batch * self.accumulate * self.steps
+
+
+class ToyModule(pl.LightningModule):
+    """``ToyLM`` as a LightningModule; built in ``__init__`` or (``in_configure_model``) later."""
+
+    def __init__(self, cfg: RunConfig, in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model: nn.Module | None = None
+        if not in_configure_model:
+            torch.manual_seed(cfg.seed)
+            self.model = ToyLM()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(self.cfg.seed)
+            self.model = ToyLM()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def training_step(self, batch, batch_idx):
+        return lm_loss(self, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(
+            [p for p in self.parameters() if p.requires_grad], lr=self.cfg.lr, momentum=self.cfg.momentum
+        )
+
+    def train_dataloader(self):
+        return DataLoader(make_dataset(self.cfg.num_samples), batch_size=self.cfg.micro_batch, shuffle=False)
+
+
+def reference_training(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the same global batches; returns parameters and the gradient
+    norm before clipping at each step.
+
+    Lightning gives every rank ``DistributedSampler(shuffle=True, seed=0)`` for training, which
+    permutes the dataset with ``randperm(n, seed + epoch)`` and deals it out round-robin, so the
+    union of the ranks' micro-batch ``i`` is slice ``i`` (size ``world_size * micro_batch``) of that
+    permutation."""
+    torch.manual_seed(cfg.seed)
+    model = ToyLM()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    tokens, targets = make_dataset(cfg.num_samples).tensors
+    if cfg.world_size > 1:
+        order = torch.randperm(cfg.num_samples, generator=torch.Generator().manual_seed(0))
+        tokens, targets = tokens[order], targets[order]
+    global_batch = cfg.world_size * cfg.micro_batch
+    norms = []
+    micro = 0
+    for _ in range(cfg.steps):
+        optimizer.zero_grad()
+        for _ in range(cfg.accumulate):
+            sl = slice(micro * global_batch, (micro + 1) * global_batch)
+            (lm_loss(model, (tokens[sl], targets[sl])) / cfg.accumulate).backward()
+            micro += 1
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip else float("inf"))
+        norms.append(float(norm))
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copies of a (possibly FSDP-sharded) module's parameters, by name."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def trainer_kwargs(cfg: RunConfig) -> dict:
+    return dict(
+        accelerator="cpu",
+        devices=cfg.world_size,
+        max_steps=cfg.steps,
+        accumulate_grad_batches=cfg.accumulate,
+        gradient_clip_val=cfg.clip,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
