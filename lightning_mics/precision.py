@@ -7,14 +7,20 @@ dtype and casts only the all-gathered copy used for compute. The mapping:
 flag       compute / all-gather dtype            gradient reduction and master weights
 ========== ===================================== =====================================
 32-true    fp32                                  fp32
-bf16-mixed bf16                                  fp32 (outputs returned in fp32)
-16-mixed   fp16 (+ ShardedGradScaler)            fp32 (outputs returned in fp32)
+bf16-mixed bf16 (+ autocast)                     fp32
+16-mixed   fp16 (+ autocast, ShardedGradScaler)  fp32
 bf16-true  bf16 (the module is cast to bf16)     bf16
 ========== ===================================== =====================================
+
+The mixed modes also run the step under ``torch.autocast`` on the training device: FSDP2 casts the
+inputs of each *unit*, but computation that happens between units (e.g. an output head owned by
+the root applied to a block's output and an fp32 buffer) would otherwise mix dtypes; autocast also
+keeps numerically sensitive ops such as softmax/cross-entropy in fp32.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Union
 
 import torch
@@ -43,6 +49,8 @@ class MiCSPrecision(FSDPPrecision):
             )
         super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
         self.last_grad_norm: torch.Tensor | None = None
+        #: Device type for autocast; the strategy sets it to its root device's type at setup.
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> "MiCSPrecision":
@@ -58,13 +66,17 @@ class MiCSPrecision(FSDPPrecision):
 
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
         if self.precision == "bf16-mixed":
-            return MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if self.precision == "16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
         # "32-true" and "bf16-true": the module is already in its compute dtype.
         return MixedPrecisionPolicy()
+
+    def forward_context(self) -> AbstractContextManager:
+        if "mixed" in self.precision:
+            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device_type, dtype=dtype)
+        return super().forward_context()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
         """Clip by the true global gradient norm over all shards; the norm is kept for logging."""

@@ -263,6 +263,7 @@ class MiCSStrategy(ParallelStrategy):
                 "`fully_shard` calls from your LightningModule and choose the units with "
                 "`MiCSStrategy(auto_wrap_policy=...)`."
             )
+        self.precision_plugin.device_type = self.root_device.type
         module = self.precision_plugin.convert_module(self.lightning_module)
         assert module is self.lightning_module
         root = _MiCSRoot(self.lightning_module)

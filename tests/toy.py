@@ -8,6 +8,7 @@ to the output head, a frozen linear layer inside a wrapped block, and a constant
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import lightning.pytorch as pl
 import torch
@@ -36,7 +37,13 @@ class ToyLM(nn.Module):
         self.blocks = nn.ModuleList(Block(frozen=(i == 1)) for i in range(LAYERS))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
-        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.register_buffer("scale", torch.empty(DIM))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initialises the buffer this module owns itself (needed for meta-device creation)."""
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.5, 1.5, DIM))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens)
@@ -106,6 +113,7 @@ class ToyModule(pl.LightningModule):
         return DataLoader(make_dataset(self.cfg.num_samples), batch_size=self.cfg.micro_batch, shuffle=False)
 
 
+@lru_cache(maxsize=None)
 def reference_training(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training on the same global batches; returns parameters and the gradient
     norm before clipping at each step.
@@ -146,6 +154,21 @@ def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
         t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().cpu().clone()
     return out
+
+
+def strip_prefix(params: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str, torch.Tensor]:
+    return {name.removeprefix(prefix): value for name, value in params.items()}
+
+
+def assert_matches_reference(per_rank: list[dict[str, torch.Tensor]], cfg: RunConfig, rtol: float = 1e-5) -> None:
+    """Every rank's unsharded parameters equal single-process training's (relative error per tensor)."""
+    reference, _ = reference_training(cfg)
+    for rank, params in enumerate(per_rank):
+        params = strip_prefix(params)
+        assert sorted(params) == sorted(reference), f"rank {rank}: parameter names differ"
+        for name, expected in reference.items():
+            error = ((params[name].float() - expected).norm() / expected.norm()).item()
+            assert error < rtol, f"rank {rank}, {name}: relative error {error:.2e} >= {rtol:.0e}"
 
 
 def trainer_kwargs(cfg: RunConfig) -> dict:
