@@ -8,18 +8,17 @@ of ranks runs all layouts of a world size (process start-up dominates the cost).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ranks
 from toy import (
+    fit_with_mics,
+    ManualAccumulationModule,
     RunConfig,
     ToyModule,
     assert_matches_reference,
     full_parameters,
-    lm_loss,
     reference_training,
     trainer_kwargs,
 )
@@ -35,36 +34,6 @@ WORLD4_LAYOUTS = [(p, a) for p in (1, 2, 4) for a in (1, 3)]
 WORLD8_LAYOUTS = [(p, a) for p in (2, 4, 8) for a in (1, 3)]
 
 
-class ManualAccumulationModule(ToyModule):
-    """Manual optimization: accumulate with ``no_cross_replica_sync`` on non-boundary micro-steps."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.automatic_optimization = False
-
-    def training_step(self, batch, batch_idx):
-        optimizer = self.optimizers()
-        boundary = (batch_idx + 1) % self.cfg.accumulate == 0
-        with nullcontext() if boundary else self.trainer.strategy.no_cross_replica_sync():
-            self.manual_backward(lm_loss(self, batch) / self.cfg.accumulate)
-        if boundary:
-            if self.cfg.clip:
-                self.clip_gradients(optimizer, gradient_clip_val=self.cfg.clip, gradient_clip_algorithm="norm")
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-def _fit(module: pl.LightningModule, cfg: RunConfig, **strategy_kwargs) -> pl.Trainer:
-    from lightning_mics import MiCSStrategy
-
-    kwargs = trainer_kwargs(cfg)
-    if not module.automatic_optimization:
-        kwargs.update(accumulate_grad_batches=1, gradient_clip_val=None)
-    trainer = pl.Trainer(strategy=MiCSStrategy(**strategy_kwargs), **kwargs)
-    trainer.fit(module)
-    return trainer
-
-
 def _clip_for(accumulate: int) -> float | None:
     return CLIP if accumulate == 3 else None
 
@@ -74,7 +43,7 @@ def _train_layouts(rank: int, world: int, layouts, ranks_per_node: int | None) -
     for partition, accumulate in layouts:
         cfg = config(world, accumulate, _clip_for(accumulate))
         module = ToyModule(cfg)
-        _fit(module, cfg, partition_size=partition, ranks_per_node=ranks_per_node)
+        fit_with_mics(module, cfg, partition_size=partition, ranks_per_node=ranks_per_node)
         results[(partition, accumulate)] = full_parameters(module)
     return results
 
@@ -84,16 +53,16 @@ def _train_world4_variants(rank: int, world: int) -> dict:
 
     cfg = config(world, 3, CLIP)
     module = ToyModule(cfg, in_configure_model=True)
-    _fit(module, cfg, partition_size=2)
+    fit_with_mics(module, cfg, partition_size=2)
     results["configure_model"] = full_parameters(module)
 
     module = ManualAccumulationModule(cfg)
-    _fit(module, cfg, partition_size=2)
+    fit_with_mics(module, cfg, partition_size=2)
     results["manual"] = full_parameters(module)
 
     cfg = config(world, 1)
     module = ToyModule(cfg)
-    _fit(module, cfg, partition_size=2, auto_wrap_policy=torch.nn.Linear, reshard_after_forward=False)
+    fit_with_mics(module, cfg, partition_size=2, auto_wrap_policy=torch.nn.Linear, reshard_after_forward=False)
     results["linear_units_no_reshard"] = full_parameters(module)
 
     cfg = config(world, 1)

@@ -7,6 +7,7 @@ to the output head, a frozen linear layer inside a wrapped block, and a constant
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -113,6 +114,25 @@ class ToyModule(pl.LightningModule):
         return DataLoader(make_dataset(self.cfg.num_samples), batch_size=self.cfg.micro_batch, shuffle=False)
 
 
+class ManualAccumulationModule(ToyModule):
+    """Manual optimization: accumulate with ``no_cross_replica_sync`` on non-boundary micro-steps."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        boundary = (batch_idx + 1) % self.cfg.accumulate == 0
+        with nullcontext() if boundary else self.trainer.strategy.no_cross_replica_sync():
+            self.manual_backward(lm_loss(self, batch) / self.cfg.accumulate)
+        if boundary:
+            if self.cfg.clip:
+                self.clip_gradients(optimizer, gradient_clip_val=self.cfg.clip, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 @lru_cache(maxsize=None)
 def reference_training(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training on the same global batches; returns parameters and the gradient
@@ -169,6 +189,18 @@ def assert_matches_reference(per_rank: list[dict[str, torch.Tensor]], cfg: RunCo
         for name, expected in reference.items():
             error = ((params[name].float() - expected).norm() / expected.norm()).item()
             assert error < rtol, f"rank {rank}, {name}: relative error {error:.2e} >= {rtol:.0e}"
+
+
+def fit_with_mics(module: pl.LightningModule, cfg: RunConfig, callbacks=(), **strategy_kwargs) -> pl.Trainer:
+    """Fit ``module`` with ``MiCSStrategy(**strategy_kwargs)`` under the settings of ``cfg``."""
+    from lightning_mics import MiCSStrategy
+
+    kwargs = trainer_kwargs(cfg)
+    if not module.automatic_optimization:  # accumulation and clipping happen in training_step
+        kwargs.update(accumulate_grad_batches=1, gradient_clip_val=None)
+    trainer = pl.Trainer(strategy=MiCSStrategy(**strategy_kwargs), callbacks=list(callbacks), **kwargs)
+    trainer.fit(module)
+    return trainer
 
 
 def trainer_kwargs(cfg: RunConfig) -> dict:

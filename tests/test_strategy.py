@@ -1,0 +1,160 @@
+"""MiCSStrategy's Lightning glue: registration, configuration errors, collectives, sampler, meta init."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from distributed import run_ranks
+from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, trainer_kwargs
+
+import lightning_mics  # noqa: F401  (registers the strategy names)
+from lightning_mics import MiCSStrategy
+
+
+@pytest.mark.parametrize(
+    ("name", "partition_spec"), [("mics", None), ("mics_zero3", "world"), ("mics_replicate", 1)]
+)
+def test_registered_names_build_the_strategy(name, partition_spec):
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, MiCSStrategy)
+    assert trainer.strategy.partition_size_spec == partition_spec
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_precision_flags_become_the_mics_plugin():
+    trainer = pl.Trainer(strategy="mics", accelerator="cpu", devices=2, precision="bf16-true", logger=False)
+    assert trainer.strategy.precision_plugin.precision == "bf16-true"
+    assert type(trainer.precision_plugin).__name__ == "MiCSPrecision"
+
+
+def test_unsupported_precision_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="32-true, bf16-mixed, 16-mixed, bf16-true"):
+        pl.Trainer(strategy="mics", accelerator="cpu", devices=2, precision="64-true", logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"ranks_per_node": 0}, "ranks_per_node"), ({"reshard_after_forward": 0}, "reshard_after_forward")],
+)
+def test_bad_constructor_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MiCSStrategy(**kwargs)
+
+
+class RecordBatches(pl.Callback):
+    def __init__(self) -> None:
+        self.tokens: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = full_parameters(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.tokens.append(batch[0].clone())
+        self.losses.append(float(outputs["loss"]))
+
+
+class AlreadySharded(ToyModule):
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.model)
+
+
+def _misc(rank: int, world: int) -> dict:
+    out: dict = {}
+    cfg = RunConfig(world_size=world, accumulate=1, steps=6, lr=0.2)
+
+    # layout log, distinct data per rank
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_mics.strategy").addHandler(handler)
+    logging.getLogger("lightning_mics.strategy").setLevel(logging.INFO)
+    batches = RecordBatches()
+    trainer = fit_with_mics(ToyModule(cfg), cfg, callbacks=[batches], partition_size=2, ranks_per_node=2)
+    out["log"] = records
+    out["tokens"] = torch.cat(batches.tokens)
+
+    # reduce / broadcast / barrier through the strategy
+    strategy = trainer.strategy
+    out["sum"] = strategy.reduce(torch.tensor(float(rank + 1)), reduce_op="sum").item()
+    out["mean"] = strategy.reduce(torch.tensor(float(rank + 1))).item()
+    out["broadcast"] = strategy.broadcast({"from": rank}, src=1)
+    strategy.barrier()
+    out["all_gather"] = strategy.all_gather(torch.tensor([rank])).flatten().tolist()
+
+    # meta-device creation: materialised shard by shard, replicas agree, training works
+    batches = RecordBatches()
+    trainer = pl.Trainer(
+        strategy=MiCSStrategy(partition_size=2, ranks_per_node=2), callbacks=[batches], **trainer_kwargs(cfg)
+    )
+    with trainer.init_module(empty_init=True):
+        module = ToyModule(cfg)
+    out["created_on_meta"] = all(p.is_meta for p in module.parameters())
+    trainer.fit(module)
+    out["meta_params"] = full_parameters(module)
+    out["meta_losses"] = batches.losses
+    out["meta_initial"] = batches.initial
+    out["meta_tied"] = module.model.head.weight is module.model.embed.weight
+    out["meta_buffer"] = module.model.scale.clone()
+
+    # a model that applied fully_shard itself is refused with a clear error
+    try:
+        fit_with_mics(AlreadySharded(cfg), cfg, partition_size=2, ranks_per_node=2)
+        out["already_sharded_error"] = None
+    except TypeError as err:
+        out["already_sharded_error"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def misc():
+    return run_ranks(_misc, 4)
+
+
+def test_rank_zero_logs_the_layout(misc):
+    text = "\n".join(misc[0]["log"])
+    assert "partition groups (shard model states): [0,1] [2,3]" in text
+    assert "replication groups (all-reduce at accumulation boundary): [0,2] [1,3]" in text
+    assert "model states per rank: 1/2" in text
+    assert not any("MiCS layout" in m for rank in misc[1:] for m in rank["log"])
+
+
+def test_each_rank_sees_distinct_data(misc):
+    rows = [tuple(row.tolist()) for rank in misc for row in rank["tokens"]]
+    per_rank = [{tuple(row.tolist()) for row in rank["tokens"]} for rank in misc]
+    assert len(rows) == RunConfig(world_size=4, steps=6).num_samples
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not per_rank[i] & per_rank[j], f"ranks {i} and {j} saw the same samples"
+
+
+def test_reduce_broadcast_gather(misc):
+    for rank, out in enumerate(misc):
+        assert out["sum"] == 10.0 and out["mean"] == 2.5
+        assert out["broadcast"] == {"from": 1}
+        assert out["all_gather"] == [0, 1, 2, 3]
+
+
+def test_meta_device_model_is_materialised_consistently(misc):
+    assert all(out["created_on_meta"] for out in misc)
+    first = misc[0]["meta_params"]
+    for out in misc:
+        assert out["meta_tied"]
+        torch.testing.assert_close(out["meta_buffer"], torch.linspace(0.5, 1.5, out["meta_buffer"].numel()))
+        for name, value in out["meta_params"].items():
+            assert torch.isfinite(value).all()
+            torch.testing.assert_close(value, first[name], rtol=0, atol=0)  # replicas agree exactly
+        assert torch.isfinite(torch.tensor(out["meta_losses"])).all()
+        moved = [n for n, p in out["meta_params"].items() if not torch.equal(p, out["meta_initial"][n])]
+        assert moved == [n for n in out["meta_params"] if "blocks.1.gate" not in n]  # all but the frozen one
+
+
+def test_pre_sharded_model_is_refused(misc):
+    for out in misc:
+        assert out["already_sharded_error"] and "auto_wrap_policy" in out["already_sharded_error"]

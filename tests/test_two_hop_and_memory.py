@@ -1,0 +1,158 @@
+"""The 2-hop schedule, proven by counting collectives, and the per-rank share of model states.
+
+8 ranks emulate 2 nodes of 4 (``ranks_per_node=4``). Every collective issued during a training
+micro-step is recorded with its group, then checked against the MiCS schedule:
+
+* all-gathers and reduce-scatters run only on this rank's partition group, inside one node;
+* all-reduces run only on this rank's replication group, and only on the last micro-step of each
+  accumulation window -- one per FSDP unit that has gradients.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+from distributed import run_ranks
+from toy import LAYERS, ManualAccumulationModule, RunConfig, ToyModule, fit_with_mics
+
+from lightning_mics import CollectiveRecorder
+from lightning_mics.topology import MiCSTopology
+
+ACCUMULATE = 3
+RANKS_PER_NODE = 4
+UNITS_WITH_GRADS = LAYERS + 1  # one per transformer-like block, plus the root (embedding/head)
+
+
+class RecordPerMicroStep(pl.Callback):
+    """Stamps each recorded collective with the micro-step (batch index) it ran in; -1 outside."""
+
+    def __init__(self) -> None:
+        self.recorder = CollectiveRecorder()
+        self.recorder.step = -1
+
+    def on_fit_start(self, trainer, pl_module):
+        self.recorder.__enter__()
+
+    def on_fit_end(self, trainer, pl_module):
+        self.recorder.__exit__(None, None, None)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.recorder.step = batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.recorder.step = -1
+
+
+class CountLocalStateElements(pl.Callback):
+    """Elements of parameters, gradients and optimizer state this rank holds (its shards)."""
+
+    def __init__(self) -> None:
+        self.local: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        params = list(pl_module.parameters())
+        self.local["params"] = sum(p.to_local().numel() for p in params)
+        self.local["grads"] = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
+
+    def on_train_end(self, trainer, pl_module):
+        optimizer = trainer.optimizers[0]
+        self.local["optim"] = sum(
+            state["momentum_buffer"].to_local().numel() for state in optimizer.state.values()
+        )
+
+
+def _collect(rank: int, world: int, partition: int, manual: bool) -> dict:
+    cfg = RunConfig(world_size=world, accumulate=ACCUMULATE, steps=2)
+    module = ManualAccumulationModule(cfg) if manual else ToyModule(cfg)
+    recorder_cb, memory_cb = RecordPerMicroStep(), CountLocalStateElements()
+    fit_with_mics(module, cfg, callbacks=[recorder_cb, memory_cb], partition_size=partition, ranks_per_node=RANKS_PER_NODE)
+    full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    calls = [c for c in recorder_cb.recorder.calls if c.step >= 0]
+    return {"calls": calls, "local": memory_cb.local, "shapes": full_shapes, "trainable": trainable}
+
+
+CASES = {
+    "mics-partition-4": (4, False),  # one node per partition, 2 replicas
+    "mics-partition-2": (2, False),  # 2 partitions per node, 4 replicas
+    "zero3": (8, False),  # partition spans both nodes: nothing to all-reduce
+    "replicate": (1, False),  # DDP-like: only the all-reduce, across all 8 ranks
+    "manual-partition-4": (4, True),
+}
+
+
+def _collect_all(rank: int, world: int) -> dict:
+    return {name: _collect(rank, world, partition, manual) for name, (partition, manual) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(_collect_all, 8)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_collectives_follow_the_two_hop_schedule(runs, case):
+    partition, _ = CASES[case]
+    topo = MiCSTopology.create(8, RANKS_PER_NODE, partition)
+    micro_steps = sorted({c.step for r in runs for c in r[case]["calls"]})
+    assert micro_steps, "no collectives recorded during training"
+    for rank, run in enumerate(runs):
+        calls = run[case]["calls"]
+        for call in calls:
+            if call.kind in ("all_gather", "reduce_scatter"):
+                assert call.ranks == topo.partition_group_of(rank), call
+                if not topo.spans_nodes:
+                    assert len({topo.node_of(r) for r in call.ranks}) == 1, f"{call} leaves the node"
+            elif call.kind == "all_reduce":
+                assert call.ranks == topo.replication_group_of(rank), call
+            else:
+                pytest.fail(f"unexpected collective during a training step: {call}")
+        for step in range(2 * ACCUMULATE):
+            boundary = (step + 1) % ACCUMULATE == 0
+            all_reduces = sum(1 for c in calls if c.kind == "all_reduce" and c.step == step)
+            reduce_scatters = sum(1 for c in calls if c.kind == "reduce_scatter" and c.step == step)
+            if topo.replication_degree > 1:
+                assert all_reduces == (UNITS_WITH_GRADS if boundary else 0), (rank, step, all_reduces)
+            else:
+                assert all_reduces == 0
+            # hop 1 runs on every micro-step whenever there is something to scatter
+            assert reduce_scatters == (UNITS_WITH_GRADS if topo.partition_size > 1 else 0), (rank, step)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_rank_holds_one_partition_share_of_every_state(runs, case):
+    partition, _ = CASES[case]
+    topo = MiCSTopology.create(8, RANKS_PER_NODE, partition)
+    shapes, trainable = runs[0][case]["shapes"], runs[0][case]["trainable"]
+    totals = {
+        "params": sum(_numel(s) for s in shapes.values()),
+        "grads": sum(_numel(s) for n, s in shapes.items() if n in trainable),
+        "optim": sum(_numel(s) for n, s in shapes.items() if n in trainable),
+    }
+    # FSDP shards dim 0 in chunks of ceil(d0 / p) rows (the last ranks may get fewer), so no rank
+    # holds more than that padded share, which exceeds total / p by less than one row per tensor.
+    padded_share = {
+        "params": sum(_padded_rows(s, partition) for s in shapes.values()),
+        "grads": sum(_padded_rows(s, partition) for n, s in shapes.items() if n in trainable),
+    }
+    padded_share["optim"] = padded_share["grads"]
+    for kind, total in totals.items():
+        row_slack = sum(_numel(s[1:]) for n, s in shapes.items() if kind == "params" or n in trainable)
+        assert padded_share[kind] < total / partition + row_slack
+        for group in topo.partition_groups:
+            local = [runs[r][case]["local"][kind] for r in group]
+            assert sum(local) == total, f"{kind}: partition {group} holds {sum(local)} of {total} elements"
+            assert max(local) <= padded_share[kind], (kind, local, padded_share[kind])
+        for group in topo.replication_groups:  # replicas hold the same shard
+            assert len({runs[r][case]["local"][kind] for r in group}) == 1, (kind, group)
+
+
+def _padded_rows(shape: tuple[int, ...], partition: int) -> int:
+    return -(-shape[0] // partition) * _numel(shape[1:])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
