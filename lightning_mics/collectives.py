@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 #: torch.distributed functions we account for, by the kind of collective they are. Old and new
 #: spellings are both listed (torch renamed ``all_gather_into_tensor`` to ``all_gather_single``);
@@ -138,3 +139,132 @@ def record_collectives() -> Iterator[CollectiveRecorder]:
     """Functional spelling of :class:`CollectiveRecorder`."""
     with CollectiveRecorder() as recorder:
         yield recorder
+
+
+# ---------------------------------------------------------------------------------------------
+# Hierarchical all-gather / reduce-scatter for partitions that span nodes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """The process groups one rank needs for two-stage collectives over its partition.
+
+    The partition's shard-group rank ``s`` of a rank is ``node_in_partition * m + local`` (partitions
+    are contiguous, whole nodes), with ``m`` ranks per node and ``k`` nodes per partition.
+    """
+
+    partition_ranks: tuple[int, ...]  #: global ranks of the partition in shard-rank order
+    intra_node: dist.ProcessGroup  #: this rank's partition ranks on its own node (size m)
+    inter_node: dist.ProcessGroup  #: this rank's partition peers with the same local index (size k)
+    ranks_per_node: int  #: m
+    nodes_per_partition: int  #: k
+
+
+def create_hierarchical_groups(topology: Any, rank: int, backend: str | None = None) -> HierarchicalGroups:
+    """Create (collectively: every rank must call this) the intra- and inter-node sub-groups of
+    every partition, and return this rank's. ``topology`` is a :class:`MiCSTopology`."""
+    if not topology.spans_nodes:
+        raise ValueError("hierarchical collectives need a partition that spans more than one node")
+    intra, _ = dist.new_subgroups_by_enumeration([list(g) for g in topology.intra_node_groups], backend=backend)
+    inter, _ = dist.new_subgroups_by_enumeration([list(g) for g in topology.inter_node_groups], backend=backend)
+    return HierarchicalGroups(
+        partition_ranks=topology.partition_group_of(rank),
+        intra_node=intra,
+        inter_node=inter,
+        ranks_per_node=topology.ranks_per_node,
+        nodes_per_partition=topology.nodes_per_partition,
+    )
+
+
+def _all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    # Looked up at call time (torch >= 2.12 renamed it), which also lets CollectiveRecorder see it.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+class _HierarchicalComm:
+    """Shared parts: allocation and deciding whether a call is for our partition group."""
+
+    def __init__(self, groups: HierarchicalGroups) -> None:
+        self.groups = groups
+        self._partition_group_ids: set[int] = set()
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _is_partition_group(self, group: dist.ProcessGroup) -> bool:
+        key = id(group)
+        if key not in self._partition_group_ids:
+            if _group_ranks(group) != self.groups.partition_ranks:
+                return False
+            self._partition_group_ids.add(key)
+        return True
+
+
+class HierarchicalAllGather(_HierarchicalComm, AllGather):
+    """All-gather over a multi-node partition in two stages (MiCS §3.3).
+
+    1. across nodes, among the ranks with the same local index: each rank collects the shards of
+       its ``k`` peers -- the only traffic on the slow links, in ``m`` parallel streams;
+    2. inside the node: each rank collects the ``k``-shard blocks of its ``m`` node-local peers;
+    3. a local reorder from (local, node) to shard-rank order (node, local), the layout FSDP expects.
+
+    Any other group FSDP passes (e.g. a smaller post-forward reshard group) gets the flat collective.
+    """
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> Any:
+        if not self._is_partition_group(group):
+            return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+        m, k, n = self.groups.ranks_per_node, self.groups.nodes_per_partition, input_tensor.numel()
+        across_nodes = torch.empty(k * n, dtype=input_tensor.dtype, device=input_tensor.device)
+        _all_gather_flat(across_nodes, input_tensor.contiguous(), self.groups.inter_node)
+        within_node = torch.empty(m * k * n, dtype=input_tensor.dtype, device=input_tensor.device)
+        _all_gather_flat(within_node, across_nodes, self.groups.intra_node)
+        output_tensor.view(k, m, n).copy_(within_node.view(m, k, n).transpose(0, 1))
+        return None
+
+
+class HierarchicalReduceScatter(_HierarchicalComm, ReduceScatter):
+    """Reduce-scatter over a multi-node partition: the mirror of :class:`HierarchicalAllGather`.
+
+    1. a local reorder so that the blocks destined for each local index are contiguous;
+    2. reduce-scatter inside the node: each rank gets the node's sum of the ``k`` blocks meant for
+       its local index;
+    3. reduce-scatter across nodes among same-local-index peers: the only slow-link traffic.
+    """
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Any:
+        if not self._is_partition_group(group):
+            return _reduce_scatter_flat(output_tensor, input_tensor, op, group, async_op)
+        m, k = self.groups.ranks_per_node, self.groups.nodes_per_partition
+        n = output_tensor.numel()
+        by_local = input_tensor.view(k, m, n).transpose(0, 1).contiguous().view(-1)
+        node_sum = torch.empty(k * n, dtype=input_tensor.dtype, device=input_tensor.device)
+        # AVG composes (mean of means); a pre-multiplied sum must be applied once, in the first stage.
+        second_op = op if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) else dist.ReduceOp.SUM
+        _reduce_scatter_flat(node_sum, by_local, op, self.groups.intra_node)
+        _reduce_scatter_flat(output_tensor, node_sum, second_op, self.groups.inter_node)
+        return None
+
+
+def install_hierarchical_collectives(units: list[Any], groups: HierarchicalGroups) -> None:
+    """Use the two-stage collectives in every FSDP unit (FSDP's setter is per unit, not recursive)."""
+    all_gather, reduce_scatter = HierarchicalAllGather(groups), HierarchicalReduceScatter(groups)
+    for unit in units:
+        unit.set_custom_all_gather(all_gather)
+        unit.set_custom_reduce_scatter(reduce_scatter)

@@ -13,7 +13,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.collectives import HierarchicalGroups, create_hierarchical_groups, install_hierarchical_collectives
 from lightning_mics.grad_sync import defer_cross_replica_sync
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
@@ -88,6 +89,9 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3 style,
             least memory) or keep them until backward (``False``, less communication); an int
             reshards to that many ranks instead (must divide the partition size).
+        hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
+            peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
+            a partition spans nodes; ``True`` requires such a partition.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: NCCL on CUDA, gloo on CPU.
         timeout: timeout for collectives, so a dead rank cannot hang the others forever.
     """
@@ -100,6 +104,7 @@ class MiCSStrategy(ParallelStrategy):
         ranks_per_node: Optional[int] = None,
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: Union[bool, int] = True,
+        hierarchical: Union[bool, Literal["auto"]] = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         accelerator: Optional[Accelerator] = None,
@@ -126,6 +131,10 @@ class MiCSStrategy(ParallelStrategy):
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
         self.reshard_after_forward = reshard_after_forward
+        if hierarchical not in (True, False, "auto"):
+            raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
+        self.hierarchical = hierarchical
+        self._hierarchical_groups: Optional[HierarchicalGroups] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -235,6 +244,8 @@ class MiCSStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = MiCSTopology.create(self.world_size, self._ranks_per_node(), self.partition_size_spec)
         self._device_mesh = self._build_mesh(self._topology)
+        if self._uses_hierarchical_collectives(self._topology):
+            self._hierarchical_groups = create_hierarchical_groups(self._topology, self.global_rank)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
 
@@ -242,6 +253,14 @@ class MiCSStrategy(ParallelStrategy):
         if self.ranks_per_node_override is not None:
             return self.ranks_per_node_override
         return detect_ranks_per_node() or self.num_processes or self.world_size
+
+    def _uses_hierarchical_collectives(self, topology: MiCSTopology) -> bool:
+        if self.hierarchical is True and not topology.spans_nodes:
+            raise ValueError(
+                f"hierarchical=True needs a partition that spans nodes, but partition_size={topology.partition_size} "
+                f"fits in one node of {topology.ranks_per_node} ranks. Use hierarchical='auto' (or False)."
+            )
+        return topology.spans_nodes and self.hierarchical in (True, "auto")
 
     def _build_mesh(self, topology: MiCSTopology) -> DeviceMesh:
         """A (replicate, shard) mesh whose rows are the partition groups. With a single partition
@@ -275,6 +294,8 @@ class MiCSStrategy(ParallelStrategy):
             mp_policy=self.precision_plugin.mixed_precision_policy(),
             force_sum_reduction=self._process_group_backend == "gloo",
         )
+        if self._hierarchical_groups is not None:
+            install_hierarchical_collectives(self._fsdp_units, self._hierarchical_groups)
         if has_meta_tensors(root):
             materialize_meta_module(self.lightning_module, self.root_device)
         root.to(self.root_device)  # buffers and anything FSDP did not own

@@ -13,34 +13,14 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 from distributed import run_ranks
+from recording import RecordPerMicroStep
 from toy import LAYERS, ManualAccumulationModule, RunConfig, ToyModule, fit_with_mics
 
-from lightning_mics import CollectiveRecorder
 from lightning_mics.topology import MiCSTopology
 
 ACCUMULATE = 3
 RANKS_PER_NODE = 4
 UNITS_WITH_GRADS = LAYERS + 1  # one per transformer-like block, plus the root (embedding/head)
-
-
-class RecordPerMicroStep(pl.Callback):
-    """Stamps each recorded collective with the micro-step (batch index) it ran in; -1 outside."""
-
-    def __init__(self) -> None:
-        self.recorder = CollectiveRecorder()
-        self.recorder.step = -1
-
-    def on_fit_start(self, trainer, pl_module):
-        self.recorder.__enter__()
-
-    def on_fit_end(self, trainer, pl_module):
-        self.recorder.__exit__(None, None, None)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.recorder.step = batch_idx
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.recorder.step = -1
 
 
 class CountLocalStateElements(pl.Callback):
