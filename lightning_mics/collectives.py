@@ -177,13 +177,15 @@ def create_hierarchical_groups(topology: Any, rank: int, backend: str | None = N
     )
 
 
-def _all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """All-gather ``input`` from every rank of ``group`` into ``output``, in group-rank order."""
     # Looked up at call time (torch >= 2.12 renamed it), which also lets CollectiveRecorder see it.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
 
 
-def _reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> Any:
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> Any:
+    """Reduce ``input`` over ``group``; group rank ``i`` receives the ``i``-th block in ``output``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
 
@@ -222,12 +224,12 @@ class HierarchicalAllGather(_HierarchicalComm, AllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Any:
         if not self._is_partition_group(group):
-            return _all_gather_flat(output_tensor, input_tensor, group, async_op)
+            return all_gather_flat(output_tensor, input_tensor, group, async_op)
         m, k, n = self.groups.ranks_per_node, self.groups.nodes_per_partition, input_tensor.numel()
         across_nodes = torch.empty(k * n, dtype=input_tensor.dtype, device=input_tensor.device)
-        _all_gather_flat(across_nodes, input_tensor.contiguous(), self.groups.inter_node)
+        all_gather_flat(across_nodes, input_tensor.contiguous(), self.groups.inter_node)
         within_node = torch.empty(m * k * n, dtype=input_tensor.dtype, device=input_tensor.device)
-        _all_gather_flat(within_node, across_nodes, self.groups.intra_node)
+        all_gather_flat(within_node, across_nodes, self.groups.intra_node)
         output_tensor.view(k, m, n).copy_(within_node.view(m, k, n).transpose(0, 1))
         return None
 
@@ -250,15 +252,15 @@ class HierarchicalReduceScatter(_HierarchicalComm, ReduceScatter):
         async_op: bool = False,
     ) -> Any:
         if not self._is_partition_group(group):
-            return _reduce_scatter_flat(output_tensor, input_tensor, op, group, async_op)
+            return reduce_scatter_flat(output_tensor, input_tensor, op, group, async_op)
         m, k = self.groups.ranks_per_node, self.groups.nodes_per_partition
         n = output_tensor.numel()
         by_local = input_tensor.view(k, m, n).transpose(0, 1).contiguous().view(-1)
         node_sum = torch.empty(k * n, dtype=input_tensor.dtype, device=input_tensor.device)
         # AVG composes (mean of means); a pre-multiplied sum must be applied once, in the first stage.
         second_op = op if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) else dist.ReduceOp.SUM
-        _reduce_scatter_flat(node_sum, by_local, op, self.groups.intra_node)
-        _reduce_scatter_flat(output_tensor, node_sum, second_op, self.groups.inter_node)
+        reduce_scatter_flat(node_sum, by_local, op, self.groups.intra_node)
+        reduce_scatter_flat(output_tensor, node_sum, second_op, self.groups.inter_node)
         return None
 
 

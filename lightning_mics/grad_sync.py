@@ -26,6 +26,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+#: Attribute naming the process groups over which a plain (non-DTensor) parameter's elements are
+#: disjoint across ranks; set by :mod:`lightning_mics.optim_sharding` on its slice parameters.
+DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
+
 
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:
     """All FSDP units inside ``module`` (including itself), in module order."""
@@ -79,15 +83,18 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     are scaled in place exactly like :func:`torch.nn.utils.clip_grad_norm_` does, and the global
     norm (identical on every rank) is returned.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    with_grads = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
     device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
     # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
     partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
-    for grad in grads:
-        groups = _shard_groups(grad) if isinstance(grad, DTensor) else []
+    for param, grad in zip(with_grads, grads):
+        # DTensor gradients are disjoint over their Shard mesh dims; slice parameters of
+        # optimizer-state sharding carry their groups explicitly; anything else is replicated.
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else getattr(param, DISJOINT_GROUPS_ATTR, [])
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         key = tuple(id(g) for g in groups)
         if key not in partial:

@@ -47,6 +47,7 @@ from typing_extensions import override
 from lightning_mics import checkpoint as ckpt
 from lightning_mics.collectives import HierarchicalGroups, create_hierarchical_groups, install_hierarchical_collectives
 from lightning_mics.grad_sync import defer_cross_replica_sync
+from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
 from lightning_mics.wrapping import AutoWrapPolicy, has_meta_tensors, materialize_meta_module, shard_model
@@ -94,6 +95,8 @@ class MiCSStrategy(ParallelStrategy):
             a partition spans nodes; ``True`` requires such a partition.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: NCCL on CUDA, gloo on CPU.
         timeout: timeout for collectives, so a dead rank cannot hang the others forever.
+        save_full_state_dict: save checkpoints as one file gathered on rank 0 (Lightning's usual
+            format, for small models / export) instead of a sharded directory. Loading takes either.
     """
 
     strategy_name = "mics"
@@ -107,6 +110,7 @@ class MiCSStrategy(ParallelStrategy):
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        save_full_state_dict: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -135,8 +139,14 @@ class MiCSStrategy(ParallelStrategy):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
         self.hierarchical = hierarchical
         self._hierarchical_groups: Optional[HierarchicalGroups] = None
+        # AMSP per-state sharding (see `sharding`): optimizer-state degree beyond the partition,
+        # and whether gathered parameters stay unsharded across the micro-steps of one step.
+        self._optim_degree: Optional[int] = None
+        self._keep_params_within_step = False
+        self._optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self.save_full_state_dict = save_full_state_dict
         self._num_nodes = 1
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None
@@ -244,6 +254,11 @@ class MiCSStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self._topology = MiCSTopology.create(self.world_size, self._ranks_per_node(), self.partition_size_spec)
         self._device_mesh = self._build_mesh(self._topology)
+        if self._shards_optimizer_beyond_partition:
+            shard_groups, replica_groups = self._topology.optimizer_state_groups(self._optim_degree)  # type: ignore
+            shard_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in shard_groups])
+            replica_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in replica_groups])
+            self._optim_groups = (shard_pg, replica_pg)
         if self._uses_hierarchical_collectives(self._topology):
             self._hierarchical_groups = create_hierarchical_groups(self._topology, self.global_rank)
         assert self.lightning_module is not None
@@ -261,6 +276,18 @@ class MiCSStrategy(ParallelStrategy):
                 f"fits in one node of {topology.ranks_per_node} ranks. Use hierarchical='auto' (or False)."
             )
         return topology.spans_nodes and self.hierarchical in (True, "auto")
+
+    @property
+    def _shards_optimizer_beyond_partition(self) -> bool:
+        return self._optim_degree is not None and self._optim_degree > self.topology.partition_size
+
+    def _fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards on. With optimizer states sharded across replicas, the
+        cross-replica hop is ours (reduce-scatter + all-gather), so FSDP gets the partition alone."""
+        mesh = self.device_mesh
+        if self._shards_optimizer_beyond_partition and mesh.ndim == 2:
+            return mesh[SHARD_DIM]
+        return mesh
 
     def _build_mesh(self, topology: MiCSTopology) -> DeviceMesh:
         """A (replicate, shard) mesh whose rows are the partition groups. With a single partition
@@ -288,7 +315,7 @@ class MiCSStrategy(ParallelStrategy):
         root = _MiCSRoot(self.lightning_module)
         self._fsdp_units = shard_model(
             root,
-            self.device_mesh,
+            self._fsdp_mesh(),
             policy=self.auto_wrap_policy,
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self.precision_plugin.mixed_precision_policy(),
@@ -306,7 +333,26 @@ class MiCSStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._shard_optimizer_states()
         self._log_layout()
+
+    def _shard_optimizer_states(self) -> None:
+        self.precision_plugin.step_hooks.clear()
+        if not self._shards_optimizer_beyond_partition:
+            return
+        if self.precision_plugin.scaler is not None:
+            raise ValueError(
+                "Optimizer-state sharding across replicas does not support precision='16-mixed' (loss scaling); "
+                "use 'bf16-mixed' or keep the optimizer states at the partition degree."
+            )
+        assert self._optim_groups is not None
+        shard_pg, replica_pg = self._optim_groups
+        partition_pg = self._fsdp_mesh().get_group()  # 1-D in this mode: the partition
+        for optimizer in self.optimizers:
+            hook = ReplicaShardedOptimizerStates(
+                optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=self.topology.replication_degree
+            )
+            self.precision_plugin.step_hooks[id(optimizer)] = hook
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -353,8 +399,24 @@ class MiCSStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-boundary micro-steps: reduce-scatter inside the partition only; the cross-replica
         all-reduce runs once, on the boundary backward."""
-        with defer_cross_replica_sync(self._fsdp_units):
+        with defer_cross_replica_sync(self._fsdp_units), self._params_kept_gathered():
             yield None
+
+    @contextmanager
+    def _params_kept_gathered(self) -> Generator[None, None, None]:
+        """ZeRO-2-like mode: keep gathered parameters through non-boundary backwards, so they are
+        all-gathered once per optimizer step instead of once per micro-step. The boundary backward
+        reshards, so the optimizer step updates the shards and the next forward gathers fresh values."""
+        if not self._keep_params_within_step:
+            yield
+            return
+        for unit in self._fsdp_units:
+            unit.set_reshard_after_backward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in self._fsdp_units:
+                unit.set_reshard_after_backward(True, recurse=False)
 
     def no_cross_replica_sync(self) -> Any:
         """For manual optimization: wrap the backward of every non-boundary micro-step in this."""
@@ -398,15 +460,17 @@ class MiCSStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ------------------------------------------------------------------ checkpoints
+    # The logic lives in lightning_mics.checkpoint; these hooks only hand it the module and layout.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.model_state_dict(self.lightning_module)
+        return ckpt.model_state_dict(self.lightning_module, full=self.save_full_state_dict)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return ckpt.optimizer_state_dict(self.lightning_module, optimizer, full=self.save_full_state_dict)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -420,32 +484,22 @@ class MiCSStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
             raise TypeError("MiCSStrategy.save_checkpoint does not take storage_options: it writes with DCP.")
-        path = Path(self.broadcast(str(filepath)))
-        layout = {
-            "world_size": self.topology.world_size,
-            "partition_size": self.topology.partition_size,
-            "ranks_per_node": self.topology.ranks_per_node,
-        }
-        ckpt.save_sharded(path, checkpoint, layout, self.is_global_zero)
-        self.barrier()
+        topology = self.topology
+        layout = ckpt.CheckpointLayout(topology.world_size, topology.partition_size, topology.ranks_per_node)
+        ckpt.save(filepath, checkpoint, layout, full=self.save_full_state_dict)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        # `weights_only` is moot: every loading path is weights-only (or DCP with a weights-only planner)
+        path = self.broadcast(str(checkpoint_path))
         assert self.lightning_module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        return ckpt.load_sharded(path, self.lightning_module, optimizers, strict=self.lightning_module.strict_loading)
+        strict = self.lightning_module.strict_loading
+        return ckpt.load(path, self.lightning_module, optimizers, strict, restore_rng=True, for_trainer=True)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        import shutil
-
-        if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        ckpt.remove(filepath)
 
     @classmethod
     @override

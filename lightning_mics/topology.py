@@ -209,6 +209,34 @@ class MiCSTopology:
                 groups.append(tuple(partition[local::m]))
         return tuple(groups)
 
+    def optimizer_state_groups(self, optim_degree: int) -> tuple[tuple[Group, ...], tuple[Group, ...]]:
+        """Groups for optimizer states sharded over ``optim_degree`` ranks (AMSP's OS > partition).
+
+        Optimizer states are sharded ``r = optim_degree / partition_size`` ways further, across
+        ``r`` consecutive partitions: ranks with the same shard index in those partitions form an
+        *optimizer-shard group* (gradients are reduce-scattered and parameters all-gathered there).
+        When ``r`` is less than the replication degree, the ``R / r`` optimizer-shard groups of a
+        shard index hold identical slices; the ranks at the same position in them form an
+        *optimizer-replica group*, across which the slices are all-reduced.
+
+        Returns ``(optimizer_shard_groups, optimizer_replica_groups)``.
+        """
+        p, replicas = self.partition_size, self.replication_degree
+        if optim_degree % p != 0 or replicas % (optim_degree // p) != 0:
+            raise ValueError(
+                f"optimizer-state sharding degree {optim_degree} must be partition_size ({p}) times a divisor of the "
+                f"replication degree ({replicas}); valid: {[p * r for r in range(1, replicas + 1) if replicas % r == 0]}."
+            )
+        r = optim_degree // p
+        blocks = replicas // r
+        shard_groups = tuple(
+            tuple(s + p * (b * r + j) for j in range(r)) for s in range(p) for b in range(blocks)
+        )
+        replica_groups = tuple(
+            tuple(s + p * (b * r + j) for b in range(blocks)) for s in range(p) for j in range(r)
+        )
+        return shard_groups, replica_groups
+
     # ----------------------------------------------------------------------------- per rank
     def node_of(self, rank: int) -> int:
         self._check_rank(rank)

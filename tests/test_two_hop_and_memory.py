@@ -13,7 +13,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 from distributed import run_ranks
-from recording import RecordPerMicroStep
+from recording import CountLocalStateElements, RecordPerMicroStep
 from toy import LAYERS, ManualAccumulationModule, RunConfig, ToyModule, fit_with_mics
 
 from lightning_mics.topology import MiCSTopology
@@ -21,24 +21,6 @@ from lightning_mics.topology import MiCSTopology
 ACCUMULATE = 3
 RANKS_PER_NODE = 4
 UNITS_WITH_GRADS = LAYERS + 1  # one per transformer-like block, plus the root (embedding/head)
-
-
-class CountLocalStateElements(pl.Callback):
-    """Elements of parameters, gradients and optimizer state this rank holds (its shards)."""
-
-    def __init__(self) -> None:
-        self.local: dict[str, int] = {}
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        params = list(pl_module.parameters())
-        self.local["params"] = sum(p.to_local().numel() for p in params)
-        self.local["grads"] = sum(p.grad.to_local().numel() for p in params if p.grad is not None)
-
-    def on_train_end(self, trainer, pl_module):
-        optimizer = trainer.optimizers[0]
-        self.local["optim"] = sum(
-            state["momentum_buffer"].to_local().numel() for state in optimizer.state.values()
-        )
 
 
 def _collect(rank: int, world: int, partition: int, manual: bool) -> dict:

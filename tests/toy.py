@@ -191,14 +191,17 @@ def assert_matches_reference(per_rank: list[dict[str, torch.Tensor]], cfg: RunCo
             assert error < rtol, f"rank {rank}, {name}: relative error {error:.2e} >= {rtol:.0e}"
 
 
-def fit_with_mics(module: pl.LightningModule, cfg: RunConfig, callbacks=(), **strategy_kwargs) -> pl.Trainer:
-    """Fit ``module`` with ``MiCSStrategy(**strategy_kwargs)`` under the settings of ``cfg``."""
+def fit_with_mics(
+    module: pl.LightningModule, cfg: RunConfig, callbacks=(), strategy=None, **strategy_kwargs
+) -> pl.Trainer:
+    """Fit ``module`` with ``strategy`` (default: ``MiCSStrategy(**strategy_kwargs)``) under ``cfg``."""
     from lightning_mics import MiCSStrategy
 
     kwargs = trainer_kwargs(cfg)
     if not module.automatic_optimization:  # accumulation and clipping happen in training_step
         kwargs.update(accumulate_grad_batches=1, gradient_clip_val=None)
-    trainer = pl.Trainer(strategy=MiCSStrategy(**strategy_kwargs), callbacks=list(callbacks), **kwargs)
+    strategy = strategy or MiCSStrategy(**strategy_kwargs)
+    trainer = pl.Trainer(strategy=strategy, callbacks=list(callbacks), **kwargs)
     trainer.fit(module)
     return trainer
 
