@@ -1,0 +1,194 @@
+"""The main job: train a GPT on Python's own documentation with MiCS, configured by Hydra.
+
+    python examples/train.py                                        # 4 CPU ranks, 2 emulated nodes
+    python examples/train.py strategy.partition_size=2 trainer.devices=4 trainer.accumulate_grad_batches=4
+    python examples/train.py trainer=gpu model=gpt_xl meta_init=true
+    python examples/train.py -m strategy.partition_size=1,2,4        # one run per layout
+
+Configs live in ``conf/`` (groups: strategy, model, data, trainer). Each run writes to Hydra's run
+directory (``outputs/<date>/<time>/`` or ``multirun/.../<job>/``): the composed config, CSV (and
+TensorBoard) logs, the sharded checkpoint, and ``summary.txt`` with what is printed at the end.
+
+Ranks: Lightning's launcher re-runs this script once per extra rank (with Hydra's run directory
+pinned so all ranks share it). Under ``-m`` each sweep job re-runs only its own overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import lightning.pytorch as pl
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, Logger
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+import lightning_mics
+from lightning_mics.telemetry import TrainingTelemetry
+from lightning_mics.topology import MiCSTopology
+
+log = logging.getLogger("train")
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
+#: Hydra options that must survive when a sweep job's command line is rebuilt for its ranks.
+_HYDRA_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def validate_layout(cfg: DictConfig) -> Optional[MiCSTopology]:
+    """Check the MiCS layout before any process starts, so a bad override fails at once with the fix.
+
+    Returns the layout, or ``None`` for non-MiCS strategies or device counts only known at launch.
+    """
+    if cfg.strategy.get("_target_") not in MICS_TARGETS:
+        return None
+    devices, num_nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    if not isinstance(devices, int) or devices < 1:
+        return None  # "auto", -1 or a device list: Lightning resolves it, the strategy validates it
+    ranks_per_node = cfg.strategy.ranks_per_node or devices
+    try:
+        return MiCSTopology.create(devices * num_nodes, ranks_per_node, cfg.strategy.partition_size)
+    except ValueError as error:
+        raise ValueError(
+            f"Invalid MiCS layout for trainer.devices={devices} x trainer.num_nodes={num_nodes} with "
+            f"ranks_per_node={ranks_per_node}: {error} Override strategy.partition_size (or cluster.ranks_per_node / "
+            "trainer.devices) accordingly."
+        ) from None
+
+
+def build_loggers(cfg: DictConfig, output_dir: Path) -> list[Logger]:
+    """CSV logs always (when enabled); TensorBoard when asked or, with ``auto``, when it is installed."""
+    loggers: list[Logger] = []
+    if cfg.logging.csv:
+        loggers.append(CSVLogger(save_dir=str(output_dir), name="logs", version=""))
+    tensorboard = cfg.logging.tensorboard
+    if tensorboard:
+        try:
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(save_dir=str(output_dir), name="tensorboard", version=""))
+        except ModuleNotFoundError:
+            if tensorboard != "auto":
+                raise
+    return loggers
+
+
+def _route_rank_relaunch_to_this_job() -> None:
+    """Make Lightning's launcher re-run *this* job for the other ranks.
+
+    The launcher re-runs ``sys.argv`` plus ``hydra.run.dir=<HydraConfig.run.dir>``. In a multirun,
+    ``sys.argv`` holds the whole sweep (``-m a=1,2``) and ``run.dir`` is not the job's directory, so
+    every rank would start a sweep of its own. Rewrite both to this job's overrides and directory.
+    """
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return
+    kept: list[str] = []
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg.split("=", 1)[0] in _HYDRA_CONFIG_FLAGS:
+            kept.append(arg)
+            if "=" not in arg and i + 1 < len(args):
+                kept.append(args[i + 1])
+    sys.argv = [sys.argv[0], *kept, *hydra_cfg.overrides.task]
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+
+
+@contextmanager
+def _isolated_launch_environment() -> Iterator[None]:
+    """Give each job of a multirun a fresh start: the launcher leaves ``LOCAL_RANK``/``MASTER_PORT``...
+    in ``os.environ`` (which would make the next job believe its ranks already exist) and the
+    process group alive."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def format_summary(
+    trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any, telemetry: TrainingTelemetry, output_dir: Path
+) -> str:
+    strategy = trainer.strategy
+    layout = strategy.topology.describe() if isinstance(strategy, lightning_mics.MiCSStrategy) else type(strategy).__name__
+    lines = ["", "=" * 30 + " MiCS main job summary " + "=" * 30, layout]
+    config = getattr(model, "config", None)
+    if config is not None:
+        lines.append(
+            f"model: GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads} seq={config.seq_len}, "
+            f"{config.num_params:,} parameters, {config.flops_per_token / 1e6:,.1f} MFLOP/token"
+        )
+    lines.append(
+        f"data: {datamodule.source}, {datamodule.train_tokens.numel():,} train / {datamodule.val_tokens.numel():,} val "
+        f"bytes; {trainer.world_size} ranks x {datamodule.batch_size} x {datamodule.seq_len} tokens x "
+        f"{trainer.accumulate_grad_batches} micro-steps per optimizer step"
+    )
+    losses = [s.loss for s in telemetry.steps if s.loss is not None]
+    metrics = trainer.callback_metrics
+    if losses:
+        val = ""
+        if "val/loss" in metrics:
+            val = f"; val loss {float(metrics['val/loss']):.3f}, perplexity {float(metrics['val/perplexity']):.2f}"
+        lines.append(
+            f"loss: train {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {telemetry.steps[-1].step}){val}"
+        )
+    lines.append(telemetry.format_summary())
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and checkpoint.best_model_path:
+        lines.append(f"checkpoint: {checkpoint.best_model_path}")
+    lines.append(f"logs: {output_dir}")
+    return "\n".join(lines)
+
+
+def train(cfg: DictConfig) -> Optional[float]:
+    """Run one job; return the final validation loss (what a Hydra sweeper would minimise)."""
+    with _isolated_launch_environment():
+        _route_rank_relaunch_to_this_job()
+        validate_layout(cfg)
+        output_dir = Path(HydraConfig.get().runtime.output_dir)
+        pl.seed_everything(cfg.seed, workers=True)
+
+        telemetry: TrainingTelemetry = instantiate(cfg.telemetry)
+        checkpoint = instantiate(cfg.checkpoint, dirpath=str(output_dir / "checkpoints"))
+        trainer: pl.Trainer = instantiate(
+            cfg.trainer,
+            strategy=instantiate(cfg.strategy, _convert_="all"),
+            callbacks=[telemetry, checkpoint],
+            logger=build_loggers(cfg, output_dir),
+            default_root_dir=str(output_dir),
+        )
+        with trainer.init_module(empty_init=cfg.meta_init):
+            model = instantiate(cfg.model, _convert_="all")
+        datamodule = instantiate(cfg.data)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+
+        val_loss = trainer.callback_metrics.get("val/loss")
+        if trainer.is_global_zero:
+            summary = format_summary(trainer, model, datamodule, telemetry, output_dir)
+            print(summary, flush=True)
+            (output_dir / "summary.txt").write_text(summary.strip() + "\n")
+            if HydraConfig.get().output_subdir is not None:
+                OmegaConf.save(cfg, output_dir / "resolved_config.yaml", resolve=True)
+        return float(val_loss) if val_loss is not None else None
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def main(cfg: DictConfig) -> Optional[float]:
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

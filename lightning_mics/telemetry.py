@@ -1,0 +1,505 @@
+"""Training telemetry: throughput, step time, MFU and communication volume per optimizer step.
+
+:class:`TrainingTelemetry` is a Lightning callback. It measures each *optimizer step* (all
+micro-steps of one accumulation window) rather than each batch, because that is the unit MiCS's
+schedule repeats: ``accumulate_grad_batches`` rounds of all-gather + reduce-scatter inside the
+partition group, then one all-reduce across the replication group.
+
+Communication is counted from the collectives this rank actually issues (through
+:class:`~lightning_mics.collectives.CollectiveRecorder`), and split by the group each ran on:
+
+* **intra-partition** -- the rank's partition group (all-gathers of parameters, reduce-scatters of
+  gradients; also the scalar all-reduce of sharded gradient clipping),
+* **cross-replica** -- the rank's replication group (the boundary gradient all-reduce),
+* **other** -- anything else (e.g. world-wide metric syncs).
+
+:func:`analytic_comm_bytes` gives the same numbers from parameter shapes alone, which is how the
+tests check the accounting and how one predicts the traffic of a layout before running it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
+from lightning_mics.topology import MiCSTopology
+
+log = logging.getLogger(__name__)
+
+#: Dense bf16/fp16 tensor-core peak FLOP/s per device, by a substring of ``torch.cuda.get_device_name()``.
+#: Used when ``peak_flops="auto"`` and the run uses 16-bit compute; anything else needs an explicit value.
+KNOWN_PEAK_FLOPS_16BIT: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+INTRA_PARTITION, CROSS_REPLICA, OTHER = "intra_partition", "cross_replica", "other"
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+# ---------------------------------------------------------------------------------- byte accounting
+@dataclass(frozen=True)
+class CommBytes:
+    """Bytes of collective payload in one optimizer step, by kind and by the group they ran on.
+
+    ``by_group`` is empty when the strategy has no MiCS topology to classify against.
+    """
+
+    by_kind: Mapping[str, int]
+    by_group: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    @property
+    def intra_partition(self) -> Optional[int]:
+        return self.by_group.get(INTRA_PARTITION) if self.by_group else None
+
+    @property
+    def cross_replica(self) -> Optional[int]:
+        return self.by_group.get(CROSS_REPLICA) if self.by_group else None
+
+
+def classify_calls(calls: Iterable[CollectiveCall], topology: Optional[MiCSTopology], rank: int) -> CommBytes:
+    """Sum the payload of ``calls`` by kind and, with a topology, by group (see module docstring).
+
+    Sub-groups count with their group: a partition spanning nodes runs hierarchical all-gathers on
+    its intra- and inter-node sub-groups, which are intra-partition traffic (the analytic formula
+    below assumes flat collectives and does not model those two stages).
+    A group that is both the partition and the replication group (a single rank) counts as
+    intra-partition; with ZeRO-3 the partition group is the world, so world-wide calls are intra.
+    Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag every batch) and
+    always count as other.
+    """
+    by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
+    by_group: Counter[str] = Counter()
+    partition = set(topology.partition_group_of(rank)) if topology else set()
+    replication = set(topology.replication_group_of(rank)) if topology else set()
+    if topology:
+        by_group.update({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})
+    for call in calls:
+        by_kind[call.kind] += call.bytes
+        if topology is None:
+            continue
+        ranks = set(call.ranks)
+        if call.kind == "broadcast":
+            by_group[OTHER] += call.bytes  # control traffic (e.g. Lightning's per-batch SIGTERM flag)
+        elif ranks <= partition:  # the partition group, or its intra-/inter-node sub-groups
+            by_group[INTRA_PARTITION] += call.bytes
+        elif ranks <= replication:
+            by_group[CROSS_REPLICA] += call.bytes
+        else:
+            by_group[OTHER] += call.bytes
+    return CommBytes(dict(by_kind), dict(by_group))
+
+
+@dataclass(frozen=True)
+class UnitShapes:
+    """The parameters one FSDP unit owns (not those of units nested inside it)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    trainable: tuple[bool, ...]
+    #: Whether the unit frees its gathered parameters after forward (then it all-gathers again in backward).
+    reshard_after_forward: bool
+
+
+def fsdp_unit_shapes(units: Sequence[nn.Module], reshard_after_forward: bool = True) -> list[UnitShapes]:
+    """Describe each FSDP unit by the global shapes of the parameters it owns.
+
+    The outermost unit (the root) is taken never to reshard after forward -- FSDP2's and
+    :func:`~lightning_mics.wrapping.shard_model`'s rule -- the others follow ``reshard_after_forward``.
+    """
+    unit_ids = {id(u) for u in units}
+    nested_in_other: set[int] = set()
+    for unit in units:
+        for sub in unit.modules():
+            if sub is not unit and id(sub) in unit_ids:
+                nested_in_other.add(id(sub))
+    specs = []
+    for unit in units:
+        owned: dict[int, nn.Parameter] = {}
+        skip: set[int] = set()
+        for sub in unit.modules():
+            if sub is not unit and isinstance(sub, FSDPModule):
+                skip.update(id(p) for p in sub.parameters())
+        for param in unit.parameters():
+            if id(param) not in skip:
+                owned[id(param)] = param
+        is_root = id(unit) not in nested_in_other
+        specs.append(
+            UnitShapes(
+                shapes=tuple(tuple(p.shape) for p in owned.values()),
+                trainable=tuple(p.requires_grad for p in owned.values()),
+                reshard_after_forward=bool(reshard_after_forward) and not is_root,
+            )
+        )
+    return specs
+
+
+def padded_numel(shape: Sequence[int], shard_size: int) -> int:
+    """Elements of a parameter once FSDP pads its dim 0 to a multiple of ``shard_size``."""
+    if not shape:
+        shape = (1,)
+    rows = math.ceil(shape[0] / shard_size) * shard_size
+    return rows * math.prod(shape[1:])
+
+
+def analytic_comm_bytes(
+    units: Sequence[UnitShapes],
+    partition_size: int,
+    replication_degree: int,
+    accumulate_grad_batches: int = 1,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+    hierarchical_ranks_per_node: Optional[int] = None,
+) -> CommBytes:
+    """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2.
+
+    Payload convention (the one :class:`~lightning_mics.collectives.CollectiveRecorder` records):
+    the largest tensor argument of each call -- the *gathered output* of an all-gather, the
+    *pre-scatter input* of a reduce-scatter and the buffer of an all-reduce. With ``p`` the
+    partition size, ``R`` the replication degree, ``A`` the micro-steps per optimizer step, and for
+    each unit ``u`` its padded size ``S_u = sum over its params of ceil(dim0 / p) * p * rest``
+    (``S'_u``: trainable params only)::
+
+        all_gather     = A * sum_u g_u * S_u * param_bytes      g_u = 2 if u reshards after forward
+                                                                  (gathered again for backward), else 1
+        reduce_scatter = A * sum_u S'_u * reduce_bytes           every micro-step, inside the partition
+        all_reduce     = [R > 1] * sum_u S'_u / p * reduce_bytes once, at the boundary, across replicas
+
+    With ``p = 1`` (pure replication) FSDP2 skips the all-gather and reduce-scatter altogether.
+
+    A partition spanning nodes of ``m`` ranks uses MiCSStrategy's two-stage (hierarchical)
+    collectives by default; pass ``hierarchical_ranks_per_node=m`` then. Each all-gather of ``F``
+    bytes becomes an inter-node stage of ``F / m`` and an intra-node stage of ``F`` (the
+    reduce-scatter mirrors it), so both kinds are multiplied by ``1 + 1/m``; all of it stays inside
+    the partition.
+
+    Also observed but not modelled: after a validation pass the root unit stays gathered, so the next
+    step skips the root's first all-gather.
+
+    ``param_bytes`` is the all-gather dtype (2 for bf16 mixed precision), ``reduce_bytes`` the
+    gradient-reduction dtype (4 for the mixed modes). Not included: the scalar all-reduce of
+    gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
+    """
+    if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
+        raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
+    all_gather = reduce_scatter = all_reduce = 0
+    for unit in units:
+        padded = [padded_numel(s, partition_size) for s in unit.shapes]
+        total = sum(padded)
+        trainable = sum(n for n, t in zip(padded, unit.trainable) if t)
+        gathers = 2 if unit.reshard_after_forward else 1
+        if partition_size > 1:  # FSDP2 issues no all-gather / reduce-scatter on a one-rank shard group
+            all_gather += accumulate_grad_batches * gathers * total * param_bytes
+            reduce_scatter += accumulate_grad_batches * trainable * reduce_bytes
+        if replication_degree > 1:
+            all_reduce += trainable // partition_size * reduce_bytes
+    if hierarchical_ranks_per_node and partition_size > hierarchical_ranks_per_node:
+        m = hierarchical_ranks_per_node
+        all_gather += all_gather // m
+        reduce_scatter += reduce_scatter // m
+    by_kind = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce, "broadcast": 0}
+    by_group = {INTRA_PARTITION: all_gather + reduce_scatter, CROSS_REPLICA: all_reduce, OTHER: 0}
+    return CommBytes(by_kind, by_group)
+
+
+# ---------------------------------------------------------------------------------- memory
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: Tensor) -> int:
+    local = _local(t)
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer states (its shards, under MiCS)."""
+    params = list({id(p): p for p in module.parameters()}.values())
+    state = {
+        "params": sum(_nbytes(p) for p in params),
+        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": 0,
+    }
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper
+        for per_param in optimizer.state.values():
+            state["optimizer"] += sum(_nbytes(v) for v in per_param.values() if isinstance(v, Tensor) and v.dim() > 0)
+    state["total"] = state["params"] + state["grads"] + state["optimizer"]
+    return state
+
+
+# ---------------------------------------------------------------------------------- the callback
+@dataclass(frozen=True)
+class StepTelemetry:
+    """Measurements of one optimizer step on this rank."""
+
+    step: int  #: ``trainer.global_step`` after the step
+    micro_steps: int
+    step_time_s: float
+    tokens: int  #: tokens of the whole step over all ranks (local tokens x world size)
+    tokens_per_s: float
+    mfu: Optional[float]
+    comm: CommBytes
+    #: This rank's training loss over the window (sum of Lightning's accumulation-normalised
+    #: micro-batch losses = their mean); ``None`` when ``training_step`` returns no loss.
+    loss: Optional[float] = None
+
+
+def default_tokens_in_batch(batch: Any) -> int:
+    """Tokens in one micro-batch: the element count of its first tensor (the input ids)."""
+    if isinstance(batch, Tensor):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        value = batch.get("input_ids", next(iter(batch.values()), None))
+        return default_tokens_in_batch(value)
+    if isinstance(batch, (list, tuple)) and batch:
+        return default_tokens_in_batch(batch[0])
+    raise TypeError(
+        f"Cannot count tokens in a batch of type {type(batch).__name__}; pass "
+        "TrainingTelemetry(tokens_in_batch=...) a function returning the number of tokens."
+    )
+
+
+class TrainingTelemetry(Callback):
+    """Log tokens/s, step time, MFU and communication bytes per optimizer step.
+
+    Args:
+        peak_flops: peak FLOP/s of *one* device, for MFU. ``"auto"``: looked up for known GPUs when
+            training in 16-bit precision (:data:`KNOWN_PEAK_FLOPS_16BIT`); ``None``: no MFU.
+        flops_per_token: training FLOPs per token; default: the LightningModule's
+            ``flops_per_token`` attribute (e.g. :class:`~lightning_mics.models.GPTLightningModule`).
+        tokens_in_batch: counts a micro-batch's tokens on this rank (default: first tensor's numel).
+            Ranks are assumed to see equally many tokens (true with Lightning's distributed sampler).
+        prog_bar: show the headline numbers in the progress bar.
+
+    Everything is logged with ``on_step=True`` under ``perf/*`` and ``comm/*`` (bytes) through the
+    trainer's loggers; :attr:`steps` keeps the per-step records and :meth:`summary` their means.
+    Step time runs from the first micro-batch's ``on_train_batch_start`` to the optimizer step's
+    ``on_train_batch_end``, so validation and checkpointing between steps are not counted.
+    """
+
+    def __init__(
+        self,
+        peak_flops: Union[float, str, None] = "auto",
+        flops_per_token: Optional[float] = None,
+        tokens_in_batch: Optional[Callable[[Any], int]] = None,
+        prog_bar: bool = True,
+    ) -> None:
+        if isinstance(peak_flops, str) and peak_flops != "auto":
+            raise ValueError(f"peak_flops must be a number of FLOP/s, 'auto' or None, got {peak_flops!r}.")
+        if isinstance(peak_flops, (int, float)) and peak_flops <= 0:
+            raise ValueError(f"peak_flops must be positive, got {peak_flops}.")
+        self.peak_flops_setting = peak_flops
+        self.flops_per_token_setting = flops_per_token
+        self.tokens_in_batch = tokens_in_batch or default_tokens_in_batch
+        self.prog_bar = prog_bar
+        self.steps: list[StepTelemetry] = []
+        self.memory_per_rank: list[dict[str, int]] = []
+        self.topology: Optional[MiCSTopology] = None
+        self.peak_flops: Optional[float] = None
+        self.flops_per_token: Optional[float] = None
+        self._recorder: Optional[CollectiveRecorder] = None
+        self._window_start: Optional[float] = None
+        self._window_tokens = 0
+        self._window_micro_steps = 0
+        self._window_loss: Optional[Tensor] = None
+        self._last_global_step = 0
+        self._world_size = 1
+        self._rank = 0
+        self._device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps.clear()
+        self._world_size, self._rank = trainer.world_size, trainer.global_rank
+        self._device = pl_module.device
+        self.topology = getattr(trainer.strategy, "_topology", None)
+        self.peak_flops = self._resolve_peak_flops(trainer)
+        self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
+        self._last_global_step = trainer.global_step
+        self._window_start = None
+        self._recorder = CollectiveRecorder().__enter__()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_recording()
+        local = model_state_bytes(pl_module, trainer.optimizers)
+        if dist.is_available() and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+            self.memory_per_rank = gathered
+        else:
+            self.memory_per_rank = [local]
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_recording()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop_recording()
+
+    def _stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(None, None, None)
+            self._recorder = None
+
+    # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._window_start is None:
+            self._synchronize()
+            assert self._recorder is not None
+            self._recorder.reset()  # drop what ran between steps (validation, checkpointing)
+            self._window_start = time.perf_counter()
+            self._window_tokens = self._window_micro_steps = 0
+            self._window_loss = None
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._window_start is None or self._recorder is None:
+            return
+        self._window_tokens += self.tokens_in_batch(batch)
+        self._window_micro_steps += 1
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, Tensor):
+            # Kept as a tensor until the boundary: no device sync per micro-step.
+            self._window_loss = loss.detach() if self._window_loss is None else self._window_loss + loss.detach()
+        if trainer.global_step == self._last_global_step:
+            return  # inside an accumulation window: the optimizer has not stepped yet
+        self._last_global_step = trainer.global_step
+        self._synchronize()
+        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        tokens = self._window_tokens * self._world_size
+        tokens_per_s = tokens / elapsed
+        mfu = None
+        if self.peak_flops and self.flops_per_token:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._world_size)
+        record = StepTelemetry(
+            step=trainer.global_step,
+            micro_steps=self._window_micro_steps,
+            step_time_s=elapsed,
+            tokens=tokens,
+            tokens_per_s=tokens_per_s,
+            mfu=mfu,
+            comm=classify_calls(self._recorder.calls, self.topology, self._rank),
+            loss=float(self._window_loss) if self._window_loss is not None else None,
+        )
+        self.steps.append(record)
+        self._log(pl_module, record)
+        self._window_start = None
+
+    def _log(self, pl_module: pl.LightningModule, record: StepTelemetry) -> None:
+        def log(name: str, value: float, prog_bar: bool = False, logger: bool = True) -> None:
+            pl_module.log(
+                name, float(value), on_step=True, on_epoch=False, prog_bar=prog_bar and self.prog_bar,
+                logger=logger, batch_size=1,
+            )
+
+        log("perf/tokens_per_s", record.tokens_per_s, prog_bar=True)
+        log("perf/step_time_s", record.step_time_s)
+        if record.mfu is not None:
+            log("perf/mfu", record.mfu, prog_bar=True)
+        for kind, nbytes in record.comm.by_kind.items():
+            log(f"comm/{kind}_bytes", nbytes)
+        for group, nbytes in record.comm.by_group.items():
+            log(f"comm/{group}_bytes", nbytes)
+        if record.comm.by_group:
+            log("intra_MB", record.comm.by_group[INTRA_PARTITION] / 1e6, prog_bar=True, logger=False)
+            log("cross_MB", record.comm.by_group[CROSS_REPLICA] / 1e6, prog_bar=True, logger=False)
+        else:
+            log("comm_MB", record.comm.total / 1e6, prog_bar=True, logger=False)
+
+    def _synchronize(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _resolve_peak_flops(self, trainer: pl.Trainer) -> Optional[float]:
+        if self.peak_flops_setting != "auto":
+            return float(self.peak_flops_setting) if self.peak_flops_setting is not None else None
+        precision = str(getattr(trainer, "precision", ""))
+        if self._device.type != "cuda" or not precision.startswith(("bf16", "16")):
+            return None
+        name = torch.cuda.get_device_name(self._device)
+        for key, flops in KNOWN_PEAK_FLOPS_16BIT.items():
+            if key in name:
+                return flops
+        log.info("No known peak FLOP/s for %r; pass TrainingTelemetry(peak_flops=...) to get MFU.", name)
+        return None
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self, skip_first: int = 1) -> dict[str, Any]:
+        """Means over the recorded steps, leaving out the first ``skip_first`` (warm-up) when there are more."""
+        steps = self.steps[skip_first:] if len(self.steps) > skip_first else self.steps
+        if not steps:
+            return {"steps": 0}
+
+        def mean(values: Iterable[float]) -> float:
+            values = list(values)
+            return sum(values) / len(values)
+
+        kinds = steps[0].comm.by_kind.keys()
+        groups = steps[0].comm.by_group.keys()
+        mfus = [s.mfu for s in steps if s.mfu is not None]
+        return {
+            "steps": len(steps),
+            "tokens_per_s": mean(s.tokens_per_s for s in steps),
+            "step_time_s": mean(s.step_time_s for s in steps),
+            "mfu": mean(mfus) if mfus else None,
+            "bytes_by_kind": {k: mean(s.comm.by_kind[k] for s in steps) for k in kinds},
+            "bytes_by_group": {g: mean(s.comm.by_group[g] for s in steps) for g in groups},
+            "memory_per_rank": self.memory_per_rank,
+        }
+
+    def format_summary(self, skip_first: int = 1) -> str:
+        """A few human-readable lines for the end of a run."""
+        s = self.summary(skip_first)
+        if not s["steps"]:
+            return "telemetry: no optimizer step recorded"
+        lines = [
+            f"throughput: {s['tokens_per_s']:,.0f} tokens/s over all ranks, {s['step_time_s'] * 1e3:,.1f} ms per "
+            f"optimizer step (mean of {s['steps']} steps after warm-up)"
+            + (f", MFU {s['mfu'] * 100:.1f}%" if s["mfu"] is not None else ", MFU n/a (peak_flops unknown)"),
+        ]
+        comm = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in s["bytes_by_kind"].items() if v)
+        lines.append(f"bytes moved per optimizer step, per rank: {comm or 'none'}")
+        if s["bytes_by_group"]:
+            g = s["bytes_by_group"]
+            lines.append(
+                f"  intra-partition {_fmt_bytes(g[INTRA_PARTITION])}, cross-replica {_fmt_bytes(g[CROSS_REPLICA])}, "
+                f"other {_fmt_bytes(g[OTHER])}"
+            )
+        if s["memory_per_rank"]:
+            per_rank = " ".join(_fmt_bytes(m["total"]) for m in s["memory_per_rank"])
+            m0 = s["memory_per_rank"][0]
+            lines.append(
+                f"model states per rank (params + grads + optimizer): {per_rank}  "
+                f"[rank 0: {_fmt_bytes(m0['params'])} + {_fmt_bytes(m0['grads'])} + {_fmt_bytes(m0['optimizer'])}]"
+            )
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"

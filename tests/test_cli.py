@@ -1,0 +1,75 @@
+"""LightningCLI: both strategy spellings, and the fit / validate / test subcommands with the YAML config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distributed import run_ranks
+from lm_jobs import CLI_CONFIG, SMALL_GPT
+
+from lightning_mics import MiCSStrategy
+from lightning_mics.cli import main
+
+WORLD = 2
+SMALL_MODEL_JSON = (
+    f'{{"seq_len": {SMALL_GPT.seq_len}, "d_model": {SMALL_GPT.d_model}, '
+    f'"n_layers": {SMALL_GPT.n_layers}, "n_heads": {SMALL_GPT.n_heads}}}'
+)
+
+
+def _quick_args(subcommand: str, root: str, *extra: str) -> list[str]:
+    return [
+        subcommand,
+        f"--config={CLI_CONFIG}",
+        f"--trainer.devices={WORLD}",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=2",
+        "--trainer.limit_test_batches=2",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        f"--model.config={SMALL_MODEL_JSON}",
+        "--data.max_bytes=20000",
+        *extra,
+    ]
+
+
+def _run_cli(rank: int, world_size: int, root: str) -> dict:
+    by_class_path = main(
+        _quick_args(
+            "fit",
+            f"{root}/class_path",
+            "--trainer.strategy=lightning_mics.MiCSStrategy",
+            "--trainer.strategy.partition_size=2",
+            "--trainer.strategy.ranks_per_node=2",
+        )
+    )
+    by_name = main(_quick_args("fit", f"{root}/name", "--trainer.strategy=mics"))
+    validated = main(_quick_args("validate", f"{root}/validate", "--trainer.strategy=mics"))
+    tested = main(_quick_args("test", f"{root}/test", "--trainer.strategy=mics"))
+    strategies = [cli.trainer.strategy for cli in (by_class_path, by_name)]
+    return dict(
+        strategy_types=[type(s) for s in strategies],
+        partition_sizes=[s.topology.partition_size for s in strategies],
+        spec=by_class_path.trainer.strategy.partition_size_spec,
+        telemetry_steps=[
+            len(cb.steps) for cli in (by_class_path, by_name) for cb in cli.trainer.callbacks if hasattr(cb, "steps")
+        ],
+        data_seq_len=by_name.datamodule.seq_len,
+        val_metrics=sorted(validated.trainer.callback_metrics),
+        test_metrics=sorted(tested.trainer.callback_metrics),
+    )
+
+
+def test_cli_runs_both_strategy_spellings_and_every_stage(tmp_path: Path) -> None:
+    results = run_ranks(_run_cli, WORLD, str(tmp_path))
+    for result in results:
+        assert result["strategy_types"] == [MiCSStrategy, MiCSStrategy]
+        assert result["spec"] == 2
+        assert result["partition_sizes"] == [2, 2]  # "mics": one node = the 2 local devices
+        assert result["telemetry_steps"] == [2, 2]  # the telemetry callback is on by default
+        assert result["data_seq_len"] == SMALL_GPT.seq_len  # linked from the model config
+        assert {"val/loss", "val/perplexity"} <= set(result["val_metrics"])
+        assert {"test/loss", "test/perplexity"} <= set(result["test_metrics"])
+    assert (tmp_path / "class_path").is_dir()  # LightningCLI saved its config under the run directory
+    assert list((tmp_path / "class_path").rglob("config.yaml"))

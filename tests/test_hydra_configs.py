@@ -1,0 +1,118 @@
+"""The Hydra config groups compose, instantiate, accept overrides, and reject bad input clearly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import FSDPStrategy
+from lm_jobs import CONF_DIR, load_train_script
+from omegaconf import DictConfig
+from omegaconf.errors import MissingMandatoryValue
+
+from lightning_mics import MiCSStrategy
+from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hydra_context() -> Iterator[None]:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
+def config(*overrides: str) -> DictConfig:
+    return compose(config_name="config", overrides=list(overrides))
+
+
+def test_every_group_has_its_options() -> None:
+    assert options("strategy") == ["fsdp_hybrid", "mics", "replicate", "zero3"]
+    assert {"gpt_tiny", "gpt_small", "gpt_xl"} <= set(options("model"))
+    assert options("trainer") == ["cpu", "gpu"]
+    assert "pydoc" in options("data")
+
+
+def test_defaults_are_mics_on_four_cpu_ranks_as_two_nodes() -> None:
+    cfg = config()
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert isinstance(strategy, MiCSStrategy)
+    assert strategy.partition_size_spec is None and strategy.ranks_per_node_override == 2
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 4
+    layout = load_train_script().validate_layout(cfg)
+    assert (layout.partition_size, layout.replication_degree) == (2, 2)
+
+
+@pytest.mark.parametrize(("option", "partition_size"), [("mics", None), ("zero3", "world"), ("replicate", 1)])
+def test_mics_strategy_options(option: str, partition_size: object) -> None:
+    strategy = instantiate(config(f"strategy={option}").strategy, _convert_="all")
+    assert isinstance(strategy, MiCSStrategy) and strategy.partition_size_spec == partition_size
+
+
+def test_fsdp_hybrid_baseline_builds_lightnings_strategy_on_gpu_and_refuses_cpu() -> None:
+    strategy = instantiate(config("strategy=fsdp_hybrid", "trainer=gpu", "trainer.devices=4", "trainer.num_nodes=2").strategy)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.kwargs["device_mesh"] == (2, 4)
+    with pytest.raises(Exception, match="runs on GPUs only"):
+        instantiate(config("strategy=fsdp_hybrid").strategy)
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_every_model_size_composes_to_a_valid_gpt(option: str) -> None:
+    cfg = config(f"model={option}")
+    gpt_config: GPTConfig = instantiate(cfg.model.config)
+    assert gpt_config.d_model % gpt_config.n_heads == 0
+    assert cfg.data.seq_len == gpt_config.seq_len  # the data follows the model's context length
+    if option == "gpt_tiny":  # only the tiny one is cheap enough to build here
+        model = instantiate(cfg.model, _convert_="all")
+        assert isinstance(model, GPTLightningModule)
+        assert sum(p.numel() for p in model.parameters()) == gpt_config.num_params
+    if option == "gpt_xl":
+        assert 1.1e9 < gpt_config.num_params < 1.5e9
+
+
+def test_data_options(tmp_path: Path) -> None:
+    datamodule = instantiate(config().data)
+    assert isinstance(datamodule, ByteCorpusDataModule)
+    tokens, targets = next(iter(datamodule.train_dataloader()))
+    assert tokens.shape == (8, 128) and (tokens[:, 1:] == targets[:, :-1]).all()
+    with pytest.raises(MissingMandatoryValue, match="data.path"):
+        instantiate(config("data=text_file").data)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello MiCS " * 200)
+    custom = instantiate(config("data=text_file", f"data.path={corpus}", "data.seq_len=16").data)
+    assert custom.val_dataset()[0][0].shape == (16,)
+
+
+def test_trainer_options() -> None:
+    gpu = config("trainer=gpu")
+    assert gpu.trainer.accelerator == "gpu" and gpu.trainer.precision == "bf16-mixed"
+    assert gpu.strategy.ranks_per_node is None  # detected from the launcher on real nodes
+    trainer = instantiate(config("trainer.devices=2").trainer, strategy=MiCSStrategy(), logger=False)
+    assert trainer.num_devices == 2 and isinstance(trainer.strategy, MiCSStrategy)
+
+
+def test_command_line_overrides() -> None:
+    cfg = config(
+        "strategy.partition_size=2", "trainer.devices=4", "trainer.accumulate_grad_batches=4", "model=gpt_small"
+    )
+    assert cfg.strategy.partition_size == 2 and cfg.trainer.accumulate_grad_batches == 4
+    assert cfg.model.config.d_model == 768 and cfg.data.seq_len == 1024
+    assert instantiate(cfg.strategy, _convert_="all").partition_size_spec == 2
+
+
+def test_invalid_overrides_fail_with_a_clear_error() -> None:
+    with pytest.raises(MissingConfigException, match="gpt_huge"):
+        config("model=gpt_huge")
+    with pytest.raises(ConfigCompositionException, match="partition_sz"):
+        config("strategy.partition_sz=2")
+    with pytest.raises(ValueError, match=r"Invalid MiCS layout.*Valid choices.*strategy.partition_size"):
+        load_train_script().validate_layout(config("strategy.partition_size=3"))
+    with pytest.raises(Exception, match="divisible by n_heads=5"):  # Hydra wraps it, message kept
+        instantiate(config("model.config.n_heads=5").model.config)

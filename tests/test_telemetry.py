@@ -1,0 +1,163 @@
+"""Telemetry: the analytic byte formula, the group classification, and the callback's numbers
+against the formula on real multi-rank runs of three layouts (MiCS, replicate, ZeRO-3)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from lightning.pytorch.loggers import CSVLogger
+from lm_jobs import MICRO_BATCH, SMALL_GPT, fit_small_gpt, quick_trainer
+
+from lightning_mics import MiCSStrategy, MiCSTopology
+from lightning_mics.collectives import CollectiveCall
+from lightning_mics.telemetry import (
+    CROSS_REPLICA,
+    INTRA_PARTITION,
+    OTHER,
+    TrainingTelemetry,
+    UnitShapes,
+    analytic_comm_bytes,
+    classify_calls,
+    fsdp_unit_shapes,
+    padded_numel,
+)
+
+WORLD, RANKS_PER_NODE, ACCUMULATE, STEPS = 4, 2, 2, 3
+LAYOUTS = (2, 1, "world")  # MiCS 2x2, pure replication, ZeRO-3
+
+
+def test_padding_rounds_dim0_up_to_the_partition_size() -> None:
+    assert padded_numel((5, 3), 2) == 6 * 3
+    assert padded_numel((5, 3), 5) == 5 * 3
+    assert padded_numel((7,), 4) == 8
+    assert padded_numel((), 4) == 4  # a scalar is one row
+
+
+def test_analytic_formula_for_one_unit_by_hand() -> None:
+    # One resharded unit with a (5, 3) weight and a frozen (5,) bias, partition 2, 2 replicas, 3 micro-steps.
+    unit = UnitShapes(shapes=((5, 3), (5,)), trainable=(True, False), reshard_after_forward=True)
+    got = analytic_comm_bytes([unit], partition_size=2, replication_degree=2, accumulate_grad_batches=3)
+    padded_all, padded_trainable = 18 + 6, 18
+    assert got.by_kind["all_gather"] == 3 * 2 * padded_all * 4  # gathered in forward and again in backward
+    assert got.by_kind["reduce_scatter"] == 3 * padded_trainable * 4  # every micro-step
+    assert got.by_kind["all_reduce"] == padded_trainable // 2 * 4  # once, the shard only
+    assert got.intra_partition == got.by_kind["all_gather"] + got.by_kind["reduce_scatter"]
+    assert got.cross_replica == got.by_kind["all_reduce"]
+    single = analytic_comm_bytes([unit], partition_size=4, replication_degree=1)
+    assert single.by_kind["all_reduce"] == 0  # ZeRO-3: nothing to replicate
+    # The same partition over 2 nodes of 2 ranks, two-stage: the inter-node stage adds half again.
+    two_stage = analytic_comm_bytes([unit], partition_size=4, replication_degree=1, hierarchical_ranks_per_node=2)
+    assert two_stage.by_kind["all_gather"] == single.by_kind["all_gather"] * 3 // 2
+    assert two_stage.by_kind["reduce_scatter"] == single.by_kind["reduce_scatter"] * 3 // 2
+    with pytest.raises(ValueError, match="positive"):
+        analytic_comm_bytes([unit], partition_size=2, replication_degree=2, accumulate_grad_batches=0)
+
+
+def test_calls_are_split_by_the_group_they_ran_on() -> None:
+    topology = MiCSTopology.create(world_size=4, ranks_per_node=2, partition_size=2)  # rank 1: (0,1) and (1,3)
+    calls = [
+        CollectiveCall("all_gather", (0, 1), 100, 0),
+        CollectiveCall("reduce_scatter", (0, 1), 40, 0),
+        CollectiveCall("all_reduce", (1, 3), 7, 0),
+        CollectiveCall("all_reduce", (0, 1, 2, 3), 3, 0),  # e.g. a metric sync over the world
+        CollectiveCall("broadcast", (0, 1, 2, 3), 8, 0),
+    ]
+    comm = classify_calls(calls, topology, rank=1)
+    assert comm.by_group == {INTRA_PARTITION: 140, CROSS_REPLICA: 7, OTHER: 11}
+    assert comm.by_kind["all_reduce"] == 10 and comm.total == 158
+    assert classify_calls(calls, None, rank=1).by_group == {}  # other strategies: by kind only
+
+
+def test_bad_peak_flops_is_rejected_with_the_accepted_forms() -> None:
+    with pytest.raises(ValueError, match="'auto' or None"):
+        TrainingTelemetry(peak_flops="fast")
+    with pytest.raises(ValueError, match="positive"):
+        TrainingTelemetry(peak_flops=0)
+
+
+def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
+    results = []
+    for partition_size in LAYOUTS:
+        telemetry = TrainingTelemetry(peak_flops=1e12)
+        strategy = MiCSStrategy(partition_size=partition_size, ranks_per_node=RANKS_PER_NODE)
+        logger = CSVLogger(log_dir, name=f"p{partition_size}", version="")
+        trainer = quick_trainer(
+            world_size, strategy, STEPS, ACCUMULATE, callbacks=[telemetry], logger=logger, log_every_n_steps=1
+        )
+        model = fit_small_gpt(trainer)
+        topology = strategy.topology
+        expected = analytic_comm_bytes(
+            fsdp_unit_shapes(strategy.fsdp_units),
+            topology.partition_size,
+            topology.replication_degree,
+            ACCUMULATE,
+            hierarchical_ranks_per_node=topology.ranks_per_node,  # ZeRO-3 here spans both emulated nodes
+        )
+        results.append(
+            dict(
+                partition_size=topology.partition_size,
+                steps=telemetry.steps,
+                expected=expected,
+                memory=telemetry.memory_per_rank,
+                full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
+                metrics_csv=str(Path(logger.log_dir) / "metrics.csv"),
+            )
+        )
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    return run_ranks(_measure_layouts, WORLD, str(tmp_path_factory.mktemp("telemetry_logs")))
+
+
+@pytest.mark.parametrize("layout_index", range(len(LAYOUTS)))
+def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, layout_index: int) -> None:
+    for rank_results in measured:
+        result = rank_results[layout_index]
+        expected = result["expected"]
+        assert len(result["steps"]) == STEPS
+        for step in result["steps"]:
+            assert step.micro_steps == ACCUMULATE
+            for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+                assert step.comm.by_kind[kind] == expected.by_kind[kind], (result["partition_size"], kind)
+            assert step.comm.intra_partition == expected.intra_partition
+            assert step.comm.cross_replica == expected.cross_replica
+
+
+def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
+    mics, replicate, zero3 = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
+    assert mics.intra_partition > 0 and mics.cross_replica > 0
+    assert replicate.intra_partition == 0 and replicate.cross_replica > mics.cross_replica  # full gradients
+    assert zero3.cross_replica == 0 and zero3.intra_partition > 0
+
+
+def test_throughput_mfu_and_memory_are_consistent(measured) -> None:
+    tokens_per_step = WORLD * ACCUMULATE * MICRO_BATCH * SMALL_GPT.seq_len
+    for result in measured[0]:
+        for step in result["steps"]:
+            assert step.tokens == tokens_per_step
+            assert step.tokens_per_s == pytest.approx(step.tokens / step.step_time_s)
+            assert step.mfu == pytest.approx(SMALL_GPT.flops_per_token * step.tokens_per_s / (1e12 * WORLD))
+            assert step.loss is not None and 0 < step.loss < 7
+        # Each rank holds ~1/p of the parameters (up to dim-0 padding), the same again as gradients,
+        # and twice that as AdamW moments.
+        for memory in result["memory"]:
+            share = result["full_param_bytes"] / result["partition_size"]
+            assert share <= memory["params"] <= share * 1.2
+            assert memory["grads"] == memory["params"]
+            assert memory["optimizer"] == 2 * memory["params"]
+
+
+def test_numbers_reach_the_logger(measured) -> None:
+    with open(measured[0][0]["metrics_csv"]) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("comm/intra_partition_bytes")]
+    assert len(rows) == STEPS
+    logged = [float(row["comm/intra_partition_bytes"]) for row in rows]
+    assert logged == [float(measured[0][0]["expected"].intra_partition)] * STEPS
+    assert all(float(row["perf/tokens_per_s"]) > 0 for row in rows)
+    torch.testing.assert_close(float(rows[-1]["perf/mfu"]), measured[0][0]["steps"][-1].mfu)
