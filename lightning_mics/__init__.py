@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_mics.collectives import CollectiveRecorder
 from lightning_mics.grad_sync import clip_grad_norm_, defer_cross_replica_sync
 from lightning_mics.precision import MiCSPrecision
+from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.strategy import MiCSStrategy
 from lightning_mics.topology import MiCSTopology
 
@@ -19,6 +20,7 @@ __all__ = [
     "MiCSPrecision",
     "MiCSStrategy",
     "MiCSTopology",
+    "ShardingSpec",
     "clip_grad_norm_",
     "defer_cross_replica_sync",
 ]

@@ -49,6 +49,7 @@ from lightning_mics.collectives import HierarchicalGroups, create_hierarchical_g
 from lightning_mics.grad_sync import defer_cross_replica_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
+from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
 from lightning_mics.wrapping import AutoWrapPolicy, has_meta_tensors, materialize_meta_module, shard_model
 
@@ -90,6 +91,11 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3 style,
             least memory) or keep them until backward (``False``, less communication); an int
             reshards to that many ranks instead (must divide the partition size).
+        sharding: AMSP per-state sharding degrees, ``ShardingSpec(params=..., grads=..., optim=...)``.
+            ``grads`` becomes the partition size; ``params`` smaller than it reshards parameters to
+            that group after forward (1: keep them gathered through the step); ``optim`` larger
+            than it shards optimizer states across replicas too. Replaces ``partition_size`` and
+            ``reshard_after_forward`` (pass one or the other).
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -108,6 +114,7 @@ class MiCSStrategy(ParallelStrategy):
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
+        sharding: Optional[ShardingSpec] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         save_full_state_dict: bool = False,
@@ -131,6 +138,14 @@ class MiCSStrategy(ParallelStrategy):
                 raise ValueError(
                     f"reshard_after_forward={reshard_after_forward} must be True, False or a positive group size."
                 )
+        if sharding is not None and (partition_size is not None or reshard_after_forward is not True):
+            raise ValueError(
+                "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
+                "grads degree is the partition size and its params degree sets the reshard group."
+            )
+        if sharding is not None and not isinstance(sharding, ShardingSpec):
+            raise TypeError(f"sharding must be a lightning_mics.ShardingSpec, got {type(sharding).__name__}.")
+        self.sharding = sharding
         self.partition_size_spec = partition_size
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
@@ -252,7 +267,14 @@ class MiCSStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._topology = MiCSTopology.create(self.world_size, self._ranks_per_node(), self.partition_size_spec)
+        ranks_per_node = self._ranks_per_node()
+        if self.sharding is not None:
+            degrees = self.sharding.resolve(self.world_size, ranks_per_node)
+            self.partition_size_spec = degrees.partition_size
+            self.reshard_after_forward = degrees.reshard_after_forward
+            self._optim_degree = degrees.optim
+            self._keep_params_within_step = degrees.params == 1 and degrees.grads > 1
+        self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
         self._device_mesh = self._build_mesh(self._topology)
         if self._shards_optimizer_beyond_partition:
             shard_groups, replica_groups = self._topology.optimizer_state_groups(self._optim_degree)  # type: ignore

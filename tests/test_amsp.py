@@ -12,26 +12,23 @@ from recording import CountLocalStateElements, RecordPerMicroStep
 from toy import LAYERS, RunConfig, ToyModule, assert_matches_reference, fit_with_mics, full_parameters
 
 from lightning_mics import MiCSStrategy
+from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology
 
 RANKS_PER_NODE = 4
 CFG = RunConfig(world_size=8, accumulate=3, clip=0.5, steps=2)
 
-#: name -> (partition (= grads degree), params degree between forward and backward, optimizer degree)
+#: name -> (params degree, grads degree (= partition), optimizer-state degree)
 CASES = {
     "os-across-all-replicas": (4, 4, 8),
     "os-across-some-replicas": (2, 2, 4),
-    "hpz-params-in-node": (8, 4, 8),
-    "zero2-like-params-kept": (4, 1, 4),
+    "hpz-params-in-node": (4, 8, 8),
+    "zero2-like-params-kept": (1, 4, 4),
 }
 
 
-def make_strategy(partition: int, params: int, optim: int) -> MiCSStrategy:
-    reshard: bool | int = True if params == partition else (False if params == 1 else params)
-    strategy = MiCSStrategy(partition_size=partition, ranks_per_node=RANKS_PER_NODE, reshard_after_forward=reshard)
-    strategy._optim_degree = optim
-    strategy._keep_params_within_step = params == 1
-    return strategy
+def make_strategy(params: int, grads: int, optim: int) -> MiCSStrategy:
+    return MiCSStrategy(sharding=ShardingSpec(params, grads, optim), ranks_per_node=RANKS_PER_NODE)
 
 
 def _train(rank: int, world: int) -> dict:
@@ -68,7 +65,7 @@ def _numel(shape) -> int:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_states_are_held_at_their_degrees(runs, case):
-    partition, _, optim = CASES[case]
+    _, partition, optim = CASES[case]
     shapes, trainable = runs[0][case]["shapes"], runs[0][case]["trainable"]
     total = sum(_numel(s) for s in shapes.values())
     total_trainable = sum(_numel(s) for n, s in shapes.items() if n in trainable)
@@ -123,3 +120,10 @@ def test_zero2_like_gathers_once_per_optimizer_step(runs):
         first, rest = per_step[0], per_step[1:3]
         assert first > 0 and rest == [0, 0], per_step  # gathered in micro-step 0, kept in 1 and 2
         assert per_step[3:] == per_step[:3]
+
+
+def test_sharding_spec_and_partition_size_are_exclusive():
+    with pytest.raises(ValueError, match="either sharding"):
+        MiCSStrategy(sharding=ShardingSpec(), partition_size=2)
+    with pytest.raises(TypeError, match="ShardingSpec"):
+        MiCSStrategy(sharding=(4, 4, 8))
