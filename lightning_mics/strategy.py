@@ -96,6 +96,12 @@ class MiCSStrategy(ParallelStrategy):
             that group after forward (1: keep them gathered through the step); ``optim`` larger
             than it shards optimizer states across replicas too. Replaces ``partition_size`` and
             ``reshard_after_forward`` (pass one or the other).
+        activation_checkpointing_policy: recompute activations in backward for these modules:
+            ``True`` = every wrapped block; module classes or a callable as for ``auto_wrap_policy``.
+        prefetch_depth: start the all-gather of the next ``N`` blocks while the current one
+            computes (forward and backward), so communication overlaps compute; 0 leaves FSDP's
+            implicit prefetching. Assumes blocks run in module order, as transformer layers do.
+        compile_blocks: ``torch.compile`` each wrapped block (in place) before sharding.
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -115,6 +121,9 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Optional[ShardingSpec] = None,
+        activation_checkpointing_policy: AutoWrapPolicy = None,
+        prefetch_depth: int = 1,
+        compile_blocks: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         save_full_state_dict: bool = False,
@@ -146,6 +155,11 @@ class MiCSStrategy(ParallelStrategy):
         if sharding is not None and not isinstance(sharding, ShardingSpec):
             raise TypeError(f"sharding must be a lightning_mics.ShardingSpec, got {type(sharding).__name__}.")
         self.sharding = sharding
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.prefetch_depth = prefetch_depth
+        self.compile_blocks = compile_blocks
         self.partition_size_spec = partition_size
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
@@ -342,6 +356,9 @@ class MiCSStrategy(ParallelStrategy):
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=self.precision_plugin.mixed_precision_policy(),
             force_sum_reduction=self._process_group_backend == "gloo",
+            activation_checkpointing=self.activation_checkpointing_policy,
+            compile_blocks=self.compile_blocks,
+            prefetch_depth=self.prefetch_depth,
         )
         if self._hierarchical_groups is not None:
             install_hierarchical_collectives(self._fsdp_units, self._hierarchical_groups)

@@ -94,6 +94,45 @@ def select_modules_to_wrap(root: nn.Module, policy: AutoWrapPolicy) -> list[tupl
     return list(reversed(chosen))
 
 
+def select_modules_to_checkpoint(
+    root: nn.Module, policy: AutoWrapPolicy, wrapped: list[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """Modules whose activations are recomputed in backward. ``True``: every wrapped block;
+    ``None``/``False``: none; classes or a callable: as for ``auto_wrap_policy``."""
+    if policy is None or policy is False:
+        return []
+    if policy is True:
+        return list(wrapped)
+    predicate = make_wrap_predicate(policy)
+    return [(name, m) for name, m in root.named_modules() if m is not root and predicate(name, m, None)]
+
+
+def apply_activation_checkpointing(modules: list[tuple[str, nn.Module]]) -> None:
+    """Recompute each module's forward in backward instead of storing its activations.
+
+    Uses the composable (hook-based, non-reentrant) checkpoint, which leaves module names and
+    state-dict keys unchanged and composes with ``fully_shard`` applied afterwards.
+    """
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    for _, module in modules:
+        checkpoint(module)
+
+
+def set_explicit_prefetch(blocks: list[FSDPModule], depth: int) -> None:
+    """Let each block's all-gather start ``depth`` blocks early, forward and backward, so that
+    communication overlaps the previous blocks' compute. ``blocks`` are in forward order."""
+    if depth < 1:
+        return
+    for i, block in enumerate(blocks):
+        following = blocks[i + 1 : i + 1 + depth]
+        preceding = list(reversed(blocks[max(0, i - depth) : i]))
+        if following:
+            block.set_modules_to_forward_prefetch(following)
+        if preceding:
+            block.set_modules_to_backward_prefetch(preceding)
+
+
 def shard_model(
     root: nn.Module,
     mesh: DeviceMesh,
@@ -101,8 +140,15 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
     force_sum_reduction: bool = False,
+    activation_checkpointing: AutoWrapPolicy = None,
+    compile_blocks: bool = False,
+    prefetch_depth: int = 0,
 ) -> list[FSDPModule]:
-    """Apply ``fully_shard`` to the selected blocks and then to ``root``; return all FSDP units.
+    """Apply ``fully_shard`` to the selected blocks and then to ``root``; return all FSDP units
+    (blocks in forward order, then the root).
+
+    Before sharding, blocks may get activation checkpointing and ``torch.compile`` (in place, so
+    parameter names do not change); after sharding, explicit prefetching between blocks.
 
     ``root`` itself is never resharded after forward (its parameters are needed again at once in
     backward), which is also FSDP2's own default for the root.
@@ -111,16 +157,22 @@ def shard_model(
     needs (it implements neither ``AVG`` nor ``PREMUL_SUM``).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    units: list[FSDPModule] = []
-    for name, module in select_modules_to_wrap(root, policy):
+    wrapped = select_modules_to_wrap(root, policy)  # children first
+    apply_activation_checkpointing(select_modules_to_checkpoint(root, activation_checkpointing, wrapped))
+    blocks: list[FSDPModule] = []
+    for _, module in wrapped:
+        if compile_blocks:
+            module.compile()
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-        units.append(module)  # type: ignore[arg-type]
+        blocks.append(module)  # type: ignore[arg-type]
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
-    units.append(root)  # type: ignore[arg-type]
+    blocks.reverse()  # forward (pre-)order
+    set_explicit_prefetch(blocks, prefetch_depth)
+    units = [*blocks, root]
     for unit in units:
-        unit.set_force_sum_reduction_for_comms(force_sum_reduction)
+        unit.set_force_sum_reduction_for_comms(force_sum_reduction)  # type: ignore[union-attr]
     log.debug("sharded %d FSDP units", len(units))
-    return units
+    return units  # type: ignore[return-value]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

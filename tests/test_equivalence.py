@@ -65,6 +65,11 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     fit_with_mics(module, cfg, partition_size=2, auto_wrap_policy=torch.nn.Linear, reshard_after_forward=False)
     results["linear_units_no_reshard"] = full_parameters(module)
 
+    cfg = config(world, 3, CLIP)
+    module = ToyModule(cfg)
+    fit_with_mics(module, cfg, partition_size=2, activation_checkpointing_policy=True, prefetch_depth=2)
+    results["activation_checkpointing_prefetch2"] = full_parameters(module)
+
     cfg = config(world, 1)
     module = ToyModule(cfg)
     trainer = pl.Trainer(strategy="mics", **{**trainer_kwargs(cfg), "precision": "bf16-mixed"})
@@ -72,6 +77,14 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     results["bf16-mixed"] = full_parameters(module)
     results["bf16-mixed master dtypes"] = {p.dtype for p in module.parameters()}
     return results
+
+
+def _train_compiled(rank: int, world: int) -> dict:
+    cfg = config(world, 3)
+    module = ToyModule(cfg)
+    fit_with_mics(module, cfg, partition_size=2, compile_blocks=True)
+    compiled = all(block._compiled_call_impl is not None for block in module.model.blocks)
+    return {"params": full_parameters(module), "compiled": compiled}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +126,17 @@ def test_custom_units_without_reshard(world4):
     assert_matches_reference([rank["linear_units_no_reshard"] for rank in world4], config(4, 1))
 
 
+def test_activation_checkpointing_with_deeper_prefetch(world4):
+    assert_matches_reference([rank["activation_checkpointing_prefetch2"] for rank in world4], config(4, 3, CLIP))
+
+
 def test_bf16_mixed_keeps_fp32_master_weights_and_tracks_fp32_run(world4):
     assert world4[0]["bf16-mixed master dtypes"] == {torch.float32}
     # bf16 compute: close to the fp32 reference, but not bit-close.
     assert_matches_reference([rank["bf16-mixed"] for rank in world4], config(4, 1), rtol=3e-2)
+
+
+def test_torch_compiled_blocks():
+    results = run_ranks(_train_compiled, 2)
+    assert all(r["compiled"] for r in results)
+    assert_matches_reference([r["params"] for r in results], config(2, 3))
