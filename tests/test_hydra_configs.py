@@ -14,7 +14,7 @@ from lm_jobs import CONF_DIR, load_train_script
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
-from lightning_mics import MiCSStrategy
+from lightning_mics import MiCSStrategy, ShardingSpec
 from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 
 
@@ -53,6 +53,20 @@ def test_defaults_are_mics_on_four_cpu_ranks_as_two_nodes() -> None:
 def test_mics_strategy_options(option: str, partition_size: object) -> None:
     strategy = instantiate(config(f"strategy={option}").strategy, _convert_="all")
     assert isinstance(strategy, MiCSStrategy) and strategy.partition_size_spec == partition_size
+
+
+def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
+    strategy = instantiate(
+        config(
+            "strategy.sharding={_target_:lightning_mics.ShardingSpec,params:node,grads:node,optim:world}",
+            "strategy.hierarchical=false",
+            "strategy.prefetch_depth=2",
+            "strategy.activation_checkpointing_policy=true",
+        ).strategy,
+        _convert_="all",
+    )
+    assert strategy.sharding == ShardingSpec("node", "node", "world")
+    assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
 
 
 def test_fsdp_hybrid_baseline_builds_lightnings_strategy_on_gpu_and_refuses_cpu() -> None:
