@@ -4,6 +4,7 @@
     lightning-mics fit --config examples/cli_config.yaml \\
         --trainer.strategy=lightning_mics.MiCSStrategy --trainer.strategy.partition_size=2
     lightning-mics fit --config examples/cli_config.yaml --trainer.strategy=mics
+    lightning-mics plan --cluster p3dn --nodes 8 --model gpt-1.3b     # the layout planner
 
 Importing :mod:`lightning_mics` registers the strategy names, and the strategy class is importable
 by its dotted path, so both spellings work. The telemetry callback is always on and is
@@ -12,6 +13,7 @@ configured under ``--telemetry.*`` (e.g. ``--telemetry.peak_flops=989e12``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from lightning.pytorch.cli import LightningCLI
@@ -40,8 +42,17 @@ def _seq_len_of(config: Any) -> int:
     return GPTConfig.resolve(config).seq_len
 
 
-def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
-    """Entry point of the ``lightning-mics`` console script; ``args`` replaces ``sys.argv[1:]`` (tests)."""
+def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
+    """Entry point of the ``lightning-mics`` console script; ``args`` replaces ``sys.argv[1:]`` (tests).
+
+    ``lightning-mics plan ...`` runs the layout planner (:mod:`lightning_mics.plan`) instead of
+    LightningCLI; every other subcommand is LightningCLI's.
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["plan"]:
+        from lightning_mics.plan import main as plan_main
+
+        return plan_main(argv[1:])
     return MiCSCLI(
         GPTLightningModule,
         ByteCorpusDataModule,

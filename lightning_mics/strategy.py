@@ -9,6 +9,7 @@ The ideas live in their own modules -- :mod:`~lightning_mics.topology` (who shar
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -288,6 +289,8 @@ class MiCSStrategy(ParallelStrategy):
             self.reshard_after_forward = degrees.reshard_after_forward
             self._optim_degree = degrees.optim
             self._keep_params_within_step = degrees.params == 1 and degrees.grads > 1
+        if self.partition_size_spec == "auto":
+            self.partition_size_spec = self._plan_partition_size(ranks_per_node)
         self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
         self._device_mesh = self._build_mesh(self._topology)
         if self._shards_optimizer_beyond_partition:
@@ -299,6 +302,35 @@ class MiCSStrategy(ParallelStrategy):
             self._hierarchical_groups = create_hierarchical_groups(self._topology, self.global_rank)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
+
+    def _plan_partition_size(self, ranks_per_node: int) -> int:
+        """``partition_size="auto"``: the planner's fastest layout that fits this model in this
+        device's memory (generic bandwidths for this kind of cluster; see lightning_mics.planner)."""
+        from lightning_mics.planner import TrainingSpec, choose_partition_size
+
+        assert self.lightning_module is not None
+        param_count = sum(p.numel() for p in self.lightning_module.parameters())
+        if param_count == 0:
+            raise ValueError(
+                "partition_size='auto' needs the model's parameters before the processes are set up, but the "
+                "LightningModule has none yet (built in configure_model?). Create the model in __init__ (inside "
+                "`trainer.init_module(empty_init=True)` for big models) or pass partition_size explicitly."
+            )
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+        training = TrainingSpec(accumulation=accumulation, precision=self.precision_plugin.precision)
+        size = choose_partition_size(
+            self.world_size, ranks_per_node, param_count, self._device_memory_bytes(ranks_per_node), training=training
+        )
+        if self.is_global_zero:
+            log.info("partition_size='auto': the planner chose %d for %s parameters", size, f"{param_count:,}")
+        return size
+
+    def _device_memory_bytes(self, ranks_per_node: int) -> float:
+        if self.root_device.type == "cuda":
+            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(host) / ranks_per_node  # CPU ranks share the host's memory
 
     def _ranks_per_node(self) -> int:
         if self.ranks_per_node_override is not None:

@@ -26,7 +26,8 @@ from typing import Literal, Union
 
 #: What users may pass as ``partition_size``: ``None`` (one node, the MiCS default), a positive
 #: int, ``-1`` or ``"world"`` (shard across every rank: the ZeRO-3 baseline), ``"node"``.
-PartitionSizeSpec = Union[int, Literal["world", "node"], None]
+#: ``"auto"`` is resolved by the strategy with :mod:`lightning_mics.planner` before layout math.
+PartitionSizeSpec = Union[int, Literal["world", "node", "auto"], None]
 
 Group = tuple[int, ...]
 
@@ -77,6 +78,11 @@ def resolve_partition_size(spec: PartitionSizeSpec, world_size: int, ranks_per_n
         size = min(ranks_per_node, world_size)
     elif spec == "world" or spec == -1:
         size = world_size
+    elif spec == "auto":
+        raise ValueError(
+            "partition_size='auto' is chosen by the planner from the model and device memory; use "
+            "MiCSStrategy(partition_size='auto') or lightning_mics.planner.choose_partition_size(...)."
+        )
     elif isinstance(spec, bool) or not isinstance(spec, int):
         raise ValueError(
             f"partition_size={spec!r} is not understood. "

@@ -103,6 +103,16 @@ def _misc(rank: int, world: int) -> dict:
     out["meta_tied"] = module.model.head.weight is module.model.embed.weight
     out["meta_buffer"] = module.model.scale.clone()
 
+    # partition_size="auto": the planner's choice for this model and memory; needs the parameters up front
+    trainer = fit_with_mics(ToyModule(cfg), cfg, partition_size="auto", ranks_per_node=2)
+    out["auto_partition"] = trainer.strategy.topology.partition_size
+    out["auto_memory"] = trainer.strategy._device_memory_bytes(2)
+    try:
+        fit_with_mics(ToyModule(cfg, in_configure_model=True), cfg, partition_size="auto", ranks_per_node=2)
+        out["auto_error"] = None
+    except ValueError as err:
+        out["auto_error"] = str(err)
+
     # a model that applied fully_shard itself is refused with a clear error
     try:
         fit_with_mics(AlreadySharded(cfg), cfg, partition_size=2, ranks_per_node=2)
@@ -158,3 +168,13 @@ def test_meta_device_model_is_materialised_consistently(misc):
 def test_pre_sharded_model_is_refused(misc):
     for out in misc:
         assert out["already_sharded_error"] and "auto_wrap_policy" in out["already_sharded_error"]
+
+
+def test_auto_partition_size_is_the_planners_choice(misc):
+    from lightning_mics.planner import TrainingSpec, choose_partition_size
+    from toy import ToyLM
+
+    params = sum(p.numel() for p in ToyLM().parameters())
+    expected = choose_partition_size(4, 2, params, misc[0]["auto_memory"], training=TrainingSpec(precision="32-true"))
+    assert {out["auto_partition"] for out in misc} == {expected}
+    assert all("configure_model" in out["auto_error"] for out in misc)

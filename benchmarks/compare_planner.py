@@ -1,0 +1,244 @@
+"""Planner predictions against the emulated-cluster benchmark's measurements.
+
+    /work/venv/bin/python benchmarks/compare_planner.py [--results benchmarks/results/emulated_cluster.json]
+        [--compute-flops 2e9] [--latency 100us] [--overlap 0] [--markdown]
+
+Reads the benchmark's JSON (``network``, ``cluster``, ``setup`` and ``results``), describes the
+emulated cluster to :mod:`lightning_mics.planner` and prints, for every strategy, the predicted
+and measured optimizer-step time (target: within +-20 %) and the bytes crossing node links.
+
+What is taken from the JSON:
+
+* links -- intra-node: ``network.loopback_per_node_bytes_per_s / ranks_per_node`` (each rank's
+  loopback stream while all stream); inter-node: ``network.inter_node_measured_bytes_per_s``
+  (falling back to ``inter_node_rate_bytes_per_s``); the backend is gloo;
+* model and batch -- ``setup.model`` (a GPTConfig), ``setup.micro_batch``, ``setup.accumulate``,
+  ``setup.model_params``; precision ``32-true`` unless ``setup.precision`` says otherwise;
+* compute -- ``setup.compute_flops_per_rank`` (or ``network.compute_flops_per_rank``) when the
+  benchmark recorded it, else ``--compute-flops``; the link latency -- ``network.intra_node_latency_s``
+  / ``inter_node_latency_s`` when recorded (e.g. from :func:`lightning_mics.planner.calibrate_cluster`),
+  else ``--latency``.
+
+CPU ranks share cores with gloo's communication threads, so overlap defaults to 0.
+FSDP1 rows (``family == "fsdp1"``) are modelled with one reduce-scatter per optimizer step
+(Lightning's ``no_sync`` keeps FSDP1 gradients unsharded between boundaries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lightning_mics.planner import (  # noqa: E402
+    ClusterSpec,
+    LayoutEstimate,
+    ModelSpec,
+    ShardingSpec,
+    TrainingSpec,
+    estimate,
+    parse_flops,
+    parse_seconds,
+)
+
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "emulated_cluster.json"
+TARGET = 0.20
+
+
+class MissingInput(RuntimeError):
+    """The JSON (or the command line) lacks something the model needs."""
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise MissingInput(
+            f"{path} does not exist yet. Run the emulated-cluster benchmark first "
+            f"(sudo /work/venv/bin/python benchmarks/emulated_cluster.py [--quick]), or pass --results PATH."
+        )
+    report = json.loads(path.read_text())
+    for key in ("network", "cluster", "setup", "results"):
+        if key not in report:
+            raise MissingInput(f"{path} has no '{key}' section; it was not written by benchmarks/emulated_cluster.py.")
+    return report
+
+
+def _first(*values: Optional[float]) -> Optional[float]:
+    return next((v for v in values if v is not None), None)
+
+
+def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> ClusterSpec:
+    network, shape, setup = report["network"], report["cluster"], report["setup"]
+    ranks_per_node = int(shape["ranks_per_node"])
+    compute = _first(setup.get("compute_flops_per_rank"), network.get("compute_flops_per_rank"), args.compute_flops)
+    if compute is None:
+        raise MissingInput(
+            "The benchmark JSON records no compute rate (setup.compute_flops_per_rank) -- pass --compute-flops "
+            "(achieved FLOP/s of one rank while all ranks of a node compute, e.g. 2e9), or --fit-compute."
+        )
+    intra_latency = _first(network.get("intra_node_latency_s"), args.latency)
+    inter_latency = _first(network.get("inter_node_latency_s"), args.latency)
+    return ClusterSpec(
+        nodes=int(shape["num_nodes"]),
+        gpus_per_node=ranks_per_node,
+        gpu_memory_bytes=float(1 << 50),  # host memory: every layout fits
+        intra_node_bandwidth=network["loopback_per_node_bytes_per_s"] / ranks_per_node,
+        inter_node_bandwidth=_first(network.get("inter_node_measured_bytes_per_s"), network["inter_node_rate_bytes_per_s"]),
+        compute_flops=compute,
+        intra_node_latency=intra_latency,
+        inter_node_latency=inter_latency,
+        memory_bandwidth=10e9,
+        overlap=args.overlap,
+        backend="gloo",
+        name="emulated",
+    )
+
+
+def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
+    from lightning_mics.models import GPTConfig
+
+    setup = report["setup"]
+    config = GPTConfig.resolve(setup["model"])
+    model = ModelSpec(
+        params=int(setup.get("model_params", config.num_params)),
+        layers=config.n_layers,
+        hidden=config.d_model,
+        seq_len=config.seq_len,
+        heads=config.n_heads,
+        vocab=config.vocab_size,
+        flops_per_token=config.flops_per_token,
+        name="emulated GPT",
+    )
+    training = TrainingSpec(
+        micro_batch=int(setup["micro_batch"]),
+        accumulation=int(setup["accumulate"]),
+        precision=setup.get("precision", "32-true"),
+    )
+    return model, training
+
+
+def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec) -> LayoutEstimate:
+    partition = int(record["partition_size"])
+    return estimate(
+        ShardingSpec.uniform(partition),
+        cluster,
+        model,
+        training,
+        hierarchical=bool(record.get("hierarchical")),
+        reduce_every_micro_step=record.get("family", "mics") != "fsdp1",
+    )
+
+
+def fit_compute(report: dict[str, Any], args: argparse.Namespace, model: ModelSpec, training: TrainingSpec) -> float:
+    """The one compute rate shared by all rows that minimises the worst relative step-time error
+    (a calibration, like measuring bandwidth: it says nothing about how the rows differ)."""
+    rows = [r for r in report["results"] if r.get("status") == "ok"]
+    best: tuple[float, float] = (float("inf"), 0.0)
+    for exponent in range(0, 401):
+        flops = 10 ** (6 + exponent / 50)  # 1e6 .. 1e14 FLOP/s, 2 % steps
+        args.compute_flops = flops
+        cluster = cluster_from_report(report, args)
+        worst = max(abs(predict(r, cluster, model, training).step_time_s / r["step_time_s"] - 1) for r in rows)
+        best = min(best, (worst, flops))
+    return best[1]
+
+
+def compare(report: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict[str, Any]], ClusterSpec]:
+    model, training = model_from_report(report)
+    if args.fit_compute:
+        args.compute_flops = fit_compute(report, args, model, training)
+    cluster = cluster_from_report(report, args)
+    rows = []
+    for record in report["results"]:
+        if record.get("status") != "ok":
+            rows.append({"strategy": record.get("strategy"), "status": record.get("status")})
+            continue
+        predicted = predict(record, cluster, model, training)
+        measured = record["step_time_s"]
+        rows.append(
+            {
+                "strategy": record["strategy"],
+                "status": "ok",
+                "partition_size": record["partition_size"],
+                "predicted_step_time_s": predicted.step_time_s,
+                "measured_step_time_s": measured,
+                "step_time_error": predicted.step_time_s / measured - 1,
+                # the benchmark sums the uplink counters over nodes; the planner reports per node
+                "predicted_inter_node_bytes": predicted.inter_node_bytes * cluster.nodes,
+                "measured_inter_node_bytes": record.get("inter_node_bytes_per_step"),
+                "predicted_exposed_comm_s": predicted.exposed_comm_s,
+                "predicted_compute_s": predicted.compute_s,
+            }
+        )
+    return rows, cluster
+
+
+def format_rows(rows: list[dict[str, Any]], markdown: bool) -> str:
+    header = ["strategy", "predicted step s", "measured step s", "error", "within 20%", "pred. inter-node MB", "meas. inter-node MB"]
+    lines = []
+    table = [header]
+    for row in rows:
+        if row["status"] != "ok":
+            table.append([str(row["strategy"]), "-", "-", "-", str(row["status"]), "-", "-"])
+            continue
+        measured_bytes = row["measured_inter_node_bytes"]
+        table.append(
+            [
+                row["strategy"],
+                f"{row['predicted_step_time_s']:.3f}",
+                f"{row['measured_step_time_s']:.3f}",
+                f"{100 * row['step_time_error']:+.0f}%",
+                "yes" if abs(row["step_time_error"]) <= TARGET else "no",
+                f"{row['predicted_inter_node_bytes'] / 1e6:.1f}",
+                "-" if measured_bytes is None else f"{measured_bytes / 1e6:.1f}",
+            ]
+        )
+    if markdown:
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
+    else:
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--compute-flops", type=parse_flops, help="achieved FLOP/s per rank, e.g. 2e9 or 2GFLOPS")
+    parser.add_argument("--fit-compute", action="store_true", help="fit one shared compute rate to the rows")
+    parser.add_argument("--latency", type=parse_seconds, default=parse_seconds("100us"),
+                        help="per ring step, both scopes, when the JSON has none (default 100us: gloo over TCP)")
+    parser.add_argument("--overlap", type=float, default=0.0, help="fraction of compute hiding communication (CPU: 0)")
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        report = load_report(args.results)
+        rows, cluster = compare(report, args)
+    except MissingInput as error:
+        print(f"compare_planner: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"cluster": cluster.__dict__, "rows": rows}, indent=2))
+        return 0
+    print(
+        f"emulated cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks, intra {cluster.intra_node_bandwidth / 1e6:,.0f} "
+        f"MB/s per rank, inter {cluster.inter_node_bandwidth / 1e6:,.0f} MB/s per node, compute "
+        f"{cluster.compute_flops / 1e9:.2f} GFLOP/s per rank{' (fitted)' if args.fit_compute else ''}, "
+        f"latency {cluster.inter_node_latency * 1e6:.0f} us, overlap {cluster.overlap:g}"
+    )
+    print(format_rows(rows, args.markdown))
+    ok = [r for r in rows if r["status"] == "ok"]
+    within = sum(abs(r["step_time_error"]) <= TARGET for r in ok)
+    print(f"\n{within}/{len(ok)} strategies within +-{TARGET:.0%} of the measured step time.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

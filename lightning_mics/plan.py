@@ -1,0 +1,236 @@
+"""``python -m lightning_mics.plan``: rank MiCS / AMSP layouts for a cluster, model and batch.
+
+    python -m lightning_mics.plan --cluster p3dn --nodes 8 --model bert-10b --micro-batch 8 \\
+        --accumulation 4 --precision deepspeed-fp16 --activation-checkpointing
+    python -m lightning_mics.plan --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB \\
+        --intra-bandwidth 360GB/s --inter-bandwidth 400Gbps --compute 400TFLOPS \\
+        --params 13B --layers 40 --hidden 5120 --seq-len 2048 --micro-batch 2 --json
+
+    # measure the links of the running cluster (every rank), then plan with the measurements
+    torchrun --nnodes 2 --nproc-per-node 8 -m lightning_mics.plan calibrate --out links.json
+    python -m lightning_mics.plan --cluster p4d --nodes 2 --calibration links.json --model gpt-13b
+
+Flags override the preset named by ``--cluster`` / ``--model``. See :mod:`lightning_mics.planner`
+for the cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from lightning_mics.planner import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    PRECISIONS,
+    Calibration,
+    ClusterSpec,
+    ModelSpec,
+    TrainingSpec,
+    parse_bandwidth,
+    parse_bytes,
+    parse_count,
+    parse_flops,
+    parse_seconds,
+    plan,
+)
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Turn a parser's ValueError into argparse's one-line usage error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = parse.__name__.replace("parse_", "")
+    return convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-mics plan",
+        description="Predict step time, exposed communication, cross-node traffic and memory of every valid "
+        "(P, G, OS) sharding layout and rank them. Subcommand 'calibrate' (under torchrun) measures the links.",
+    )
+    cluster = parser.add_argument_group("cluster (defaults: the --cluster preset)")
+    cluster.add_argument("--cluster", choices=sorted(CLUSTER_PRESETS), help="named cluster preset")
+    cluster.add_argument("--nodes", type=int, help="number of nodes (required without a preset's default of 1)")
+    cluster.add_argument("--gpus-per-node", type=int)
+    cluster.add_argument("--gpu-memory", type=_typed(parse_bytes), help="per GPU, e.g. 40GiB")
+    cluster.add_argument("--intra-bandwidth", type=_typed(parse_bandwidth), help="per GPU inside a node, e.g. 230GB/s")
+    cluster.add_argument("--inter-bandwidth", type=_typed(parse_bandwidth), help="per node across nodes, e.g. 400Gbps")
+    cluster.add_argument("--intra-latency", type=_typed(parse_seconds), help="per ring step, e.g. 8us")
+    cluster.add_argument("--inter-latency", type=_typed(parse_seconds), help="per ring step, e.g. 30us")
+    cluster.add_argument("--compute", type=_typed(parse_flops), help="achieved FLOP/s per GPU, e.g. 140TFLOPS")
+    cluster.add_argument("--memory-bandwidth", type=_typed(parse_bandwidth), help="HBM, e.g. 1.5TB/s")
+    cluster.add_argument("--overlap", type=float, help="fraction of compute that hides communication, 0..1")
+    cluster.add_argument("--calibration", type=Path, help="JSON written by the 'calibrate' subcommand")
+
+    model = parser.add_argument_group("model (defaults: the --model preset)")
+    model.add_argument("--model", choices=sorted(MODEL_PRESETS), help="named model preset")
+    model.add_argument("--params", type=_typed(parse_count), help="parameter count, e.g. 10B or 1.3e9")
+    model.add_argument("--layers", type=int)
+    model.add_argument("--hidden", type=int)
+    model.add_argument("--seq-len", type=int)
+    model.add_argument("--heads", type=int)
+    model.add_argument("--vocab", type=int)
+
+    batch = parser.add_argument_group("batch and numerics")
+    batch.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
+    batch.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step")
+    batch.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16-mixed")
+    batch.add_argument("--activation-checkpointing", action="store_true")
+
+    search = parser.add_argument_group("search and output")
+    search.add_argument("--uniform-only", action="store_true", help="only MiCS layouts (P = G = OS)")
+    search.add_argument("--flat", action="store_true", help="flat rings across nodes (no hierarchical collectives)")
+    search.add_argument("--top", type=int, default=15, help="rows to show (0: all)")
+    search.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def _cluster_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ClusterSpec:
+    overrides = {
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "gpu_memory_bytes": args.gpu_memory,
+        "intra_node_bandwidth": args.intra_bandwidth,
+        "inter_node_bandwidth": args.inter_bandwidth,
+        "intra_node_latency": args.intra_latency,
+        "inter_node_latency": args.inter_latency,
+        "compute_flops": args.compute,
+        "memory_bandwidth": args.memory_bandwidth,
+        "overlap": args.overlap,
+    }
+    given = {name: value for name, value in overrides.items() if value is not None}
+    if args.cluster:
+        cluster = replace(CLUSTER_PRESETS[args.cluster], **given)
+    else:
+        required = ("nodes", "gpus_per_node", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "compute_flops")
+        missing = [name for name in required if name not in given]
+        if missing:
+            flags = ", ".join("--" + _flag(name) for name in missing)
+            parser.error(f"without --cluster, give {flags} (or pick a preset: --cluster {{{','.join(sorted(CLUSTER_PRESETS))}}}).")
+        cluster = ClusterSpec(**given)
+    if args.calibration:
+        cluster = Calibration.from_dict(json.loads(args.calibration.read_text())).apply(cluster)
+    return cluster
+
+
+def _flag(field_name: str) -> str:
+    return {
+        "gpu_memory_bytes": "gpu-memory",
+        "intra_node_bandwidth": "intra-bandwidth",
+        "inter_node_bandwidth": "inter-bandwidth",
+        "compute_flops": "compute",
+    }.get(field_name, field_name.replace("_", "-"))
+
+
+def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec:
+    given = {
+        name: value
+        for name, value in {
+            "params": args.params,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "seq_len": args.seq_len,
+            "heads": args.heads,
+            "vocab": args.vocab,
+        }.items()
+        if value is not None
+    }
+    if args.model:
+        return replace(MODEL_PRESETS[args.model], **given)
+    if "params" not in given:
+        parser.error(f"give --params (and ideally --layers --hidden --seq-len), or --model {{{','.join(sorted(MODEL_PRESETS))}}}.")
+    if not {"layers", "hidden"} <= set(given):  # shape unknown: a GPT-shaped guess from the count
+        guess = ModelSpec.from_param_count(given["params"], seq_len=given.get("seq_len", 2048))
+        return replace(guess, **given)
+    return ModelSpec(**{"seq_len": 2048, **given})
+
+
+def run_plan(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cluster = _cluster_from_args(args, parser)
+        model = _model_from_args(args, parser)
+        training = TrainingSpec(
+            micro_batch=args.micro_batch,
+            accumulation=args.accumulation,
+            precision=args.precision,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+        result = plan(cluster, model, training, uniform_only=args.uniform_only, hierarchical=False if args.flat else "auto")
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    top = args.top or None
+    if args.json:
+        print(result.to_json(top))
+        return 0
+    print(
+        f"cluster: {cluster.name}, {cluster.nodes} x {cluster.gpus_per_node} GPUs, "
+        f"{cluster.gpu_memory_bytes / 1024**3:.0f} GiB, intra {cluster.intra_node_bandwidth / 1e9:.0f} GB/s, "
+        f"inter {cluster.inter_node_bandwidth * 8 / 1e9:.0f} Gbps per node, {cluster.compute_flops / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        f"model: {model.name}, {model.params:,} params, {model.layers} layers x {model.hidden}, seq {model.seq_len}; "
+        f"micro-batch {training.micro_batch} x {training.accumulation} accumulation, {training.precision}"
+        + (", activation checkpointing" if training.activation_checkpointing else "")
+    )
+    print()
+    print(result.table(top))
+    print()
+    print(result.explain())
+    return 0
+
+
+def run_calibrate(argv: Optional[Sequence[str]] = None) -> int:
+    """Measure the links on a running job (start it with torchrun: every rank runs this)."""
+    parser = argparse.ArgumentParser(prog="lightning-mics plan calibrate", description=run_calibrate.__doc__)
+    parser.add_argument("--out", type=Path, default=Path("calibration.json"))
+    parser.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE from the launcher")
+    parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_mics.planner import calibrate_cluster
+    from lightning_mics.topology import MiCSTopology, detect_ranks_per_node
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        ranks_per_node = args.ranks_per_node or detect_ranks_per_node() or dist.get_world_size()
+        topology = MiCSTopology.create(dist.get_world_size(), ranks_per_node, 1)
+        result = calibrate_cluster(topology)
+        if dist.get_rank() == 0:
+            args.out.write_text(json.dumps(result.to_dict(), indent=2))
+            print(json.dumps(result.link_values(), indent=2))
+            print(f"wrote {args.out}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point: ``plan [flags]`` or ``plan calibrate [flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "calibrate":
+        return run_calibrate(argv[1:])
+    return run_plan(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
