@@ -279,8 +279,8 @@ class MiCSStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
+        if self._process_group_backend == "nccl":
+            kwargs["device_id"] = self.root_device  # eager NCCL init bound to this GPU (not for gloo on CUDA)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         ranks_per_node = self._ranks_per_node()
         if self.sharding is not None:
@@ -450,19 +450,20 @@ class MiCSStrategy(ParallelStrategy):
         if not self.is_global_zero:
             return
         topology = self.topology
-        total = sum(p.numel() for p in self.lightning_module.parameters())  # type: ignore[union-attr]
-        trainable = sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)  # type: ignore
-        share = 1.0 / topology.partition_size
-        log.info(
-            "%s\n  model states per rank: 1/%d of %s parameters (%s trainable) -> ~%s params, grads and optimizer "
-            "states each; %d FSDP units",
+        assert self.lightning_module is not None
+        total = sum(p.numel() for p in self.lightning_module.parameters())
+        trainable = sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)
+        optim_degree = self._optim_degree or topology.partition_size
+        lines = [
             topology.describe(),
-            topology.partition_size,
-            f"{total:,}",
-            f"{trainable:,}",
-            f"{int(total * share):,}",
-            len(self._fsdp_units),
-        )
+            f"  model states per rank: 1/{topology.partition_size} of {total:,} parameters ({trainable:,} trainable) "
+            f"-> ~{total // topology.partition_size:,} params and grads, optimizer states for "
+            f"~{trainable // optim_degree:,} (1/{optim_degree}); {len(self._fsdp_units)} FSDP units",
+            f"  hierarchical collectives: {'on' if self._hierarchical_groups is not None else 'off'}; "
+            f"reshard after forward: {self.reshard_after_forward}"
+            + ("; params kept gathered within a step" if self._keep_params_within_step else ""),
+        ]
+        log.info("\n".join(lines))
 
     # ------------------------------------------------------------------ gradient sync
     @contextmanager

@@ -1,0 +1,547 @@
+"""Single-GPU throughput: the GPT trained through ``Trainer(strategy="mics")`` against a plain loop.
+
+What it answers (issue 7): on one GPU, how much of the device does the 1.2B-parameter GPT of the
+examples reach when trained through :class:`~lightning_mics.MiCSStrategy` (tokens/s, MFU, peak
+memory), and how close is that to the same model and optimizer in a hand-written PyTorch loop?
+With one rank there is nothing to shard, so the gap between the two is exactly the overhead the
+strategy (FSDP2 units, mixed-precision casts, Lightning's loop and hooks) adds to a training step.
+
+Modes (``--modes``), each trained for ``--warmup`` + ``--steps`` optimizer steps from the same seed:
+
+* ``plain``: fp32 master weights, ``torch.autocast(bf16)`` around forward + loss, fused AdamW --
+  the standard PyTorch AMP loop, and what ``precision="bf16-mixed"`` means;
+* ``strategy``: the same module through ``Trainer(strategy=MiCSStrategy(...), precision="bf16-mixed")``;
+* ``plain-compiled`` / ``strategy-compiled``: the same, with every transformer block compiled
+  (``torch.compile`` per block; the strategy's ``compile_blocks=True``).
+
+Only the ``--steps`` steps after the warm-up are timed, with the device synchronised at both ends
+of the window, the same way for both loops (see :class:`StepWindow`). Each window includes the
+data loading and host-to-device copy of its batches, so Lightning's per-step work is counted.
+
+Run (GPU)::
+
+    python benchmarks/gpu_throughput.py                     # xl, micro-batch 8, all four modes
+    python benchmarks/gpu_throughput.py --modes plain,strategy --steps 30
+
+CPU smoke test (what ``tests/test_benchmark_gpu.py`` runs; MFU and memory are n/a there)::
+
+    python benchmarks/gpu_throughput.py --device cpu --model tiny --steps 3 --json /tmp/out.json
+
+Results go to a table on stdout and to ``--json`` (default ``benchmarks/results/gpu_throughput.json``).
+This script deliberately imports neither hydra nor the other benchmarks: the GPU machine it is
+meant for has torch and lightning but no hydra-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import platform
+import sys
+import time
+import traceback
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import lightning
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.distributed._composable import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mics import MiCSStrategy
+from lightning_mics.models import GPTConfig, GPTLightningModule
+from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
+
+#: The issue's targets: MFU through the strategy, and its throughput relative to the plain loop.
+TARGET_MFU = 0.55
+TARGET_RATIO = 0.97
+
+Runner = Literal["strategy", "plain"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One row of the comparison: which loop trains the model, and whether its blocks are compiled."""
+
+    name: str
+    runner: Runner
+    compiled: bool
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode("plain", "plain", compiled=False),
+        Mode("strategy", "strategy", compiled=False),
+        Mode("plain-compiled", "plain", compiled=True),
+        Mode("strategy-compiled", "strategy", compiled=True),
+    )
+}
+#: The (strategy, baseline) pairs whose throughput ratio the issue asks for.
+RATIO_PAIRS = (("strategy", "plain"), ("strategy-compiled", "plain-compiled"))
+#: Compiling on CPU needs a C++ toolchain and minutes of a shared machine; CPU runs default to eager.
+DEFAULT_MODES = {"cuda": tuple(MODES), "cpu": ("plain", "strategy")}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything that defines a run; written into the JSON so a result says what it measured."""
+
+    model: str = "xl"
+    micro_batch: int = 8
+    steps: int = 20
+    warmup: int = 5
+    device: str = "cuda"
+    modes: tuple[str, ...] = DEFAULT_MODES["cuda"]
+    #: Dense 16-bit peak of one device in TFLOP/s; ``None``: looked up from the GPU's name.
+    peak_tflops: Optional[float] = None
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    seed: int = 0
+    activation_checkpointing: bool = False
+    #: ``MiCSStrategy(prefetch_depth=...)``; ``None`` keeps the strategy's default.
+    prefetch_depth: Optional[int] = None
+    #: With one rank, resharding after forward only re-casts/copies every block again for backward,
+    #: which the plain loop never does; ``False`` keeps the comparison about the strategy's overhead.
+    reshard_after_forward: bool = False
+
+    def __post_init__(self) -> None:
+        GPTConfig.preset(self.model)  # raises on an unknown size
+        for name in ("micro_batch", "steps", "warmup"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be >= 1 (the timing window starts after a warm-up step).")
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise ValueError(f"Unknown mode(s) {unknown}; choose among {', '.join(MODES)}.")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"--modes lists a mode twice: {','.join(self.modes)}.")
+        if self.device not in DEFAULT_MODES:
+            raise ValueError(f"--device must be 'cuda' or 'cpu', got {self.device!r}.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}.")
+
+    @property
+    def gpt(self) -> GPTConfig:
+        return GPTConfig.preset(self.model)
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.gpt.seq_len
+
+
+@dataclass
+class ModeResult:
+    """What one mode measured. ``status``: ``ok``, ``skipped`` (the strategy lacks an option) or ``error``."""
+
+    mode: str
+    status: str = "ok"
+    detail: str = ""
+    steps_timed: int = 0
+    seconds: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    mfu: Optional[float] = None
+    peak_memory_bytes: Optional[int] = None
+    peak_reserved_bytes: Optional[int] = None
+    #: Loss of the first step (identical init and data, so close across modes) and of the last one.
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+
+
+class SkipMode(Exception):
+    """A mode that cannot run with this checkout (e.g. a strategy option not implemented yet)."""
+
+
+# ---------------------------------------------------------------------------------- shared pieces
+class BenchmarkGPT(GPTLightningModule):
+    """The examples' GPT with what both loops must share: the optimizer, and no per-step logging.
+
+    ``GPTLightningModule`` logs the loss every step and warms the learning rate up through a
+    scheduler; the plain loop has neither, so both are left out here -- the comparison is about the
+    strategy, and a fused AdamW at constant learning rate is the same optimizer in both loops.
+    """
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        super().__init__(cfg.gpt, learning_rate=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas, warmup_steps=0)
+        self.bench = cfg
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch)[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self, self.bench)
+
+
+def make_optimizer(module: nn.Module, cfg: BenchConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (as ``GPTLightningModule``); fused on CUDA, where
+    one kernel updates all parameters -- the fastest AdamW PyTorch has, for both loops."""
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        fused=True if cfg.device == "cuda" else None,
+    )
+
+
+def build_module(cfg: BenchConfig) -> BenchmarkGPT:
+    """The model, initialised directly on the device from ``cfg.seed``: the same weights in every mode."""
+    torch.manual_seed(cfg.seed)
+    with torch.device(cfg.device):
+        return BenchmarkGPT(cfg)
+
+
+def make_loader(cfg: BenchConfig) -> DataLoader:
+    """``total_steps`` micro-batches of random byte tokens (throughput does not depend on the text),
+    the same for every mode; pinned on CUDA so the copy to the device is asynchronous in both loops."""
+    gpt = cfg.gpt
+    generator = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(0, gpt.vocab_size, (cfg.total_steps * cfg.micro_batch, gpt.seq_len + 1), generator=generator)
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return DataLoader(dataset, batch_size=cfg.micro_batch, shuffle=False, pin_memory=cfg.device == "cuda")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepWindow:
+    """Times optimizer steps ``[warmup, warmup + steps)`` and keeps the first and last losses.
+
+    Both loops call :meth:`after_step` once per optimizer step. The clock starts when step
+    ``warmup - 1`` has finished on the device and stops when the last step has, so the window holds
+    exactly ``steps`` steps of device work and host overhead, and no compilation or allocator warm-up.
+    Losses are read (a host sync) only outside the window.
+    """
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.warmup, self.steps = cfg.warmup, cfg.steps
+        self.device = torch.device(cfg.device)
+        self._start: Optional[float] = None
+        self.seconds: Optional[float] = None
+        self.first_loss: Optional[float] = None
+        self.last_loss: Optional[float] = None
+
+    def after_step(self, step: int, loss: Tensor) -> None:
+        if step == 0:
+            self.first_loss = float(loss)
+        if step == self.warmup - 1:
+            synchronize(self.device)
+            self._start = time.perf_counter()
+        elif step == self.warmup + self.steps - 1:
+            synchronize(self.device)
+            assert self._start is not None
+            self.seconds = time.perf_counter() - self._start
+            self.last_loss = float(loss)
+
+
+class StepWindowCallback(Callback):
+    """Feeds Lightning's steps to a :class:`StepWindow` (one micro-batch per step, one epoch)."""
+
+    def __init__(self, window: StepWindow) -> None:
+        self.window = window
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.window.after_step(batch_idx, outputs["loss"])
+
+
+# ---------------------------------------------------------------------------------- the two loops
+def train_plain(cfg: BenchConfig, compiled: bool, window: StepWindow) -> weakref.ref:
+    """The hand-written AMP loop. Blocks get activation checkpointing, then ``torch.compile``, per
+    block and in place -- what ``MiCSStrategy`` does to its wrapped blocks before sharding -- so the
+    two loops run the same compiled units and differ only by the strategy."""
+    module = build_module(cfg)
+    for block in module.model.blocks:
+        if cfg.activation_checkpointing:
+            checkpoint(block)
+        if compiled:
+            block.compile()
+    optimizer = make_optimizer(module, cfg)
+    device = torch.device(cfg.device)
+    module.train()
+    for step, (tokens, targets) in enumerate(make_loader(cfg)):
+        tokens = tokens.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = module._loss((tokens, targets))[0]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        window.after_step(step, loss.detach())
+    return weakref.ref(module)
+
+
+def strategy_options(cfg: BenchConfig, compiled: bool) -> dict[str, Any]:
+    """``MiCSStrategy`` arguments for this run. Options of the GPU path (issue 7) are passed only
+    when asked for, and a mode that needs one this checkout lacks is skipped rather than faked."""
+    accepted = set(inspect.signature(MiCSStrategy.__init__).parameters)
+    options: dict[str, Any] = {"reshard_after_forward": cfg.reshard_after_forward}
+    wanted = {
+        "compile_blocks": True if compiled else None,
+        "activation_checkpointing_policy": True if cfg.activation_checkpointing else None,
+        "prefetch_depth": cfg.prefetch_depth,
+    }
+    for name, value in wanted.items():
+        if value is None:
+            continue
+        if name not in accepted:
+            raise SkipMode(f"MiCSStrategy has no `{name}` option in this checkout")
+        options[name] = value
+    return options
+
+
+def train_strategy(cfg: BenchConfig, compiled: bool, window: StepWindow) -> weakref.ref:
+    """The same module and data through ``Trainer(strategy=MiCSStrategy(...))`` on one device."""
+    strategy = MiCSStrategy(**strategy_options(cfg, compiled))
+    module = build_module(cfg)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator=cfg.device,
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=cfg.total_steps,
+        callbacks=[StepWindowCallback(window)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        # One rank needs no DistributedSampler, and Lightning's would shuffle: keep the plain loop's batch order.
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module, train_dataloaders=make_loader(cfg))
+    return weakref.ref(module)
+
+
+TRAINERS = {"plain": train_plain, "strategy": train_strategy}
+
+
+# ---------------------------------------------------------------------------------- measuring
+def resolve_peak_flops(cfg: BenchConfig) -> Optional[float]:
+    """FLOP/s that MFU is relative to: ``--peak-tflops``, else the GPU's dense bf16 peak by name
+    (989 TFLOP/s for H100/H200 SXM); ``None`` on CPU, whose peak is not a meaningful reference."""
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops * 1e12
+    if cfg.device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in KNOWN_PEAK_FLOPS_16BIT.items() if key in name), None)
+
+
+def release_memory(device: torch.device, compiled: bool) -> None:
+    """Drop what the last mode left (compiled graphs hold references to its modules), so the next
+    mode's peak memory counts only its own tensors."""
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_mode(cfg: BenchConfig, mode: Mode, peak_flops: Optional[float]) -> ModeResult:
+    """Train one mode and turn its timing window into a result; errors become a result too, so a
+    failing mode (say, out of memory) does not lose the others' numbers."""
+    device = torch.device(cfg.device)
+    release_memory(device, compiled=False)
+    window = StepWindow(cfg)
+    result = ModeResult(mode.name)
+    module_ref: Optional[weakref.ref] = None
+    try:
+        module_ref = TRAINERS[mode.runner](cfg, mode.compiled, window)
+    except SkipMode as skip:
+        result.status, result.detail = "skipped", str(skip)
+    except Exception:  # noqa: BLE001 -- reported in the results, and the exit status
+        result.status, result.detail = "error", traceback.format_exc(limit=-8)
+        print(f"[{mode.name}] failed:\n{result.detail}", file=sys.stderr)
+    if window.seconds is not None and result.status == "ok":
+        result.steps_timed = cfg.steps
+        result.seconds = window.seconds
+        result.step_time_s = window.seconds / cfg.steps
+        result.tokens_per_s = cfg.steps * cfg.tokens_per_step / window.seconds
+        result.mfu = cfg.gpt.flops_per_token * result.tokens_per_s / peak_flops if peak_flops else None
+    elif result.status == "ok":
+        result.status, result.detail = "error", "the timing window never closed (fewer steps ran than asked)"
+    result.first_loss, result.last_loss = window.first_loss, window.last_loss
+    if device.type == "cuda":
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        result.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
+    release_memory(device, compiled=mode.compiled)
+    if module_ref is not None and module_ref() is not None:
+        warnings.warn(f"[{mode.name}] the model outlived its mode; later modes' peak memory includes it.")
+    return result
+
+
+def ratios(results: Sequence[ModeResult]) -> dict[str, float]:
+    """Throughput of each strategy mode over its plain counterpart, where both ran."""
+    by_name = {r.mode: r for r in results if r.tokens_per_s}
+    return {
+        f"{a}/{b}": by_name[a].tokens_per_s / by_name[b].tokens_per_s  # type: ignore[operator]
+        for a, b in RATIO_PAIRS
+        if a in by_name and b in by_name
+    }
+
+
+# ---------------------------------------------------------------------------------- reporting
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value * scale:{spec}}{suffix}"
+
+
+def format_table(cfg: BenchConfig, results: Sequence[ModeResult], ratio: dict[str, float]) -> str:
+    gpt = cfg.gpt
+    header = (
+        f"{'mode':<18} {'status':<8} {'tokens/s':>11} {'step ms':>9} {'MFU':>7} {'peak mem':>10} "
+        f"{'loss first→last':>17}"
+    )
+    lines = [
+        f"GPT {cfg.model}: d_model {gpt.d_model}, {gpt.n_layers} layers, {gpt.n_heads} heads, seq {gpt.seq_len}, "
+        f"{gpt.num_params / 1e9:.3f}B params, {gpt.flops_per_token / 1e9:.2f} GFLOP/token; micro-batch "
+        f"{cfg.micro_batch}, bf16, {cfg.steps} timed steps after {cfg.warmup} warm-up, device {cfg.device}",
+        header,
+        "-" * len(header),
+    ]
+    for r in results:
+        losses = "n/a" if r.first_loss is None else f"{r.first_loss:.3f}→{_fmt(r.last_loss, '.3f')}"
+        lines.append(
+            f"{r.mode:<18} {r.status:<8} {_fmt(r.tokens_per_s, ',.0f'):>11} {_fmt(r.step_time_s, '.1f', 1e3):>9} "
+            f"{_fmt(r.mfu, '.1f', 100, '%'):>7} {_fmt(r.peak_memory_bytes, '.1f', 2**-30, ' GiB'):>10} {losses:>17}"
+        )
+        if r.status == "skipped":
+            lines.append(f"    skipped: {r.detail}")
+    for name, value in ratio.items():
+        lines.append(f"throughput {name}: {value:.3f} (target >= {TARGET_RATIO})")
+    for r in results:
+        if r.mode.startswith("strategy") and r.mfu is not None:
+            lines.append(f"MFU {r.mode}: {r.mfu:.1%} (target >= {TARGET_MFU:.0%})")
+    return "\n".join(lines)
+
+
+def report(cfg: BenchConfig, results: Sequence[ModeResult], peak_flops: Optional[float]) -> dict[str, Any]:
+    """The JSON document: configuration, environment, per-mode results, ratios and targets."""
+    ratio = ratios(results)
+    strategy = next((r for r in results if r.mode == "strategy"), None)
+    return {
+        "benchmark": "gpu_throughput",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": asdict(cfg),
+        "model": {
+            **asdict(cfg.gpt),
+            "num_params": cfg.gpt.num_params,
+            "flops_per_token": cfg.gpt.flops_per_token,
+            "tokens_per_step": cfg.tokens_per_step,
+        },
+        "environment": {
+            "device_name": torch.cuda.get_device_name() if cfg.device == "cuda" else platform.processor() or "cpu",
+            "peak_flops": peak_flops,
+            "torch": torch.__version__,
+            "lightning": lightning.__version__,
+            "python": platform.python_version(),
+        },
+        "results": [asdict(r) for r in results],
+        "ratios": ratio,
+        "targets": {
+            "strategy_mfu": TARGET_MFU,
+            "strategy/plain": TARGET_RATIO,
+            "strategy_mfu_met": None if strategy is None or strategy.mfu is None else strategy.mfu >= TARGET_MFU,
+            "strategy/plain_met": ratio["strategy/plain"] >= TARGET_RATIO if "strategy/plain" in ratio else None,
+        },
+    }
+
+
+def run(cfg: BenchConfig) -> tuple[list[ModeResult], dict[str, Any]]:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda, but torch sees no CUDA device (use --device cpu for a smoke test).")
+        torch.cuda.set_device(0)
+    peak_flops = resolve_peak_flops(cfg)
+    try:
+        results = [run_mode(cfg, MODES[name], peak_flops) for name in cfg.modes]
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return results, report(cfg, results, peak_flops)
+
+
+# ---------------------------------------------------------------------------------- CLI
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = BenchConfig()
+    parser.add_argument("--model", default=defaults.model, help="GPT preset (tiny, small, medium, large, xl)")
+    parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps first (>= 1)")
+    parser.add_argument("--device", choices=sorted(DEFAULT_MODES), default=defaults.device)
+    parser.add_argument(
+        "--modes", default=None, help=f"comma-separated among {','.join(MODES)}; default: all on cuda, eager on cpu"
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="dense bf16 peak of a device (default: by GPU name; H100: 989)"
+    )
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint every block, both loops")
+    parser.add_argument("--prefetch-depth", type=int, default=None, help="MiCSStrategy(prefetch_depth=...)")
+    parser.add_argument(
+        "--reshard-after-forward", action="store_true", help="MiCSStrategy(reshard_after_forward=True); off by default"
+    )
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    args = parser.parse_args(argv)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else DEFAULT_MODES[args.device]
+    try:
+        cfg = BenchConfig(
+            model=args.model,
+            micro_batch=args.micro_batch,
+            steps=args.steps,
+            warmup=args.warmup,
+            device=args.device,
+            modes=modes,
+            peak_tflops=args.peak_tflops,
+            lr=args.lr,
+            seed=args.seed,
+            activation_checkpointing=args.activation_checkpointing,
+            prefetch_depth=args.prefetch_depth,
+            reshard_after_forward=args.reshard_after_forward,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    return cfg, args.json
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run, print the table, write the JSON; exit status 1 when a mode failed (skipped is fine)."""
+    cfg, json_path = parse_args(argv)
+    results, document = run(cfg)
+    print(format_table(cfg, results, document["ratios"]))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"results: {json_path}")
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
