@@ -42,7 +42,8 @@ import random
 import re
 import secrets
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -333,16 +334,27 @@ def _read_torch_file(path: Path) -> Any:
     import pickle
     import zipfile
 
+    is_zip = zipfile.is_zipfile(path)
+    with open(path, "rb") as handle:
+        is_legacy_pickle = handle.read(1) == b"\x80"  # pickle protocol marker of pre-1.6 torch.save files
+    if not (is_zip or is_legacy_pickle):
+        raise CheckpointError(f"{path} is not a PyTorch checkpoint file (not written by torch.save).")
     try:
         # mmap: every rank reads a full checkpoint; mapping it costs no memory until a tensor is used
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
             f"{path} holds objects that torch.load(weights_only=True) refuses to unpickle; it is not loaded because "
-            f"that could run arbitrary code. Re-save it with plain tensors and containers. ({err})"
+            f"that could run arbitrary code. Re-save it with plain tensors and containers. {_unpickler_reason(err)}"
         ) from err
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not a PyTorch checkpoint file (torch.load failed: {err}).") from err
+        raise CheckpointError(f"{path} is not a readable PyTorch checkpoint file (torch.load failed: {err}).") from err
+
+
+def _unpickler_reason(err: BaseException) -> str:
+    """The one informative line of torch's long weights-only error."""
+    lines = [line.strip() for line in str(err).splitlines() if "Unsupported" in line or "WeightsUnpickler" in line]
+    return f"({lines[0]})" if lines else ""
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):
@@ -396,9 +408,12 @@ def _staging_leftovers(target: Path) -> list[Path]:
             if entry.name.startswith(prefix + _PARTIAL_MARK) or entry.name.startswith(prefix + _OLD_MARK):
                 found.append(entry)
     if target.is_dir() and not target.is_symlink():
-        current = _read_manifest(target).get("data") if (target / MANIFEST_FILE).is_file() else None
+        try:
+            current = _read_manifest(target).get("data") if (target / MANIFEST_FILE).is_file() else None
+        except CheckpointError:
+            current = ""  # damaged record: which data is current is unknown, so none counts as stale
         for entry in target.iterdir():
-            stale_data = _DATA_DIR_PATTERN.match(entry.name) and entry.name != current
+            stale_data = current != "" and _DATA_DIR_PATTERN.match(entry.name) and entry.name != current
             if entry.name.startswith(_PARTIAL_MARK) or entry.name.startswith(f".{MANIFEST_FILE}") or stale_data:
                 found.append(entry)
     return sorted(found)
@@ -445,11 +460,26 @@ def _plan_save(target: Path, global_step: int, full: bool) -> _SavePlan:
     return _SavePlan(**plan, mode=mode, token=token)
 
 
-def _agree_on_plan(target: Path, global_step: int, full: bool) -> _SavePlan:
-    plan = _from_rank_zero(_plan_save(target, global_step, full) if _rank() == 0 else None)
-    if plan.error:
-        raise CheckpointError(plan.error)
-    return plan
+def _agree_on_plan(
+    target: Path, trainer_state: Mapping[str, Any], full: bool
+) -> tuple[_SavePlan, Optional[dict[str, Any]]]:
+    """Rank 0 checks the trainer state and plans the save; every rank gets the plan -- or the error,
+    so that all ranks raise it together instead of waiting for rank 0 in a later collective."""
+    plan: Optional[_SavePlan] = None
+    safe_state: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+    if _rank() == 0:
+        try:
+            safe_state = _safe_trainer_state(trainer_state)
+            plan = _plan_save(target, int(trainer_state.get("global_step", 0) or 0), full)
+            error = plan.error
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            error = f"Cannot save a checkpoint to {target}: {err}"
+    plan, error = _from_rank_zero((plan, error))
+    if error:
+        raise CheckpointError(error)
+    assert plan is not None
+    return plan, safe_state
 
 
 def _publish(plan: _SavePlan) -> None:
@@ -535,15 +565,17 @@ def _save_sharded(
     optimizer_states: Optional[list[dict[str, Any]]],
     layout: CheckpointLayout,
 ) -> None:
-    plan = _agree_on_plan(target, int(trainer_state.get("global_step", 0) or 0), full=False)
+    plan, safe_state = _agree_on_plan(target, trainer_state, full=False)
     data_dir = Path(plan.data_dir)
     payload: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer_states:
         payload[OPTIMIZERS_KEY] = {str(i): state for i, state in enumerate(optimizer_states)}
-    dcp.save(payload, storage_writer=FileSystemWriter(data_dir))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: intended
+        dcp.save(payload, storage_writer=FileSystemWriter(data_dir))
     _write_durably(data_dir / RNG_DIR / f"rank{_rank():05d}.pt", _torch_bytes(capture_rng_state()))
-    if _rank() == 0:
-        _write_durably(data_dir / TRAINER_STATE_FILE, _torch_bytes(_safe_trainer_state(trainer_state)))
+    if safe_state is not None:  # rank 0
+        _write_durably(data_dir / TRAINER_STATE_FILE, _torch_bytes(safe_state))
     _barrier()  # every rank's shards and RNG file are on disk
     if _rank() == 0:
         manifest = {
@@ -572,9 +604,8 @@ def _save_full(
         dist.all_gather_object(rng_states, capture_rng_state())
     else:
         rng_states = [capture_rng_state()]
-    plan = _agree_on_plan(target, int(trainer_state.get("global_step", 0) or 0), full=True)
-    if _rank() == 0:
-        state = _safe_trainer_state(trainer_state)
+    plan, state = _agree_on_plan(target, trainer_state, full=True)
+    if state is not None:  # rank 0
         state["state_dict"] = model_state
         if optimizer_states is not None:
             state["optimizer_states"] = optimizer_states
@@ -857,8 +888,6 @@ def _read_dcp(data_dir: Path, state: dict[str, Any], planner: DefaultLoadPlanner
     """``dcp.load`` whose failures (reported per rank, with tracebacks) become one clear error."""
     import pickle
 
-    import warnings
-
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     try:
@@ -878,7 +907,8 @@ def _read_dcp(data_dir: Path, state: dict[str, Any], planner: DefaultLoadPlanner
         if any(isinstance(cause, pickle.UnpicklingError) for cause in causes):
             raise CheckpointError(
                 f"{data_dir} holds objects that torch.load(weights_only=True) refuses to unpickle; it is not loaded "
-                "because that could run arbitrary code."
+                "because that could run arbitrary code. "
+                + next(_unpickler_reason(c) for c in causes if isinstance(c, pickle.UnpicklingError))
             ) from err
         summary = "; ".join(sorted({f"{type(cause).__name__}: {cause}" for cause in causes})) or str(err)
         raise CheckpointError(f"Reading the shards in {data_dir} failed (damaged checkpoint?): {summary}") from err

@@ -161,13 +161,19 @@ class HierarchicalGroups:
     nodes_per_partition: int  #: k
 
 
-def create_hierarchical_groups(topology: Any, rank: int, backend: str | None = None) -> HierarchicalGroups:
+def create_hierarchical_groups(
+    topology: Any, rank: int, backend: str | None = None, timeout: Any = None
+) -> HierarchicalGroups:
     """Create (collectively: every rank must call this) the intra- and inter-node sub-groups of
     every partition, and return this rank's. ``topology`` is a :class:`MiCSTopology`."""
     if not topology.spans_nodes:
         raise ValueError("hierarchical collectives need a partition that spans more than one node")
-    intra, _ = dist.new_subgroups_by_enumeration([list(g) for g in topology.intra_node_groups], backend=backend)
-    inter, _ = dist.new_subgroups_by_enumeration([list(g) for g in topology.inter_node_groups], backend=backend)
+    intra, _ = dist.new_subgroups_by_enumeration(
+        [list(g) for g in topology.intra_node_groups], timeout=timeout, backend=backend
+    )
+    inter, _ = dist.new_subgroups_by_enumeration(
+        [list(g) for g in topology.inter_node_groups], timeout=timeout, backend=backend
+    )
     return HierarchicalGroups(
         partition_ranks=topology.partition_group_of(rank),
         intra_node=intra,

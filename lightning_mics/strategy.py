@@ -13,7 +13,6 @@ import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -58,6 +57,39 @@ log = logging.getLogger(__name__)
 
 #: Mesh dimension names: rows are partition groups, columns replication groups.
 REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
+
+
+def build_device_mesh(
+    topology: MiCSTopology, device_type: str, backend: str, timeout: Optional[timedelta] = None
+) -> DeviceMesh:
+    """A (replicate, shard) mesh whose rows are the partition groups. With a single partition there
+    is nothing to replicate, so a 1-D shard mesh over the world is used (plain FSDP, no all-reduce).
+
+    The mesh's sub-groups get the strategy's collective ``timeout`` (``init_device_mesh`` would
+    otherwise create them with torch's 30-minute default, and a hung peer would stall the others
+    that long).
+    """
+    if topology.replication_degree == 1:
+        return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
+    options = _backend_options(backend, timeout)
+    kwargs: dict[str, Any] = {}
+    if options is not None:
+        kwargs["backend_override"] = {REPLICATE_DIM: (backend, options), SHARD_DIM: (backend, options)}
+    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
+
+
+def _backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
+    """Backend options carrying ``timeout``, or ``None`` where this backend has no options class."""
+    if timeout is None:
+        return None
+    if backend == "gloo" and hasattr(dist, "ProcessGroupGloo"):
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
 
 
 class _MiCSRoot(nn.Module):
@@ -295,11 +327,13 @@ class MiCSStrategy(ParallelStrategy):
         self._device_mesh = self._build_mesh(self._topology)
         if self._shards_optimizer_beyond_partition:
             shard_groups, replica_groups = self._topology.optimizer_state_groups(self._optim_degree)  # type: ignore
-            shard_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in shard_groups])
-            replica_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in replica_groups])
+            shard_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in shard_groups], timeout=self._timeout)
+            replica_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in replica_groups], timeout=self._timeout)
             self._optim_groups = (shard_pg, replica_pg)
         if self._uses_hierarchical_collectives(self._topology):
-            self._hierarchical_groups = create_hierarchical_groups(self._topology, self.global_rank)
+            self._hierarchical_groups = create_hierarchical_groups(
+                self._topology, self.global_rank, timeout=self._timeout
+            )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
 
@@ -358,12 +392,8 @@ class MiCSStrategy(ParallelStrategy):
         return mesh
 
     def _build_mesh(self, topology: MiCSTopology) -> DeviceMesh:
-        """A (replicate, shard) mesh whose rows are the partition groups. With a single partition
-        there is nothing to replicate, so a 1-D shard mesh is used (plain FSDP, no all-reduce)."""
-        device_type = self.root_device.type
-        if topology.replication_degree == 1:
-            return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
-        return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM))
+        assert self._process_group_backend is not None
+        return build_device_mesh(topology, self.root_device.type, self._process_group_backend, self._timeout)
 
     # ------------------------------------------------------------------ model setup
     @override

@@ -178,3 +178,35 @@ def test_auto_partition_size_is_the_planners_choice(misc):
     expected = choose_partition_size(4, 2, params, misc[0]["auto_memory"], training=TrainingSpec(precision="32-true"))
     assert {out["auto_partition"] for out in misc} == {expected}
     assert all("configure_model" in out["auto_error"] for out in misc)
+
+
+def _hang_on_the_shard_group(rank: int, world: int) -> dict:
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_mics.strategy import SHARD_DIM, build_device_mesh
+    from lightning_mics.topology import MiCSTopology
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    mesh = build_device_mesh(MiCSTopology.create(world, 2, 2), "cpu", "gloo", timeout=timedelta(seconds=2))
+    group = mesh.get_group(SHARD_DIM)
+    dist.barrier(group=group)  # the groups work
+    if rank % 2 == 1:
+        time.sleep(12)  # a peer that hangs without dying
+        return {"error": None, "waited": 0.0}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=group)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    return {"error": error, "waited": time.monotonic() - start}
+
+
+def test_mesh_groups_use_the_strategy_timeout():
+    results = run_ranks(_hang_on_the_shard_group, 4)
+    for rank in (0, 2):
+        assert results[rank]["error"], "a rank waiting on a hung peer must fail, not hang"
+        assert results[rank]["waited"] < 10, results[rank]
