@@ -550,7 +550,6 @@ def save(
     checkpoint = dict(checkpoint)
     model_state = checkpoint.pop("state_dict", {})
     optimizer_states = checkpoint.pop("optimizer_states", None)
-    global_step = int(checkpoint.get("global_step", 0) or 0)
     layout = layout or CheckpointLayout(_world_size(), _world_size(), _world_size())
     if full:
         _save_full(target, checkpoint, model_state, optimizer_states, layout)

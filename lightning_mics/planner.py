@@ -78,7 +78,6 @@ The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimiz
 from __future__ import annotations
 
 import json
-import math
 import re
 import statistics
 import time
@@ -1109,3 +1108,45 @@ __all__ = [
     "mics_speedup_over_zero3",
     "plan",
 ]
+
+
+def device_memory_bytes(device: Any, ranks_per_node: int) -> float:
+    """Memory one rank may use: the GPU's total memory, or on CPU the host's memory shared by the
+    node's ranks."""
+    import os
+
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks_per_node
+
+
+def plan_partition_size_for(
+    module: Any,
+    world_size: int,
+    ranks_per_node: int,
+    device: Any,
+    precision: str = "bf16-mixed",
+    accumulation: int = 1,
+) -> int:
+    """:func:`choose_partition_size` for a live module on this device: what
+    ``MiCSStrategy(partition_size="auto")`` calls once the processes exist.
+
+    Raises:
+        ValueError: when the module has no parameters yet (built later, in ``configure_model``).
+    """
+    param_count = sum(p.numel() for p in module.parameters())
+    if param_count == 0:
+        raise ValueError(
+            "partition_size='auto' needs the model's parameters before the processes are set up, but the "
+            "LightningModule has none yet (built in configure_model?). Create the model in __init__ (inside "
+            "`trainer.init_module(empty_init=True)` for big models) or pass partition_size explicitly."
+        )
+    return choose_partition_size(
+        world_size,
+        ranks_per_node,
+        param_count,
+        device_memory_bytes(device, ranks_per_node),
+        training=TrainingSpec(accumulation=accumulation, precision=precision),
+    )

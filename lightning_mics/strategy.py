@@ -9,7 +9,6 @@ The ideas live in their own modules -- :mod:`~lightning_mics.topology` (who shar
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -39,7 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -48,6 +47,11 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics.collectives import HierarchicalGroups, create_hierarchical_groups, install_hierarchical_collectives
 from lightning_mics.grad_sync import defer_cross_replica_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.process_groups import (
+    SHARD_DIM,
+    build_device_mesh,
+    create_optimizer_state_groups,
+)
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
@@ -55,41 +59,6 @@ from lightning_mics.wrapping import AutoWrapPolicy, has_meta_tensors, materializ
 
 log = logging.getLogger(__name__)
 
-#: Mesh dimension names: rows are partition groups, columns replication groups.
-REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
-
-
-def build_device_mesh(
-    topology: MiCSTopology, device_type: str, backend: str, timeout: Optional[timedelta] = None
-) -> DeviceMesh:
-    """A (replicate, shard) mesh whose rows are the partition groups. With a single partition there
-    is nothing to replicate, so a 1-D shard mesh over the world is used (plain FSDP, no all-reduce).
-
-    The mesh's sub-groups get the strategy's collective ``timeout`` (``init_device_mesh`` would
-    otherwise create them with torch's 30-minute default, and a hung peer would stall the others
-    that long).
-    """
-    if topology.replication_degree == 1:
-        return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
-    options = _backend_options(backend, timeout)
-    kwargs: dict[str, Any] = {}
-    if options is not None:
-        kwargs["backend_override"] = {REPLICATE_DIM: (backend, options), SHARD_DIM: (backend, options)}
-    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
-
-
-def _backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
-    """Backend options carrying ``timeout``, or ``None`` where this backend has no options class."""
-    if timeout is None:
-        return None
-    if backend == "gloo" and hasattr(dist, "ProcessGroupGloo"):
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return options
 
 
 class _MiCSRoot(nn.Module):
@@ -326,10 +295,7 @@ class MiCSStrategy(ParallelStrategy):
         self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
         self._device_mesh = self._build_mesh(self._topology)
         if self._shards_optimizer_beyond_partition:
-            shard_groups, replica_groups = self._topology.optimizer_state_groups(self._optim_degree)  # type: ignore
-            shard_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in shard_groups], timeout=self._timeout)
-            replica_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in replica_groups], timeout=self._timeout)
-            self._optim_groups = (shard_pg, replica_pg)
+            self._optim_groups = create_optimizer_state_groups(self._topology, self._optim_degree, self._timeout)
         if self._uses_hierarchical_collectives(self._topology):
             self._hierarchical_groups = create_hierarchical_groups(
                 self._topology, self.global_rank, timeout=self._timeout
@@ -338,33 +304,22 @@ class MiCSStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
 
     def _plan_partition_size(self, ranks_per_node: int) -> int:
-        """``partition_size="auto"``: the planner's fastest layout that fits this model in this
-        device's memory (generic bandwidths for this kind of cluster; see lightning_mics.planner)."""
-        from lightning_mics.planner import TrainingSpec, choose_partition_size
+        """``partition_size="auto"``: the planner's fastest layout that fits this model in memory."""
+        from lightning_mics.planner import plan_partition_size_for
 
         assert self.lightning_module is not None
-        param_count = sum(p.numel() for p in self.lightning_module.parameters())
-        if param_count == 0:
-            raise ValueError(
-                "partition_size='auto' needs the model's parameters before the processes are set up, but the "
-                "LightningModule has none yet (built in configure_model?). Create the model in __init__ (inside "
-                "`trainer.init_module(empty_init=True)` for big models) or pass partition_size explicitly."
-            )
         trainer = getattr(self.lightning_module, "_trainer", None)
-        accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        training = TrainingSpec(accumulation=accumulation, precision=self.precision_plugin.precision)
-        size = choose_partition_size(
-            self.world_size, ranks_per_node, param_count, self._device_memory_bytes(ranks_per_node), training=training
+        size = plan_partition_size_for(
+            self.lightning_module,
+            self.world_size,
+            ranks_per_node,
+            self.root_device,
+            precision=self.precision_plugin.precision,
+            accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
         )
         if self.is_global_zero:
-            log.info("partition_size='auto': the planner chose %d for %s parameters", size, f"{param_count:,}")
+            log.info("partition_size='auto': the planner chose %d", size)
         return size
-
-    def _device_memory_bytes(self, ranks_per_node: int) -> float:
-        if self.root_device.type == "cuda":
-            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return float(host) / ranks_per_node  # CPU ranks share the host's memory
 
     def _ranks_per_node(self) -> int:
         if self.ranks_per_node_override is not None:

@@ -12,6 +12,7 @@ from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, trainer_kw
 
 import lightning_mics  # noqa: F401  (registers the strategy names)
 from lightning_mics import MiCSStrategy
+from lightning_mics.planner import device_memory_bytes
 
 
 @pytest.mark.parametrize(
@@ -106,7 +107,7 @@ def _misc(rank: int, world: int) -> dict:
     # partition_size="auto": the planner's choice for this model and memory; needs the parameters up front
     trainer = fit_with_mics(ToyModule(cfg), cfg, partition_size="auto", ranks_per_node=2)
     out["auto_partition"] = trainer.strategy.topology.partition_size
-    out["auto_memory"] = trainer.strategy._device_memory_bytes(2)
+    out["auto_memory"] = device_memory_bytes(trainer.strategy.root_device, 2)
     try:
         fit_with_mics(ToyModule(cfg, in_configure_model=True), cfg, partition_size="auto", ranks_per_node=2)
         out["auto_error"] = None
@@ -186,7 +187,7 @@ def _hang_on_the_shard_group(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from lightning_mics.strategy import SHARD_DIM, build_device_mesh
+    from lightning_mics.process_groups import SHARD_DIM, build_device_mesh
     from lightning_mics.topology import MiCSTopology
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))

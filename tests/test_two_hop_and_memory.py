@@ -10,7 +10,6 @@ micro-step is recorded with its group, then checked against the MiCS schedule:
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import pytest
 from distributed import run_ranks
 from recording import CountLocalStateElements, RecordPerMicroStep
