@@ -1,0 +1,457 @@
+"""Emulated cloud cluster benchmark: MiCS against ZeRO-3, replication and Lightning's FSDP peers on
+shaped "nodes" made of network namespaces.
+
+    sudo /work/venv/bin/python benchmarks/emulated_cluster.py            # default: 2 nodes x 4 ranks
+    sudo /work/venv/bin/python benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
+
+Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
+throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
+MiCS paper) and measure that too; then train the same GPT under every strategy
+(:mod:`benchmarks.emulated_worker`, one process per rank inside its node's namespace), compare the
+measured inter-node bytes with :mod:`benchmarks.comm_model`, print a table and write
+``benchmarks/results/emulated_cluster.json`` and ``.png``. Namespaces, links and rank processes
+are removed on every exit path (errors and Ctrl-C included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightning_mics` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.comm_model import (  # noqa: E402
+    Collective,
+    expected_step_bytes,
+    fsdp2_unit_numel,
+    gloo_wire_bytes,
+    gpt_fsdp_units,
+    gradient_bytes_held_during_accumulation,
+)
+from benchmarks.netns import REPO_ROOT, UPLINK, EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
+from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup, select_strategies  # noqa: E402
+from lightning_mics.models import GPTConfig  # noqa: E402
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+MASTER_PORT_BASE = 29600
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model and run length of a mode. The model is chosen so that communication dominates: wide
+    layers (bytes to move) and few tokens per micro-batch (little compute)."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    warmup_steps: int
+    measured_steps: int
+    probe_seconds: float
+    run_timeout_s: int
+
+
+FULL = Preset(d_model=512, n_layers=4, n_heads=8, seq_len=8, warmup_steps=1, measured_steps=5,
+              probe_seconds=3.0, run_timeout_s=600)
+QUICK = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=1, measured_steps=2,
+               probe_seconds=1.0, run_timeout_s=150)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps: finishes in < 5 minutes")
+    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
+    parser.add_argument("--strategies", help="comma-separated subset of the strategy names (default: all)")
+    parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step (default 4)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per rank (default 1)")
+    parser.add_argument("--d-model", type=int, help="model width (default: 512, quick: 256)")
+    parser.add_argument("--layers", type=int, help="transformer blocks (default: 4, quick: 2)")
+    parser.add_argument("--heads", type=int, help="attention heads (default: 8, quick: 4)")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default 8: little compute per byte moved)")
+    parser.add_argument("--warmup-steps", type=int, help="optimizer steps run but not measured (default 1)")
+    parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2)")
+    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
+                        help="inter-node rate = measured per-node loopback throughput / this (default 15)")
+    parser.add_argument("--calibrate", choices=("gloo", "tcp"), default="gloo",
+                        help="loopback throughput to divide: what gloo all-reduces achieve with all ranks of all "
+                             "nodes at once (default), or raw TCP streams (an upper bound gloo ranks never reach)")
+    parser.add_argument("--inter-node-mbps", type=float,
+                        help="inter-node rate in MB/s (10^6 bytes/s per direction), instead of the ratio")
+    parser.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000, cloud jumbo frames)")
+    parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
+                          ("seq_len", preset.seq_len), ("warmup_steps", preset.warmup_steps),
+                          ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.probe_seconds = preset.probe_seconds
+    if args.bandwidth_ratio <= 0:
+        parser.error(f"--bandwidth-ratio must be positive, got {args.bandwidth_ratio}.")
+    if args.inter_node_mbps is not None and args.inter_node_mbps <= 0:
+        parser.error(f"--inter-node-mbps must be positive, got {args.inter_node_mbps}.")
+    try:
+        args.cluster = ClusterShape(args.nodes, args.ranks_per_node)
+        args.setup = TrainingSetup(
+            model=GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads),
+            micro_batch=args.micro_batch,
+            accumulate=args.accumulate,
+            warmup_steps=args.warmup_steps,
+            measured_steps=args.steps,
+        )
+        args.setup.check_corpus(args.cluster)
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
+        args.specs = select_strategies(args.cluster, names)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+# ---------------------------------------------------------------------------------- network
+@dataclass(frozen=True)
+class NetworkSettings:
+    loopback_single_stream_bytes_per_s: float  #: one raw TCP stream on one node, nothing else running
+    loopback_tcp_per_node_bytes_per_s: float  #: raw TCP, ranks_per_node streams on every node at once
+    loopback_gloo_per_node_bytes_per_s: float  #: gloo all-reduces, ranks_per_node ranks on every node at once
+    calibration: str  #: which loopback number the inter-node rate is derived from ("gloo" or "tcp")
+    #: That number (per node): the intra-node bandwidth of the emulated cluster (read by compare_planner.py).
+    loopback_per_node_bytes_per_s: float
+    inter_node_rate_bytes_per_s: float  #: the configured tbf rate, per direction
+    inter_node_measured_bytes_per_s: float  #: one TCP stream across the shaped link
+    mtu: int
+
+
+def set_up_network(cluster: EmulatedCluster, shape: ClusterShape, args: argparse.Namespace) -> NetworkSettings:
+    """Measure loopback (raw TCP and gloo), shape the links, measure the shaped link; print as it goes.
+
+    The inter-node rate is ``1 / --bandwidth-ratio`` of the *gloo* loopback throughput by default:
+    that is the intra-node bandwidth the ranks' collectives actually get on this host (all nodes
+    share its cores), just as the cloud ratio compares what collectives get inside and across
+    nodes. Raw TCP streams move several times more, so a rate derived from them would make the
+    emulated network far flatter than the cloud it stands for.
+    """
+    seconds = args.probe_seconds
+    single = cluster.measure_throughput([(0, 0)], seconds)[0]
+    flows = [(node, node) for node in range(shape.num_nodes) for _ in range(shape.ranks_per_node)]
+    tcp_per_node = sum(cluster.measure_throughput(flows, seconds)) / shape.num_nodes
+    gloo_per_node = measure_gloo_loopback(cluster, shape, args.setup, seconds)
+    print(f"intra-node loopback: raw TCP {_gbit(single)} one stream alone, {_gbit(tcp_per_node)} per node with "
+          f"{shape.ranks_per_node} streams on each of the {shape.num_nodes} nodes at once; gloo all-reduce "
+          f"{_gbit(gloo_per_node)} per node with {shape.ranks_per_node} ranks on every node at once")
+    reference = gloo_per_node if args.calibrate == "gloo" else tcp_per_node
+    rate = args.inter_node_mbps * 1e6 if args.inter_node_mbps else reference / args.bandwidth_ratio
+    cluster.shape(LinkShape(rate))
+    measured = cluster.measure_throughput([(1, 0)], seconds)[0]
+    how = ("set by --inter-node-mbps" if args.inter_node_mbps
+           else f"1/{args.bandwidth_ratio:g} of the per-node {args.calibrate} loopback throughput")
+    print(f"inter-node link: tbf {_gbit(rate)} per direction ({how}); one TCP stream measures {_gbit(measured)}")
+    return NetworkSettings(single, tcp_per_node, gloo_per_node, args.calibrate, reference, rate, measured, args.mtu)
+
+
+def measure_gloo_loopback(cluster: EmulatedCluster, shape: ClusterShape, setup: TrainingSetup, seconds: float) -> float:
+    """Loopback bytes per second per node while every node's ranks all-reduce one model unit's
+    worth of fp32 over gloo (:mod:`benchmarks.gloo_probe`), all nodes at once."""
+    payload = max(fsdp2_unit_numel(u, 1) for u in gpt_fsdp_units(setup.model)) * 4
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1"}
+    leaders: list[subprocess.Popen[bytes]] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in range(shape.num_nodes):
+            init = f"tcp://{cluster.node_address(node)}:{MASTER_PORT_BASE - 10 - node}"
+            for local in range(shape.ranks_per_node):
+                argv = [sys.executable, "-m", "benchmarks.gloo_probe", "--rank", str(local), "--world",
+                        str(shape.ranks_per_node), "--init", init, "--payload-bytes", str(payload),
+                        "--seconds", str(seconds)]
+                # stderr dropped: c10d warns about the namespaces' missing hostnames, harmlessly
+                proc = cluster.spawn(node, argv, env=env, stdout=subprocess.PIPE if local == 0 else subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+                procs.append(proc)
+                if local == 0:
+                    leaders.append(proc)
+        rates = []
+        for leader in leaders:
+            out, _ = leader.communicate(timeout=120 + 10 * seconds)
+            if not out.strip():
+                raise RuntimeError(
+                    f"the gloo loopback probe failed (exit code {leader.returncode}); run "
+                    "`python -m benchmarks.gloo_probe --help` and check that torch.distributed works, "
+                    "or use --calibrate tcp / --inter-node-mbps"
+                )
+            result = json.loads(out.decode().strip().splitlines()[-1])
+            node_ranks = tuple(range(result["ranks"]))  # node-local ring: every edge is loopback
+            per_call = gloo_wire_bytes(Collective("all_reduce", node_ranks, result["payload_bytes"]),
+                                       ClusterShape(2, result["ranks"])).intra_node
+            rates.append(per_call * result["iterations"] / result["seconds"])
+        return sum(rates) / len(rates)
+    finally:
+        for proc in procs:
+            cluster.stop(proc)
+
+
+def _gbit(bytes_per_s: float) -> str:
+    return f"{bytes_per_s * 8 / 1e9:.2f} Gbit/s ({bytes_per_s / 1e6:,.0f} MB/s)"
+
+
+# ---------------------------------------------------------------------------------- runs
+def run_strategy(
+    cluster: EmulatedCluster, spec: StrategySpec, args: argparse.Namespace, work_dir: Path, index: int
+) -> dict[str, Any]:
+    """Launch every rank of one strategy in its node's namespace and return rank 0's record (or a
+    failure record naming the reason)."""
+    shape, setup = args.cluster, args.setup
+    job = work_dir / f"{spec.name}.job.json"
+    setup_dict = asdict(setup)
+    job.write_text(json.dumps({"strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict}))
+    output = work_dir / f"{spec.name}.result.json"
+    base_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "MASTER_ADDR": cluster.node_address(0),
+        "MASTER_PORT": str(MASTER_PORT_BASE + index),
+        "WORLD_SIZE": str(shape.world_size),
+        "GLOO_SOCKET_IFNAME": UPLINK,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs: list[tuple[int, subprocess.Popen[bytes], Path]] = []
+    started = time.monotonic()
+    try:
+        for rank in range(shape.world_size):
+            node, local = divmod(rank, shape.ranks_per_node)
+            env = {**base_env, "NODE_RANK": str(node), "LOCAL_RANK": str(local)}
+            log = work_dir / f"{spec.name}.rank{rank}.log"
+            argv = [sys.executable, "-m", "benchmarks.emulated_worker", "--job", str(job)]
+            if rank == 0:
+                argv += ["--output", str(output)]
+            with log.open("wb") as log_file:
+                procs.append((rank, cluster.spawn(node, argv, env=env, stdout=log_file, stderr=subprocess.STDOUT), log))
+        failure = _wait_all(procs, started + args.run_timeout)
+    finally:
+        for _, proc, _ in procs:
+            cluster.stop(proc)
+    wall = time.monotonic() - started
+    if failure is None and output.exists():
+        record = json.loads(output.read_text())
+        record["wall_s"] = wall
+        return record
+    return {"strategy": spec.name, "family": spec.family, "partition_size": spec.partition_size,
+            "hierarchical": spec.hierarchical, "sharding_strategy": spec.sharding_strategy,
+            "status": failure or "failed: rank 0 wrote no result", "wall_s": wall}
+
+
+def _wait_all(procs: list[tuple[int, subprocess.Popen[bytes], Path]], deadline: float) -> Optional[str]:
+    """Wait for every rank; the first failure (or the timeout) stops the run and is described."""
+    while True:
+        pending = False
+        for rank, proc, log in procs:
+            code = proc.poll()
+            if code is None:
+                pending = True
+            elif code != 0:
+                return f"failed: rank {rank} exited with {code}: {_last_error(log)}"
+        if not pending:
+            return None
+        if time.monotonic() > deadline:
+            return "failed: timed out (see --run-timeout)"
+        time.sleep(0.5)
+
+
+def _last_error(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["(no output)"])[-1][:300]
+
+
+def add_expectations(record: dict[str, Any], spec: StrategySpec, args: argparse.Namespace) -> dict[str, Any]:
+    expected = expected_step_bytes(spec, args.cluster, args.setup)
+    record["expected_inter_node_bytes_per_step"] = expected.inter_node
+    record["expected_loopback_bytes_per_step"] = expected.intra_node
+    record["expected_grad_bytes_during_accumulation"] = gradient_bytes_held_during_accumulation(
+        spec, args.cluster, args.setup
+    )
+    measured = record.get("inter_node_bytes_per_step")
+    if measured is not None and expected.inter_node:
+        record["inter_node_error"] = measured / expected.inter_node - 1
+    record["description"] = spec.description
+    return record
+
+
+# ---------------------------------------------------------------------------------- reporting
+def format_table(records: list[dict[str, Any]]) -> str:
+    header = ("strategy", "p", "hier", "step s", "tokens/s", "inter MB/step", "expected", "err",
+              "loopback MB", "expected", "peak RSS MB", "grad held MB")
+    rows = [header]
+    failures: list[str] = []
+    for r in records:
+        if r.get("status") != "ok":
+            rows.append((r["strategy"], str(r["partition_size"]), _yes_no(r.get("hierarchical")), "-", "-", "-",
+                         _mb(r.get("expected_inter_node_bytes_per_step")), "-", "-", "-", "-", "failed*"))
+            failures.append(f"* {r['strategy']}: {r.get('status')}")
+            continue
+        rows.append((
+            r["strategy"], str(r["partition_size"]), _yes_no(r.get("hierarchical")),
+            f"{r['step_time_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
+            _mb(r["inter_node_bytes_per_step"]), _mb(r["expected_inter_node_bytes_per_step"]),
+            f"{r.get('inter_node_error', 0) * 100:+.1f}%",
+            _mb(r["loopback_bytes_per_step"]), _mb(r["expected_loopback_bytes_per_step"]),
+            _mb(r["peak_mem_bytes"]), _mb(r.get("grad_bytes_during_accumulation")),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:], *failures])
+
+
+def format_markdown(records: list[dict[str, Any]]) -> str:
+    """The same table in Markdown, for the README."""
+    lines = ["| strategy | partition | hier. | step time (s) | tokens/s | inter-node MB/step | expected | "
+             "loopback MB/step | expected | peak RSS/rank (MB) | grad held (MB) |",
+             "|---|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['strategy']} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | "
+                         f"{r.get('status')} | | | {_mb(r.get('expected_inter_node_bytes_per_step'))} | | | | |")
+            continue
+        lines.append(
+            f"| {r['strategy']} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | {r['step_time_s']:.2f} | "
+            f"{r['tokens_per_s']:,.0f} | {_mb(r['inter_node_bytes_per_step'])} | "
+            f"{_mb(r['expected_inter_node_bytes_per_step'])} ({r.get('inter_node_error', 0) * 100:+.1f}%) | "
+            f"{_mb(r['loopback_bytes_per_step'])} | {_mb(r['expected_loopback_bytes_per_step'])} | "
+            f"{_mb(r['peak_mem_bytes'])} | {_mb(r.get('grad_bytes_during_accumulation'))} |"
+        )
+    return "\n".join(lines)
+
+
+def _mb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e6:,.1f}"
+
+
+def _yes_no(value: Optional[bool]) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def draw_chart(records: list[dict[str, Any]], path: Path, title: str) -> Optional[Path]:
+    """Throughput and inter-node bytes (measured next to expected) per strategy, as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing, so no chart: `pip install -e '.[bench]'`", file=sys.stderr)
+        return None
+    names = [r["strategy"] for r in records]
+    ok = [r.get("status") == "ok" for r in records]
+    positions = list(range(len(records)))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True)
+    top.bar(positions, [r["tokens_per_s"] if good else 0 for r, good in zip(records, ok)], color="tab:blue")
+    top.set_ylabel("tokens/s (all ranks)")
+    top.set_title(textwrap.fill(title, 110), fontsize=9)
+    for x, (r, good) in enumerate(zip(records, ok)):
+        top.annotate(f"{r['tokens_per_s']:,.0f}" if good else "failed", (x, r["tokens_per_s"] if good else 0),
+                     ha="center", va="bottom", fontsize=8)
+    width = 0.4
+    bottom.bar([x - width / 2 for x in positions],
+               [r["inter_node_bytes_per_step"] / 1e6 if good else 0 for r, good in zip(records, ok)],
+               width, label="measured (veth tx_bytes)", color="tab:orange")
+    bottom.bar([x + width / 2 for x in positions], [r["expected_inter_node_bytes_per_step"] / 1e6 for r in records],
+               width, label="analytic (gloo ring model)", color="tab:gray")
+    bottom.set_ylabel("inter-node MB per optimizer step")
+    bottom.legend(fontsize=8)
+    bottom.set_xticks(positions, names, rotation=20, ha="right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------- main
+def _raise_on_signal(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_prerequisites()
+    except PrerequisiteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)  # teardown runs in `finally`, as for Ctrl-C
+    command = "python benchmarks/emulated_cluster.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    load_before = os.getloadavg()
+    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
+          f"on {os.cpu_count()} cores")
+    records: list[dict[str, Any]] = []
+    started = time.monotonic()
+    cluster = EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu)
+    try:
+        with cluster, tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
+            network = set_up_network(cluster, args.cluster, args)
+            for index, spec in enumerate(args.specs):
+                print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
+                record = add_expectations(run_strategy(cluster, spec, args, Path(tmp), index), spec, args)
+                records.append(record)
+                print("    " + _one_line(record), flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: namespaces, links and rank processes were removed", file=sys.stderr)
+        return 130
+    load_after = os.getloadavg()
+    print()
+    print(format_table(records))
+    print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; "
+          f"total {time.monotonic() - started:.0f} s")
+    setup = args.setup
+    title = (f"{args.cluster.num_nodes} nodes x {args.cluster.ranks_per_node} ranks (gloo, CPU), GPT "
+             f"{setup.model.num_params / 1e6:.1f}M params, micro-batch {setup.micro_batch}x{setup.model.seq_len} tokens, "
+             f"accumulate {setup.accumulate}; inter-node {network.inter_node_rate_bytes_per_s * 8 / 1e9:.2f} Gbit/s, "
+             f"gloo loopback {network.loopback_gloo_per_node_bytes_per_s * 8 / 1e9:.1f} Gbit/s per node")
+    output_dir: Path = args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "command": command,
+        "title": title,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_before": load_before, "load_after": load_after},
+        "network": asdict(network),
+        "cluster": asdict(args.cluster),
+        "setup": {**asdict(setup), "model_params": setup.model.num_params,
+                  "tokens_per_step": setup.tokens_per_step(args.cluster)},
+        "results": records,
+    }
+    json_path = output_dir / "emulated_cluster.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    chart = draw_chart(records, output_dir / "emulated_cluster.png", title)
+    print(f"wrote {json_path}" + (f" and {chart}" if chart else ""))
+    print("\n" + format_markdown(records))
+    return 0 if all(r.get("status") == "ok" for r in records) else 1
+
+
+def _one_line(record: dict[str, Any]) -> str:
+    if record.get("status") != "ok":
+        return f"{record.get('status')} ({record.get('wall_s', 0):.0f} s)"
+    return (f"step {record['step_time_s']:.2f} s, {record['tokens_per_s']:,.0f} tokens/s, inter-node "
+            f"{_mb(record['inter_node_bytes_per_step'])} MB/step (expected "
+            f"{_mb(record['expected_inter_node_bytes_per_step'])}), peak RSS {_mb(record['peak_mem_bytes'])} MB "
+            f"({record.get('wall_s', 0):.0f} s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

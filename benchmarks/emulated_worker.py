@@ -1,0 +1,283 @@
+"""One rank of the emulated-cluster benchmark: train the GPT with one strategy and measure it.
+
+Started by ``emulated_cluster.py`` inside a node's network namespace, with Lightning's usual
+environment (``MASTER_ADDR``, ``NODE_RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``) and
+``GLOO_SOCKET_IFNAME=uplink``. Rank 0 writes one JSON record to ``--output``.
+
+What is measured, per optimizer step (the window from one optimizer step to the next):
+
+* **step time** -- wall time between two barriers at consecutive step boundaries (so it is the
+  slowest rank's time); the median over the measured steps is reported;
+* **inter-node bytes** -- the growth of the ``uplink`` veth's ``tx_bytes`` kernel counter
+  (``/sys/class/net/uplink/statistics``), read by local rank 0 of every node at the same
+  boundaries and summed over nodes: every byte that leaves a node is counted once. ``lo``'s
+  ``tx_bytes`` gives the node-local (loopback) bytes the same way;
+* **peak memory** -- ``ru_maxrss`` of each rank process (resident-set high-water mark: the Python
+  interpreter, torch and Lightning included; ``import_rss_bytes`` is the same before the model
+  exists), and the model-state bytes each rank holds at the end;
+* **gradient bytes held during accumulation** -- after the first (non-boundary) backward of each
+  window: the distinct storages behind the ranks' ``.grad`` tensors plus FSDP2's internal
+  partial-reduction buffers (where MiCS keeps its accumulated gradient shard until the boundary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+#: One intra-op thread per rank: 8 ranks share 2 cores, oversubscription would only add noise.
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+
+import lightning.pytorch as pl  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy, Strategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_mics.models.gpt import Block  # noqa: E402
+from lightning_mics.telemetry import model_state_bytes  # noqa: E402
+
+UPLINK = "uplink"
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+IMPORT_RSS_BYTES = _rss_bytes()
+
+
+# ---------------------------------------------------------------------------------- strategies
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) made to run on CPU ranks, with nothing else changed.
+
+    Three things stand in the way on CPU, each a device assumption rather than a real limitation
+    of FSDP1 (which supports CPU + gloo when told its device):
+
+    * Lightning's trainer refuses ``FSDPStrategy`` with ``accelerator="cpu"`` -- the check looks
+      for the exact class, so a subclass passes;
+    * Lightning passes ``device_id=root_device.index``, which is ``None`` on CPU, and FSDP1 then
+      looks for an accelerator and raises -- :meth:`_setup_model` passes ``torch.device("cpu")``;
+    * given ``device_mesh=(replicas, shard)``, Lightning builds the mesh with
+      ``init_device_mesh("cuda", ...)``, and a ready mesh cannot be passed in because it needs the
+      process group the strategy creates -- so the shape is kept aside and a CPU mesh is built
+      right after the process group exists (``HYBRID_SHARD``).
+    """
+
+    def __init__(self, mesh_shape: Optional[tuple[int, int]] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._cpu_mesh_shape = mesh_shape
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._cpu_mesh_shape is not None:
+            self.kwargs["device_mesh"] = init_device_mesh(
+                "cpu", self._cpu_mesh_shape, mesh_dim_names=("replicate", "shard")
+            )
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
+        )
+
+
+def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
+    if spec.family == "mics":
+        return MiCSStrategy(
+            partition_size=spec.partition_size,
+            ranks_per_node=cluster.ranks_per_node,
+            hierarchical=bool(spec.hierarchical),
+            process_group_backend="gloo",
+        )
+    common: dict[str, Any] = dict(auto_wrap_policy={Block}, process_group_backend="gloo")
+    if spec.sharding_strategy == "HYBRID_SHARD":
+        mesh = (spec.replication_degree(cluster), spec.partition_size)
+        return CPUFSDPStrategy(mesh, sharding_strategy="HYBRID_SHARD", **common)
+    return CPUFSDPStrategy(sharding_strategy=spec.sharding_strategy, **common)
+
+
+# ---------------------------------------------------------------------------------- measuring
+def _counter(ifname: str) -> int:
+    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_gradient_bytes(module: nn.Module) -> int:
+    """Bytes of gradient storage this rank holds right now (see module docstring); views into one
+    flat buffer (FSDP1's sharded ``FlatParameter`` gradient) count as that buffer once."""
+    storages: dict[int, int] = {}
+    for param in module.parameters():
+        if param.grad is not None:
+            storage = _local(param.grad).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)  # FSDP2 internals, best effort
+            partial = getattr(group, "_partial_reduce_output", None)
+            if isinstance(partial, torch.Tensor):
+                storages[partial.untyped_storage().data_ptr()] = partial.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+class StepProbe(Callback):
+    """Records time and interface counters at every optimizer-step boundary (after a barrier), and
+    the gradient bytes held after the first backward of each accumulation window."""
+
+    def __init__(self, accumulate: int) -> None:
+        self.accumulate = accumulate
+        self.boundaries: list[dict[str, float]] = []
+        self.held_grad_bytes: list[int] = []
+        self._micro_step = 0
+        self._last_global_step = 0
+
+    def _mark(self, trainer: pl.Trainer) -> None:
+        trainer.strategy.barrier()
+        self.boundaries.append({"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "lo_tx": _counter("lo")})
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_global_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.boundaries:
+            self._mark(trainer)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._micro_step == 0 and self.accumulate > 1:
+            self.held_grad_bytes.append(held_gradient_bytes(pl_module))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._micro_step += 1
+        if trainer.global_step != self._last_global_step:  # the optimizer stepped: a window closed
+            self._last_global_step = trainer.global_step
+            self._micro_step = 0
+            self._mark(trainer)
+
+
+def summarize(
+    per_rank: list[dict[str, Any]], spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup
+) -> dict[str, Any]:
+    """Turn every rank's raw records into the strategy's result record (on rank 0)."""
+    rank0 = per_rank[0]
+    times = [b["time"] for b in rank0["boundaries"]]
+    step_times = [t1 - t0 for t0, t1 in zip(times, times[1:])][setup.warmup_steps :]
+    node_leaders = [r for r in per_rank if r["local_rank"] == 0]
+
+    def per_step(counter: str) -> list[int]:
+        """Sum over nodes of the counter's growth in each measured step."""
+        steps = len(rank0["boundaries"]) - 1
+        totals = [0] * steps
+        for leader in node_leaders:
+            values = [b[counter] for b in leader["boundaries"]]
+            for i in range(steps):
+                totals[i] += values[i + 1] - values[i]
+        return totals[setup.warmup_steps :]
+
+    inter, loopback = per_step("uplink_tx"), per_step("lo_tx")
+    step_time = statistics.median(step_times)
+    tokens_per_step = setup.tokens_per_step(cluster)
+    held = [max(r["held_grad_bytes"]) for r in per_rank if r["held_grad_bytes"]]
+    return {
+        "strategy": spec.name,
+        "family": spec.family,
+        "partition_size": spec.partition_size,
+        "hierarchical": spec.hierarchical,
+        "sharding_strategy": spec.sharding_strategy,
+        "status": "ok",
+        "step_time_s": step_time,
+        "step_times_s": step_times,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tokens_per_step / step_time,
+        "inter_node_bytes_per_step": statistics.mean(inter),
+        "inter_node_bytes_per_step_each": inter,
+        "loopback_bytes_per_step": statistics.mean(loopback),
+        "peak_mem_bytes": max(r["peak_rss_bytes"] for r in per_rank),
+        "peak_mem_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
+        "import_rss_bytes": max(r["import_rss_bytes"] for r in per_rank),
+        "model_state_bytes_per_rank": [r["model_state_bytes"] for r in per_rank],
+        "grad_bytes_during_accumulation": max(held) if held else None,
+    }
+
+
+# ---------------------------------------------------------------------------------- main
+def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
+    pl.seed_everything(1234, workers=True, verbose=False)
+    probe = StepProbe(setup.accumulate)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cluster.ranks_per_node,
+        num_nodes=cluster.num_nodes,
+        strategy=build_strategy(spec, cluster),
+        max_steps=setup.total_steps,
+        accumulate_grad_batches=setup.accumulate,
+        callbacks=[probe],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    model = GPTLightningModule(setup.model, warmup_steps=0)
+    data = ByteCorpusDataModule(seq_len=setup.model.seq_len, batch_size=setup.micro_batch, max_bytes=setup.corpus_bytes)
+    trainer.fit(model, datamodule=data)
+    states = model_state_bytes(model, trainer.optimizers)
+    record = {
+        "rank": trainer.global_rank,
+        "local_rank": trainer.local_rank,
+        "boundaries": probe.boundaries,
+        "held_grad_bytes": probe.held_grad_bytes,
+        "peak_rss_bytes": _rss_bytes(),
+        "import_rss_bytes": IMPORT_RSS_BYTES,
+        "model_state_bytes": states["total"],
+    }
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if trainer.global_rank == 0 and output is not None:
+        output.write_text(json.dumps(summarize(gathered, spec, cluster, setup), indent=2))
+    dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="One rank of benchmarks/emulated_cluster.py (not run by hand).")
+    parser.add_argument("--job", type=Path, required=True, help="JSON: strategy, cluster and training setup")
+    parser.add_argument("--output", type=Path, help="where rank 0 writes the result record")
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    setup_fields = dict(job["setup"])
+    setup_fields["model"] = GPTConfig(**setup_fields["model"])
+    run(
+        StrategySpec.from_dict(job["strategy"]),
+        ClusterShape(**job["cluster"]),
+        TrainingSetup(**setup_fields),
+        args.output,
+    )
+    os._exit(0)  # skip interpreter teardown of gloo threads: the result is written, peers are done
+
+
+if __name__ == "__main__":
+    main()

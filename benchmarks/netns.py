@@ -1,0 +1,276 @@
+"""An emulated cloud cluster on one Linux host: network namespaces as nodes, a bridge as the switch,
+``tc tbf`` as the NICs' line rate.
+
+Layout (N nodes)::
+
+    <prefix>-node0                 <prefix>-switch                 <prefix>-node1
+    lo (ranks of node 0 talk here) br0                              lo
+    uplink 198.18.0.1/24 ==veth==  port0 ─┤br0├─ port1  ==veth==   uplink 198.18.0.2/24
+           tbf (egress)                   tbf (egress, toward the node)
+
+* Every address comes from the benchmarking range 198.18.0.0/15 (RFC 2544) and lives only inside
+  namespaces created here; the switch sits in its own namespace, so the host's network namespace,
+  interfaces and routes are never touched.
+* Ranks on one node reach each other through their namespace's ``lo`` (the kernel delivers
+  traffic to a local address locally), so only inter-node traffic crosses -- and is shaped and
+  counted on -- the ``uplink`` veth.
+* Both directions of every node link are shaped: the node side limits what the node sends, the
+  switch side what it receives.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
+BENCHMARK_NETWORK = ipaddress.ip_network("198.18.0.0/15")
+NODE_SUBNET = ipaddress.ip_network("198.18.0.0/24")
+UPLINK = "uplink"
+BRIDGE = "br0"
+DEFAULT_PREFIX = "micsbench"
+
+
+class PrerequisiteError(RuntimeError):
+    """The host cannot run the emulation (not root, missing tools); the message says what to do."""
+
+
+def check_prerequisites(euid: Optional[int] = None, which=shutil.which) -> None:  # noqa: ANN001 (injectable)
+    """Refuse early, with one clear message, when namespaces and shaping cannot be set up."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        raise PrerequisiteError(
+            "The emulated cluster creates network namespaces, veth links and tc qdiscs, which needs root. "
+            "Run it as root, e.g. `sudo /work/venv/bin/python benchmarks/emulated_cluster.py`."
+        )
+    missing = [tool for tool in ("ip", "tc") if which(tool) is None]
+    if missing:
+        raise PrerequisiteError(
+            f"Missing {' and '.join(missing)} on PATH: the emulated cluster needs iproute2's `ip` and `tc` "
+            "(Debian/Ubuntu: `apt-get install iproute2`)."
+        )
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """A token-bucket line rate for one direction of a node link."""
+
+    rate_bytes_per_s: float
+    #: Queue bound in ms: how long a packet may wait for tokens before being dropped.
+    latency_ms: float = 50.0
+
+    @property
+    def burst_bytes(self) -> int:
+        """Bucket size: 5 ms of line rate (a few timer ticks, so tbf is not timer-bound), at least
+        128 KiB so GSO super-packets from the 9000-byte-MTU veths always fit."""
+        return max(128 * 1024, int(self.rate_bytes_per_s * 0.005))
+
+    def tbf_args(self) -> list[str]:
+        return [
+            "tbf",
+            "rate", f"{int(self.rate_bytes_per_s * 8)}bit",
+            "burst", str(self.burst_bytes),
+            "latency", f"{self.latency_ms:g}ms",
+        ]
+
+
+def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), check=check, capture_output=True, text=True)
+
+
+class EmulatedCluster:
+    """Create, shape, use and tear down the namespaces. Use it as a context manager: teardown runs
+    on normal exit, on errors and on Ctrl-C, and also removes the processes started through
+    :meth:`spawn` (by their process ids)."""
+
+    def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str = DEFAULT_PREFIX) -> None:
+        if num_nodes < 2:
+            raise ValueError(f"An emulated cluster needs at least 2 nodes, got {num_nodes}.")
+        if num_nodes > NODE_SUBNET.num_addresses - 2:
+            raise ValueError(f"At most {NODE_SUBNET.num_addresses - 2} nodes fit the node subnet {NODE_SUBNET}.")
+        if not 1280 <= mtu <= 65535:
+            raise ValueError(f"--mtu must lie between 1280 and 65535, got {mtu}.")
+        self.num_nodes = num_nodes
+        self.mtu = mtu
+        self.prefix = prefix
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._created = False
+
+    # ------------------------------------------------------------------ names and addresses
+    def node_namespace(self, node: int) -> str:
+        return f"{self.prefix}-node{node}"
+
+    @property
+    def switch_namespace(self) -> str:
+        return f"{self.prefix}-switch"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.node_namespace(i) for i in range(self.num_nodes)] + [self.switch_namespace]
+
+    def node_address(self, node: int) -> str:
+        address = NODE_SUBNET.network_address + node + 1
+        assert address in BENCHMARK_NETWORK
+        return str(address)
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> EmulatedCluster:
+        self.create()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _existing_namespaces(self) -> list[str]:
+        listed = _run(["ip", "netns", "list"], check=False).stdout.split()
+        return [name for name in self.namespaces if name in listed]
+
+    def create(self) -> None:
+        stale = self._existing_namespaces()
+        if stale:  # left by a run that was killed hard (SIGKILL); ours by name
+            print(f"removing stale namespaces from an earlier run: {', '.join(stale)}", file=sys.stderr)
+            for name in stale:
+                _run(["ip", "netns", "del", name], check=False)
+        self._created = True  # from here on, teardown has something to remove
+        sw = self.switch_namespace
+        for name in self.namespaces:
+            _run(["ip", "netns", "add", name])
+        _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
+        for node in range(self.num_nodes):
+            ns, port = self.node_namespace(node), f"port{node}"
+            # Both ends are created directly inside their namespaces: nothing appears on the host.
+            _run(["ip", "link", "add", "name", UPLINK, "netns", ns, "mtu", str(self.mtu),
+                  "type", "veth", "peer", "name", port, "netns", sw, "mtu", str(self.mtu)])
+            _run(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
+            _run(["ip", "-n", sw, "link", "set", port, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.node_address(node)}/{NODE_SUBNET.prefixlen}", "dev", UPLINK])
+            _run(["ip", "-n", ns, "link", "set", UPLINK, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        self._wait_until_reachable()
+
+    def _wait_until_reachable(self, timeout_s: float = 10.0) -> None:
+        """The bridge forwards once its ports leave the listening state; wait for a ping."""
+        deadline = time.monotonic() + timeout_s
+        target = self.node_address(1)
+        while True:
+            probe = _run(["ip", "netns", "exec", self.node_namespace(0), sys.executable, "-c",
+                          f"import socket; s = socket.socket(); s.settimeout(0.5); "
+                          f"r = s.connect_ex(('{target}', 9)); print(r)"], check=False)
+            # ECONNREFUSED (111) means the peer's kernel answered: the path works.
+            if probe.stdout.strip() == "111":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node 0 cannot reach node 1 ({target}) through the bridge: {probe.stdout!r}")
+            time.sleep(0.2)
+
+    def shape(self, shape: LinkShape) -> None:
+        """Apply the line rate to both directions of every node link."""
+        for node in range(self.num_nodes):
+            _run(["tc", "-n", self.node_namespace(node), "qdisc", "replace", "dev", UPLINK, "root", *shape.tbf_args()])
+            _run(["tc", "-n", self.switch_namespace, "qdisc", "replace", "dev", f"port{node}", "root",
+                  *shape.tbf_args()])
+
+    def teardown(self) -> None:
+        """Stop the processes started here, then delete the namespaces (which removes the veths,
+        the bridge and the qdiscs with them). Safe to call more than once."""
+        for proc in self._processes:
+            _terminate_session(proc)
+        self._processes.clear()
+        if self._created:
+            for name in self._existing_namespaces():
+                _run(["ip", "netns", "del", name], check=False)
+            self._created = False
+
+    # ------------------------------------------------------------------ processes
+    def spawn(
+        self, node: int, argv: Sequence[str], env: Optional[dict[str, str]] = None, stdout=None, stderr=None  # noqa: ANN001
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside node ``node``'s namespace, in a session of its own (so Ctrl-C on the
+        terminal reaches only the orchestrator, which then stops it here)."""
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.node_namespace(node), *argv],
+            env=env, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
+        )
+        self._processes.append(proc)
+        return proc
+
+    def forget(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop tracking a process that has exited."""
+        if proc in self._processes:
+            self._processes.remove(proc)
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        _terminate_session(proc)
+        self.forget(proc)
+
+    # ------------------------------------------------------------------ measurements
+    def interface_bytes(self, node: int, ifname: str = UPLINK) -> dict[str, int]:
+        """The kernel's byte counters of an interface inside node ``node``."""
+        ns = self.node_namespace(node)
+        out = _run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{ifname}/statistics/tx_bytes",
+                    f"/sys/class/net/{ifname}/statistics/rx_bytes"]).stdout.split()
+        return {"tx_bytes": int(out[0]), "rx_bytes": int(out[1])}
+
+    def measure_throughput(self, flows: Sequence[tuple[int, int]], seconds: float, base_port: int = 47000) -> list[float]:
+        """Run one TCP stream per ``(sender_node, receiver_node)`` flow, all at once, for ``seconds``;
+        return each flow's receive rate in bytes/s. A flow with sender == receiver stays on ``lo``."""
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        servers: list[subprocess.Popen[bytes]] = []
+        senders: list[subprocess.Popen[bytes]] = []
+        with tempfile.TemporaryDirectory(prefix="micsbench-probe-") as tmp:
+            try:
+                for i, (_, receiver) in enumerate(flows):
+                    ready = Path(tmp) / f"ready{i}"
+                    servers.append(self.spawn(receiver, [sys.executable, "-m", "benchmarks.netprobe", "serve",
+                                                         self.node_address(receiver), str(base_port + i),
+                                                         "--ready-file", str(ready)],
+                                              env=env, stdout=subprocess.PIPE))
+                deadline = time.monotonic() + 30
+                while not all((Path(tmp) / f"ready{i}").exists() for i in range(len(flows))):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("throughput probe servers did not start within 30 s")
+                    time.sleep(0.05)
+                for i, (sender, receiver) in enumerate(flows):
+                    senders.append(self.spawn(sender, [sys.executable, "-m", "benchmarks.netprobe", "send",
+                                                       self.node_address(receiver), str(base_port + i),
+                                                       "--seconds", str(seconds)], env=env))
+                rates = []
+                for proc in senders:
+                    proc.wait(timeout=seconds + 60)
+                for proc in servers:
+                    out, _ = proc.communicate(timeout=60)
+                    result = json.loads(out.decode().strip().splitlines()[-1])
+                    rates.append(result["bytes"] / max(result["seconds"], 1e-9))
+                return rates
+            finally:
+                for proc in servers + senders:
+                    self.stop(proc)
+
+
+def _terminate_session(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM the process's session (it was started with ``start_new_session``), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

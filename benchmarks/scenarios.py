@@ -1,0 +1,153 @@
+"""What the emulated-cluster benchmark runs: the cluster shape, the training setting and the
+strategies to compare. Pure data and validation -- no processes, no namespaces -- so both the
+orchestrator (``emulated_cluster.py``), the per-rank worker and the tests share one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Optional
+
+from lightning_mics.models import GPTConfig
+from lightning_mics.topology import MiCSTopology
+
+#: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``.
+Family = Literal["mics", "fsdp1"]
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """``num_nodes`` emulated nodes with ``ranks_per_node`` ranks each; rank ``r`` lives on node ``r // ranks_per_node``."""
+
+    num_nodes: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or self.num_nodes < 2:
+            raise ValueError(
+                f"--nodes must be an int >= 2 (inter-node traffic needs at least two nodes), got {self.num_nodes!r}."
+            )
+        if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"--ranks-per-node must be a positive int, got {self.ranks_per_node!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One row of the comparison.
+
+    Attributes:
+        name: the label in the table, JSON and chart.
+        family: which implementation runs it (see :data:`Family`).
+        partition_size: ranks sharding one copy of the model states (FSDP1: the shard-group size).
+        hierarchical: MiCS two-stage collectives for partitions spanning nodes (``None`` for FSDP1).
+        sharding_strategy: FSDP1's ``ShardingStrategy`` name (``None`` for MiCS).
+    """
+
+    name: str
+    family: Family
+    partition_size: int
+    hierarchical: Optional[bool] = None
+    sharding_strategy: Optional[str] = None
+    description: str = ""
+
+    def replication_degree(self, cluster: ClusterShape) -> int:
+        return cluster.world_size // self.partition_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StrategySpec:
+        return cls(**data)
+
+
+def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
+    """The strategies of issue 5: MiCS (partition = one node), MiCS over a 2-node partition with and
+    without hierarchical collectives, ZeRO-3 (partition = world, flat collectives as in DeepSpeed),
+    pure replication, and Lightning's ``FSDPStrategy`` in ``HYBRID_SHARD`` and ``FULL_SHARD`` modes.
+
+    With 2 nodes the 2-node partition *is* the world: ``mics-2node-flat`` then has exactly ZeRO-3's
+    layout and the pair doubles as a run-to-run noise check. With an odd node count a 2-node
+    partition does not divide the world and those two rows are left out.
+    """
+    m, world = cluster.ranks_per_node, cluster.world_size
+    specs = [StrategySpec("mics", "mics", m, hierarchical=False, description="MiCS, partition = one node")]
+    if cluster.num_nodes % 2 == 0:
+        specs += [
+            StrategySpec("mics-2node-hier", "mics", 2 * m, hierarchical=True,
+                         description="MiCS, partition = 2 nodes, hierarchical all-gather/reduce-scatter"),
+            StrategySpec("mics-2node-flat", "mics", 2 * m, hierarchical=False,
+                         description="MiCS, partition = 2 nodes, flat collectives"),
+        ]
+    specs += [
+        StrategySpec("zero3", "mics", world, hierarchical=False, description="ZeRO-3: shard over all ranks, flat"),
+        StrategySpec("replicate", "mics", 1, hierarchical=False, description="no sharding (DDP-like)"),
+        StrategySpec("fsdp-hybrid", "fsdp1", m, sharding_strategy="HYBRID_SHARD",
+                     description="Lightning FSDPStrategy HYBRID_SHARD, shard group = one node"),
+        StrategySpec("fsdp-full", "fsdp1", world, sharding_strategy="FULL_SHARD",
+                     description="Lightning FSDPStrategy FULL_SHARD (shard over all ranks)"),
+    ]
+    for spec in specs:  # the same layout rules as the strategy itself
+        MiCSTopology.create(world, m, spec.partition_size)
+    return specs
+
+
+def select_strategies(cluster: ClusterShape, names: Optional[list[str]]) -> list[StrategySpec]:
+    """The default strategies, or the subset named (in the given order). Unknown names are an error."""
+    available = {spec.name: spec for spec in default_strategies(cluster)}
+    if not names:
+        return list(available.values())
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(
+            f"Unknown strategy name(s) {unknown} for {cluster.num_nodes} nodes. Choose from: {', '.join(available)}."
+        )
+    return [available[n] for n in names]
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """The training every strategy runs: same model, micro-batch, accumulation and step count."""
+
+    model: GPTConfig
+    micro_batch: int
+    accumulate: int
+    warmup_steps: int
+    measured_steps: int
+    #: Bytes of the corpus to tokenise (enough windows for every rank's micro-batches).
+    corpus_bytes: int = 400_000
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accumulate", "measured_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive int, got {value!r}.")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup-steps must be an int >= 0, got {self.warmup_steps!r}.")
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.measured_steps
+
+    def tokens_per_step(self, cluster: ClusterShape) -> int:
+        """Tokens of one optimizer step over all ranks (every rank is a data-parallel worker)."""
+        return self.micro_batch * self.model.seq_len * self.accumulate * cluster.world_size
+
+    def check_corpus(self, cluster: ClusterShape, val_fraction: float = 0.1) -> None:
+        """Refuse a setting whose training windows run out before the last step."""
+        windows = int(self.corpus_bytes * (1 - val_fraction)) // self.model.seq_len - 1
+        needed = self.total_steps * self.accumulate * self.micro_batch * cluster.world_size
+        if windows < needed:
+            raise ValueError(
+                f"The corpus slice of {self.corpus_bytes} bytes gives {windows} training windows, but "
+                f"{self.total_steps} steps x {self.accumulate} micro-batches x {self.micro_batch} samples x "
+                f"{cluster.world_size} ranks need {needed}. Use fewer steps or a longer --seq-len."
+            )

@@ -1,0 +1,160 @@
+"""The pure parts of the emulated-cluster benchmark: the gloo wire-byte model, the per-strategy
+schedules, argument validation and the refusals. No root, namespaces or processes needed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import emulated_cluster  # noqa: E402
+from benchmarks.comm_model import (  # noqa: E402
+    Collective,
+    expected_step_bytes,
+    fsdp1_unit_numel,
+    fsdp2_unit_numel,
+    gloo_wire_bytes,
+    gpt_fsdp_units,
+    gradient_bytes_held_during_accumulation,
+    step_collectives,
+)
+from benchmarks.netns import EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
+from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies, select_strategies  # noqa: E402
+from lightning_mics.models import GPTConfig  # noqa: E402
+
+CLUSTER = ClusterShape(num_nodes=2, ranks_per_node=4)
+SETUP = TrainingSetup(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2), micro_batch=1, accumulate=4,
+                      warmup_steps=0, measured_steps=1)
+MB = 8_000_000
+
+
+def spec(name: str):
+    return {s.name: s for s in default_strategies(CLUSTER)}[name]
+
+
+# ------------------------------------------------------------------------------------ wire bytes
+def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
+    wire = gloo_wire_bytes(Collective("all_reduce", tuple(range(8)), MB), CLUSTER)
+    per_edge = 2 * 7 / 8 * MB
+    assert wire.inter_node == pytest.approx(2 * per_edge)  # edges 3-4 and 7-0
+    assert wire.intra_node == pytest.approx(6 * per_edge)
+
+
+def test_all_gather_and_gloo_reduce_scatter_shares() -> None:
+    pair = (0, 4)  # same local index on both nodes: both ring edges cross
+    assert gloo_wire_bytes(Collective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
+    # gloo has no reduce-scatter: it all-reduces the whole input, twice an all-gather's bytes
+    reduce_scatter = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3), CLUSTER)
+    assert reduce_scatter.inter_node == pytest.approx(3 * 2 * MB)
+    assert gloo_wire_bytes(Collective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
+    assert gloo_wire_bytes(Collective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
+
+
+# ------------------------------------------------------------------------------------ schedules
+def test_units_and_padding() -> None:
+    units = gpt_fsdp_units(SETUP.model)
+    assert len(units) == SETUP.model.n_layers + 1 and not units[-1].reshard_after_forward
+    total = sum(fsdp2_unit_numel(u, 1) for u in units)
+    assert total == SETUP.model.num_params
+    assert all(fsdp2_unit_numel(u, 8) >= fsdp2_unit_numel(u, 1) for u in units)
+    assert all(fsdp1_unit_numel(u, 8) % 8 == 0 for u in units)
+
+
+def test_mics_crosses_nodes_only_at_the_boundary() -> None:
+    collectives = step_collectives(spec("mics"), CLUSTER, SETUP)
+    crossing = [c for c in collectives if gloo_wire_bytes(c, CLUSTER).inter_node > 0]
+    assert crossing and all(c.kind == "all_reduce" and c.count == 1 and len(c.ranks) == 2 for c in crossing)
+
+
+def test_expected_ordering_of_inter_node_bytes() -> None:
+    inter = {s.name: expected_step_bytes(s, CLUSTER, SETUP).inter_node for s in default_strategies(CLUSTER)}
+    assert inter["mics"] < inter["mics-2node-hier"] < inter["mics-2node-flat"] == inter["zero3"]
+    assert inter["fsdp-hybrid"] == pytest.approx(inter["mics"], rel=0.05)  # both all-reduce once per step
+    assert inter["fsdp-full"] < inter["zero3"]  # FSDP1 reduce-scatters once per step under no_sync
+
+
+def test_gradients_held_during_accumulation() -> None:
+    full = gradient_bytes_held_during_accumulation(spec("replicate"), CLUSTER, SETUP)
+    assert gradient_bytes_held_during_accumulation(spec("mics"), CLUSTER, SETUP) == pytest.approx(full / 4, rel=0.1)
+    assert gradient_bytes_held_during_accumulation(spec("fsdp-hybrid"), CLUSTER, SETUP) == pytest.approx(full, rel=0.1)
+
+
+def test_strategy_selection() -> None:
+    assert [s.name for s in select_strategies(CLUSTER, ["zero3", "mics"])] == ["zero3", "mics"]
+    with pytest.raises(ValueError, match="Choose from: mics, "):
+        select_strategies(CLUSTER, ["zero-3"])
+    odd = [s.name for s in default_strategies(ClusterShape(3, 2))]
+    assert "mics-2node-hier" not in odd and "zero3" in odd
+
+
+# ------------------------------------------------------------------------------------ arguments
+def test_quick_defaults_and_overrides() -> None:
+    args = emulated_cluster.parse_args(["--quick", "--layers", "3"])
+    assert args.setup.model.n_layers == 3 and args.setup.model.d_model == emulated_cluster.QUICK.d_model
+    assert args.setup.measured_steps == emulated_cluster.QUICK.measured_steps
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "1"], "--nodes must be an int >= 2"),
+        (["--accumulate", "0"], "accumulate must be a positive int"),
+        (["--strategies", "mics,ddp"], "Unknown strategy name"),
+        (["--bandwidth-ratio", "0"], "--bandwidth-ratio must be positive"),
+        (["--heads", "5"], "divisible by n_heads"),
+        (["--steps", "100000"], "Use fewer steps"),
+    ],
+)
+def test_bad_arguments_get_one_clear_error(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        emulated_cluster.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ refusals
+def test_refuses_without_root() -> None:
+    with pytest.raises(PrerequisiteError, match="needs root"):
+        check_prerequisites(euid=1000, which=lambda tool: f"/usr/sbin/{tool}")
+
+
+def test_refuses_without_tc() -> None:
+    with pytest.raises(PrerequisiteError, match="Missing tc"):
+        check_prerequisites(euid=0, which=lambda tool: None if tool == "tc" else f"/usr/sbin/{tool}")
+
+
+def test_main_prints_the_refusal_and_creates_nothing(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    created = []
+    monkeypatch.setattr(EmulatedCluster, "create", lambda self: created.append(self))
+    assert emulated_cluster.main(["--quick"]) == 2
+    assert "needs root" in capsys.readouterr().err and not created
+
+
+# ------------------------------------------------------------------------------------ small pieces
+def test_addresses_stay_in_the_benchmarking_range() -> None:
+    cluster = EmulatedCluster(4)
+    assert [cluster.node_address(i) for i in range(4)] == ["198.18.0.1", "198.18.0.2", "198.18.0.3", "198.18.0.4"]
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        EmulatedCluster(1)
+
+
+def test_tbf_arguments() -> None:
+    args = LinkShape(125e6).tbf_args()
+    assert args[:3] == ["tbf", "rate", "1000000000bit"] and "burst" in args and "latency" in args
+
+
+def test_tables_show_failures_with_their_reason() -> None:
+    ok = {"strategy": "mics", "partition_size": 4, "hierarchical": False, "status": "ok", "step_time_s": 1.0,
+          "tokens_per_s": 1000.0, "inter_node_bytes_per_step": 1.01e6, "expected_inter_node_bytes_per_step": 1e6,
+          "inter_node_error": 0.01, "loopback_bytes_per_step": 2e6, "expected_loopback_bytes_per_step": 2e6,
+          "peak_mem_bytes": 4e8, "grad_bytes_during_accumulation": 1e6}
+    failed = {"strategy": "fsdp-full", "partition_size": 8, "hierarchical": None, "status": "failed: timed out",
+              "expected_inter_node_bytes_per_step": 5e6}
+    text = emulated_cluster.format_table([ok, failed])
+    assert "+1.0%" in text and "failed*" in text and "* fsdp-full: failed: timed out" in text
+    assert "| fsdp-full | 8 | - | failed: timed out |" in emulated_cluster.format_markdown([ok, failed])
