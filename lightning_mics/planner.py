@@ -976,6 +976,8 @@ def calibrate_cluster(
     import torch
     import torch.distributed as dist
 
+    from lightning_mics.collectives import all_gather_flat
+
     if not dist.is_initialized():
         raise RuntimeError("calibrate_cluster needs an initialised default process group (torch.distributed.init_process_group).")
     world, per_node = dist.get_world_size(), topology.ranks_per_node
@@ -1001,7 +1003,7 @@ def calibrate_cluster(
 
         def run() -> None:
             if kind == "all_gather":
-                dist.all_gather_into_tensor(full, piece, group=group)
+                all_gather_flat(full, piece, group)
             else:
                 dist.all_reduce(full, group=group)
 
