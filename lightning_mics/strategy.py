@@ -182,6 +182,7 @@ class MiCSStrategy(ParallelStrategy):
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None
         self._fsdp_units: list[FSDPModule] = []
+        self._root: Optional[_MiCSRoot] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -356,16 +357,32 @@ class MiCSStrategy(ParallelStrategy):
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(m, FSDPModule) for m in self.lightning_module.modules()):
+        root = self._root
+        if root is None or root.module is not self.lightning_module:
+            root = self._root = self._shard(self.lightning_module)
+        # else: sharded by an earlier stage of this trainer (fit, then validate/test): reuse it
+        self.model = root
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._shard_optimizer_states()
+        self._log_layout()
+
+    def _shard(self, module: LightningModule) -> _MiCSRoot:
+        """Wrap ``module`` in the root unit and apply FSDP2 to its blocks and the root."""
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
             raise TypeError(
                 "MiCSStrategy applies `fully_shard` itself, but the model already contains FSDP2 modules. Remove the "
                 "`fully_shard` calls from your LightningModule and choose the units with "
-                "`MiCSStrategy(auto_wrap_policy=...)`."
+                "`MiCSStrategy(auto_wrap_policy=...)` (or reuse the Trainer that sharded it)."
             )
         self.precision_plugin.device_type = self.root_device.type
-        module = self.precision_plugin.convert_module(self.lightning_module)
-        assert module is self.lightning_module
-        root = _MiCSRoot(self.lightning_module)
+        converted = self.precision_plugin.convert_module(module)
+        assert converted is module
+        root = _MiCSRoot(module)
         self._fsdp_units = shard_model(
             root,
             self._fsdp_mesh(),
@@ -380,17 +397,9 @@ class MiCSStrategy(ParallelStrategy):
         if self._hierarchical_groups is not None:
             install_hierarchical_collectives(self._fsdp_units, self._hierarchical_groups)
         if has_meta_tensors(root):
-            materialize_meta_module(self.lightning_module, self.root_device)
+            materialize_meta_module(module, self.root_device)
         root.to(self.root_device)  # buffers and anything FSDP did not own
-        self.model = root
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-            self._shard_optimizer_states()
-        self._log_layout()
+        return root
 
     def _shard_optimizer_states(self) -> None:
         self.precision_plugin.step_hooks.clear()

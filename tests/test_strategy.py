@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ranks
-from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, trainer_kwargs
+from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, lm_loss, trainer_kwargs
 
 import lightning_mics  # noqa: F401  (registers the strategy names)
 from lightning_mics import MiCSStrategy
@@ -57,6 +57,16 @@ class RecordBatches(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.tokens.append(batch[0].clone())
         self.losses.append(float(outputs["loss"]))
+
+
+class ValidatedToyModule(ToyModule):
+    def validation_step(self, batch, batch_idx):
+        loss = lm_loss(self, batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def val_dataloader(self):
+        return self.train_dataloader()
 
 
 class AlreadySharded(ToyModule):
@@ -113,6 +123,13 @@ def _misc(rank: int, world: int) -> dict:
         out["auto_error"] = None
     except ValueError as err:
         out["auto_error"] = str(err)
+
+    # the same trainer validates after fitting: the sharded model is reused, not re-wrapped
+    module = ValidatedToyModule(cfg)
+    trainer = fit_with_mics(module, cfg, partition_size=2, ranks_per_node=2)
+    before = full_parameters(module)
+    out["validate_loss"] = trainer.validate(module, verbose=False)[0]["val_loss"]
+    out["validate_kept_params"] = all(torch.equal(before[n], p) for n, p in full_parameters(module).items())
 
     # a model that applied fully_shard itself is refused with a clear error
     try:
@@ -211,3 +228,9 @@ def test_mesh_groups_use_the_strategy_timeout():
     for rank in (0, 2):
         assert results[rank]["error"], "a rank waiting on a hung peer must fail, not hang"
         assert results[rank]["waited"] < 10, results[rank]
+
+
+def test_validate_after_fit_reuses_the_sharded_model(misc):
+    losses = {round(out["validate_loss"], 6) for out in misc}
+    assert len(losses) == 1 and all(torch.isfinite(torch.tensor(list(losses))))  # synced across ranks
+    assert all(out["validate_kept_params"] for out in misc)
