@@ -31,6 +31,12 @@ from torch.distributed.tensor import DTensor, Shard
 DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """The tensor holding this rank's elements: a DTensor's local shard (its storage, so in-place
+    writes land in the parameter or gradient), or ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:
     """All FSDP units inside ``module`` (including itself), in module order."""
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -88,14 +94,14 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     norm_type = float(norm_type)
     if not grads:
         return torch.tensor(0.0)
-    device = (grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]).device
+    device = local_shard(grads[0]).device
     # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
     partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
     for param, grad in zip(with_grads, grads):
         # DTensor gradients are disjoint over their Shard mesh dims; slice parameters of
         # optimizer-state sharding carry their groups explicitly; anything else is replicated.
         groups = _shard_groups(grad) if isinstance(grad, DTensor) else getattr(param, DISJOINT_GROUPS_ATTR, [])
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local_shard(grad)
         key = tuple(id(g) for g in groups)
         if key not in partial:
             partial[key] = (groups, torch.zeros((), dtype=torch.float32, device=device))
@@ -115,6 +121,6 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = local_shard(grad)
         local.mul_(clip_coef.to(local.dtype))
     return total_norm

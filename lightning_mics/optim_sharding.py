@@ -25,18 +25,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
 from lightning_mics.grad_sync import DISJOINT_GROUPS_ATTR
-
-
-
-def _local(t: Tensor) -> Tensor:
-    """The tensor that holds this rank's elements (the local shard of a DTensor)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+from lightning_mics.grad_sync import local_shard as _local
 
 
 @dataclass
@@ -74,7 +68,8 @@ class ReplicaShardedOptimizerStates:
         self.ways = shard_group.size()
         self.index = dist.get_rank(shard_group)
         self.original_params: list[list[nn.Parameter]] = [list(g["params"]) for g in optimizer.param_groups]
-        params = [p for group in self.original_params for p in group]
+        self.params: list[nn.Parameter] = [p for group in self.original_params for p in group]
+        params = self.params
         if len({_local(p).dtype for p in params}) > 1:
             raise TypeError("optimizer-state sharding needs all optimized parameters in one dtype")
         numels = [_local(p).numel() for p in params]
@@ -109,7 +104,7 @@ class ReplicaShardedOptimizerStates:
     @torch.no_grad()
     def before_step(self) -> None:
         """Reduce the accumulated gradient shards into this rank's slices; refresh slice values."""
-        params = [p for group in self.original_params for p in group]
+        params = self.params
         device = _local(params[0]).device
         flat = torch.zeros(self.chunk * self.ways, dtype=_local(params[0]).dtype, device=device)
         offset = 0
@@ -134,7 +129,7 @@ class ReplicaShardedOptimizerStates:
     @torch.no_grad()
     def after_step(self) -> None:
         """All-gather the updated slices into every replica's parameter shards."""
-        params = [p for group in self.original_params for p in group]
+        params = self.params
         device = _local(params[0]).device
         mine = torch.zeros(self.chunk, dtype=_local(params[0]).dtype, device=device)
         base = self.index * self.chunk

@@ -485,8 +485,9 @@ class MiCSStrategy(ParallelStrategy):
                 unit.set_reshard_after_backward(True, recurse=False)
 
     def no_cross_replica_sync(self) -> Any:
-        """For manual optimization: wrap the backward of every non-boundary micro-step in this."""
-        return defer_cross_replica_sync(self._fsdp_units)
+        """For manual optimization: wrap the backward of every non-boundary micro-step in this.
+        It is the same context Lightning enters for automatic optimization."""
+        return self.block_backward_sync()
 
     # ------------------------------------------------------------------ collectives
     @override

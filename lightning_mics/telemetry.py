@@ -33,9 +33,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
+from lightning_mics.grad_sync import local_shard
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -225,12 +225,8 @@ def analytic_comm_bytes(
 
 
 # ---------------------------------------------------------------------------------- memory
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _nbytes(t: Tensor) -> int:
-    local = _local(t)
+    local = local_shard(t)
     return local.numel() * local.element_size()
 
 
