@@ -284,6 +284,14 @@ class MiCSStrategy(ParallelStrategy):
         if self._process_group_backend == "nccl":
             kwargs["device_id"] = self.root_device  # eager NCCL init bound to this GPU (not for gloo on CUDA)
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self._topology is None:  # a later stage of the same trainer keeps the layout and groups
+            self._create_layout()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
+
+    def _create_layout(self) -> None:
+        """Resolve the layout (sharding spec or partition size, 'auto' via the planner) and create
+        its mesh and extra process groups -- collectively, on every rank."""
         ranks_per_node = self._ranks_per_node()
         if self.sharding is not None:
             degrees = self.sharding.resolve(self.world_size, ranks_per_node)
@@ -301,8 +309,6 @@ class MiCSStrategy(ParallelStrategy):
             self._hierarchical_groups = create_hierarchical_groups(
                 self._topology, self.global_rank, timeout=self._timeout
             )
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
 
     def _plan_partition_size(self, ranks_per_node: int) -> int:
         """``partition_size="auto"``: the planner's fastest layout that fits this model in memory."""
