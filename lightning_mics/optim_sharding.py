@@ -16,16 +16,28 @@ of MiCS), this module
 Steps 1 + 4 move the same bytes across replicas as the all-reduce they replace (a ring
 all-reduce *is* a reduce-scatter followed by an all-gather), and the optimizer memory drops ``r``-fold.
 FSDP2 runs on the partition alone (a 1-D mesh) in this mode, so it does no cross-replica traffic itself.
+
+Checkpoints see the optimizer in *partition form* (:meth:`ReplicaShardedOptimizerStates.partition_form`):
+its param groups point at the model's sharded parameters again and its states are all-gathered over
+the optimizer-shard group into DTensors shaped like those parameters -- exactly what plain MiCS holds.
+So a checkpoint saved in this mode is an ordinary MiCS checkpoint: it loads into any layout, with or
+without optimizer-state sharding, and consolidates like any other. The price is a transient ``r``-fold
+optimizer-state copy while saving or loading (never during training steps).
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
@@ -147,3 +159,106 @@ class ReplicaShardedOptimizerStates:
     def zero_grad(self) -> None:
         for piece in self.pieces:
             piece.slice_param.grad = None
+
+    # ------------------------------------------------------------------ checkpoints
+    @contextmanager
+    def partition_form(self, write_back: bool = False) -> Generator[Optimizer, None, None]:
+        """Present the optimizer as plain MiCS holds it, for saving or loading a checkpoint.
+
+        Inside, the param groups hold the model's sharded parameters and each state tensor is a
+        DTensor shaped like its parameter (this rank's partition shard, gathered from the slices of
+        the optimizer-shard group). ``write_back``: on exit, the states found then (e.g. just loaded)
+        are cut back into this rank's slices; otherwise the slice states are restored untouched, so
+        saving never changes training (DCP's state-dict helpers may run a zero-lr "init" step).
+        A collective over the optimizer-shard group: every rank must enter it together."""
+        optimizer = self.optimizer
+        slice_params = [list(group["params"]) for group in optimizer.param_groups]
+        slice_state = optimizer.state
+        optimizer.state = defaultdict(dict, self._gathered_states())
+        for group, params in zip(optimizer.param_groups, self.original_params):
+            group["params"] = params
+        succeeded = False
+        try:
+            yield optimizer
+            succeeded = True
+        finally:
+            state_found = optimizer.state
+            # ``load_state_dict`` replaces the group dicts, so the slices go back in by position
+            for group, params in zip(optimizer.param_groups, slice_params):
+                group["params"] = params
+            optimizer.state = self._sliced_states(state_found) if write_back and succeeded else slice_state
+
+    def _gathered_states(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """Every original parameter's optimizer state at the partition degree (see ``partition_form``)."""
+        state = self.optimizer.state
+        # What each rank knows: per-element state names (with dtypes), and per-parameter values
+        # (Adam's ``step``, ...) of the parameters it holds pieces of. Small: no tensors of size.
+        elementwise: dict[str, torch.dtype] = {}
+        per_param: dict[int, dict[str, Any]] = {}
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        for piece in self.pieces:
+            for key, value in state.get(piece.slice_param, {}).items():
+                if isinstance(value, Tensor) and value.shape == piece.slice_param.shape:
+                    elementwise[key] = value.dtype
+                else:  # sent as a CPU pickle; remember whether it lived beside the parameter
+                    on_device = isinstance(value, Tensor) and value.device == piece.slice_param.device
+                    per_param.setdefault(index_of[id(piece.param)], {})[key] = (_to_cpu(value), on_device)
+        known: list[Any] = [None] * self.ways
+        dist.all_gather_object(known, (elementwise, per_param), group=self.shard_group)
+        for other_elementwise, other_per_param in known:
+            elementwise.update(other_elementwise)
+            for index, values in other_per_param.items():
+                per_param.setdefault(index, {}).update(values)
+
+        device = _local(self.params[0]).device
+        base = self.index * self.chunk
+        gathered: dict[nn.Parameter, dict[str, Any]] = {}
+        for key in sorted(elementwise):
+            mine = torch.zeros(self.chunk, dtype=elementwise[key], device=device)
+            for piece in self.pieces:
+                value = state.get(piece.slice_param, {}).get(key)
+                if value is not None:
+                    start = piece.flat_offset + piece.lo - base
+                    mine[start : start + piece.hi - piece.lo].copy_(value.reshape(-1))
+            flat = torch.empty(self.chunk * self.ways, dtype=mine.dtype, device=device)
+            all_gather_flat(flat, mine, self.shard_group)
+            offset = 0
+            for p in self.params:
+                local = _local(p)
+                values = flat[offset : offset + local.numel()].view(local.shape).clone()
+                offset += local.numel()
+                gathered.setdefault(p, {})[key] = _like_param(values, p)
+        for index, values in per_param.items():
+            p = self.params[index]
+            restored = {k: v.to(device) if on_device else v for k, (v, on_device) in values.items()}
+            gathered.setdefault(p, {}).update(restored)
+        return gathered
+
+    def _sliced_states(self, state: Any) -> defaultdict[nn.Parameter, dict[str, Any]]:
+        """The inverse of ``_gathered_states``: this rank's slices of partition-form states."""
+        sliced: defaultdict[nn.Parameter, dict[str, Any]] = defaultdict(dict)
+        for piece in self.pieces:
+            per_param = state.get(piece.param)
+            if not per_param:
+                continue
+            for key, value in per_param.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.param.shape:
+                    value = _local(value).reshape(-1)[piece.lo : piece.hi].clone()
+                elif isinstance(value, Tensor):
+                    value = value.clone()
+                sliced[piece.slice_param][key] = value
+        return sliced
+
+
+def _like_param(local: Tensor, param: nn.Parameter) -> Tensor:
+    """``local`` (this rank's elements) as a tensor laid out like ``param``: a DTensor for FSDP params."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, Tensor) else value
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -543,7 +543,21 @@ class MiCSStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return ckpt.optimizer_state_dict(self.lightning_module, optimizer, full=self.save_full_state_dict)
+        with self._optimizers_in_partition_form([optimizer], write_back=False):
+            return ckpt.optimizer_state_dict(self.lightning_module, optimizer, full=self.save_full_state_dict)
+
+    @contextmanager
+    def _optimizers_in_partition_form(
+        self, optimizers: list[Optimizer], write_back: bool
+    ) -> Generator[None, None, None]:
+        """With optimizer states sharded across replicas (AMSP ``optim > grads``), checkpoints see
+        them at the partition degree, as plain MiCS holds them: one checkpoint format for every layout."""
+        with ExitStack() as stack:
+            for optimizer in optimizers:
+                hook = self.precision_plugin.step_hooks.get(id(optimizer))
+                if hook is not None:
+                    stack.enter_context(hook.partition_form(write_back=write_back))
+            yield
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -568,7 +582,8 @@ class MiCSStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
-        return ckpt.load(path, self.lightning_module, optimizers, strict, restore_rng=True, for_trainer=True)
+        with self._optimizers_in_partition_form(optimizers, write_back=True):
+            return ckpt.load(path, self.lightning_module, optimizers, strict, restore_rng=True, for_trainer=True)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

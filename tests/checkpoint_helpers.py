@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -32,6 +32,7 @@ from toy import RunConfig, ToyModule, full_parameters, lm_loss, trainer_kwargs  
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics import checkpoint as ckpt  # noqa: E402
+from lightning_mics.sharding_spec import ShardingSpec  # noqa: E402
 
 #: Two optimizer steps per epoch; runs of several epochs resume at epoch boundaries, where
 #: Lightning's loops (without a stateful dataloader) continue exactly.
@@ -94,15 +95,18 @@ class WideModule(pl.LightningModule):
 
 def make_trainer(
     world_size: int,
-    partition_size: int,
+    partition_size: Union[int, ShardingSpec],
     max_steps: int = -1,
     max_epochs: Optional[int] = None,
     timeout: Optional[timedelta] = None,
     **overrides: Any,
 ) -> pl.Trainer:
-    """A trainer for the toy runs. Runs that are resumed stop by ``max_epochs``: Lightning's loops
-    resume an epoch-boundary checkpoint of a ``max_steps`` run at a wrong batch index (strategy-independent)."""
-    strategy_kwargs: dict[str, Any] = {"partition_size": partition_size}
+    """A trainer for the toy runs (``partition_size`` may be an AMSP ``ShardingSpec``). Runs that are
+    resumed stop by ``max_epochs``: Lightning's loops resume an epoch-boundary checkpoint of a
+    ``max_steps`` run at a wrong batch index (strategy-independent)."""
+    strategy_kwargs: dict[str, Any] = (
+        {"sharding": partition_size} if isinstance(partition_size, ShardingSpec) else {"partition_size": partition_size}
+    )
     if timeout is not None:
         strategy_kwargs["timeout"] = timeout
     limits = {"max_steps": max_steps, "max_epochs": max_epochs}
