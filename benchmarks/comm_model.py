@@ -26,7 +26,9 @@ Two layers, both pure arithmetic:
      carries ``2 (n - 1) / n`` of the buffer;
    * ``reduce_scatter`` has **no** native gloo algorithm: ``reduce_scatter_tensor`` clones the input
      and *all-reduces the whole buffer*, then keeps its chunk -- twice the bytes of a real
-     reduce-scatter, on every edge;
+     reduce-scatter, on every edge. That is what FSDP1 gets. MiCS (FSDP2 with our comm) uses
+     :func:`lightning_mics.collectives.ring_reduce_scatter` instead: point-to-point sends along the
+     group's rank order, every edge carrying ``(n - 1) / n`` of the input;
    * the ring follows the group's rank order; an edge between ranks on different nodes crosses a
      node link, all others are loopback.
 
@@ -64,6 +66,8 @@ class Collective:
     ranks: tuple[int, ...]
     payload_bytes: int
     count: int = 1
+    #: a reduce-scatter through gloo's own ``reduce_scatter_tensor`` (an all-reduce), not our ring
+    via_all_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class WireBytes:
 _RING_EDGE_SHARE = {
     "all_gather": lambda n: (n - 1) / n,
     "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: 2 * (n - 1) / n,  # gloo: an all-reduce of the whole input
+    "reduce_scatter": lambda n: (n - 1) / n,
 }
 
 
@@ -95,7 +99,8 @@ def gloo_wire_bytes(collective: Collective, cluster: ClusterShape) -> WireBytes:
     n = len(ranks)
     if n < 2 or collective.payload_bytes == 0:
         return WireBytes()
-    per_edge = _RING_EDGE_SHARE[collective.kind](n) * collective.payload_bytes
+    kind = "all_reduce" if collective.via_all_reduce else collective.kind
+    per_edge = _RING_EDGE_SHARE[kind](n) * collective.payload_bytes
     edges = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
     crossing = sum(1 for a, b in edges if cluster.node_of(a) != cluster.node_of(b))
     return WireBytes(crossing * per_edge, (n - crossing) * per_edge).scaled(collective.count)
@@ -155,11 +160,13 @@ def _partition_collective(
     count: int,
     topology: MiCSTopology,
     hierarchical: bool,
+    via_all_reduce: bool = False,
 ) -> list[Collective]:
     """One all-gather / reduce-scatter over ``partition``, flat or in MiCS's two stages
-    (:class:`~lightning_mics.collectives.HierarchicalAllGather` / ``HierarchicalReduceScatter``)."""
+    (:class:`~lightning_mics.collectives.HierarchicalAllGather` / ``HierarchicalReduceScatter``).
+    ``via_all_reduce``: a flat reduce-scatter by gloo's own algorithm (FSDP1)."""
     if not hierarchical:
-        return [Collective(kind, tuple(partition), payload_bytes, count)]
+        return [Collective(kind, tuple(partition), payload_bytes, count, via_all_reduce and kind == "reduce_scatter")]
     m = topology.ranks_per_node
     per_local_index = payload_bytes // m  # the k shards of one local index: k * shard bytes
     node_groups = [tuple(partition[i : i + m]) for i in range(0, len(partition), m)]
@@ -191,7 +198,8 @@ def step_collectives(
                     "all_gather", partition, unit_bytes, gathers * accumulate, topology, hierarchical
                 )
                 collectives += _partition_collective(
-                    "reduce_scatter", partition, unit_bytes, reduce_scatters, topology, hierarchical
+                    "reduce_scatter", partition, unit_bytes, reduce_scatters, topology, hierarchical,
+                    via_all_reduce=spec.family == "fsdp1",
                 )
         if topology.replication_degree > 1:  # once per optimizer step, at the boundary
             for group in topology.replication_groups:

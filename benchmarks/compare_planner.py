@@ -21,7 +21,8 @@ What is taken from the JSON:
 
 CPU ranks share cores with gloo's communication threads, so overlap defaults to 0.
 FSDP1 rows (``family == "fsdp1"``) are modelled with one reduce-scatter per optimizer step
-(Lightning's ``no_sync`` keeps FSDP1 gradients unsharded between boundaries).
+(Lightning's ``no_sync`` keeps FSDP1 gradients unsharded between boundaries), and that
+reduce-scatter is gloo's own, an all-reduce of the whole buffer (MiCS rows use our ring).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -123,13 +125,14 @@ def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
 
 def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec) -> LayoutEstimate:
     partition = int(record["partition_size"])
+    fsdp1 = record.get("family", "mics") == "fsdp1"
     return estimate(
         ShardingSpec.uniform(partition),
-        cluster,
+        replace(cluster, reduce_scatter_algorithm="all_reduce") if fsdp1 else cluster,
         model,
         training,
         hierarchical=bool(record.get("hierarchical")),
-        reduce_every_micro_step=record.get("family", "mics") != "fsdp1",
+        reduce_every_micro_step=not fsdp1,
     )
 
 

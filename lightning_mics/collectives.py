@@ -1,14 +1,22 @@
-"""Collectives: accounting of what crosses which group.
+"""Collectives: what crosses which group, and how.
 
-:class:`CollectiveRecorder` records every all-gather, reduce-scatter, all-reduce and broadcast that
-is issued through :mod:`torch.distributed` while it is active -- by FSDP2 or anyone else -- with the
-ranks of the group and the bytes of the payload. Tests use it to prove the 2-hop schedule (which
-collective runs on which group in which micro-step); telemetry uses it to report bytes per step.
+* :class:`CollectiveRecorder` records every all-gather, reduce-scatter, all-reduce and broadcast
+  issued through :mod:`torch.distributed` (or :func:`ring_reduce_scatter`) while it is active -- by
+  FSDP2 or anyone else -- with the ranks of the group and the bytes of the payload. Tests use it to
+  prove the 2-hop schedule (which collective runs on which group in which micro-step); telemetry uses
+  it to report bytes per step.
+* :func:`ring_reduce_scatter`: gloo has no reduce-scatter algorithm -- its ``reduce_scatter_tensor``
+  all-reduces the whole input and keeps one chunk, twice the bytes of a real reduce-scatter on every
+  link. On gloo (CPU tensors) we reduce-scatter over a ring of point-to-point messages instead
+  (:class:`RingReduceScatter` is FSDP2's comm for it).
+* :class:`HierarchicalAllGather` / :class:`HierarchicalReduceScatter`: MiCS's two-stage collectives
+  for partitions that span nodes.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,6 +43,8 @@ _TRACKED: dict[str, str] = {
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
 }
+#: Our own collectives, looked up in this module at call time so that the recorder can wrap them.
+_TRACKED_HERE: dict[str, str] = {"ring_reduce_scatter": "reduce_scatter"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class CollectiveRecorder:
         self.calls: list[CollectiveCall] = []
         #: Free-form step label stamped on each call (tests set it per micro-step).
         self.step: int = 0
-        self._originals: dict[str, Callable[..., Any]] = {}
+        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
         self._local = threading.local()
 
     def _wrap(self, name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,17 +113,18 @@ class CollectiveRecorder:
         return recorded
 
     def __enter__(self) -> CollectiveRecorder:
-        for name, kind in _TRACKED.items():
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._originals[name] = original
-            setattr(dist, name, self._wrap(name, kind, original))
+        for namespace, tracked in ((dist, _TRACKED), (sys.modules[__name__], _TRACKED_HERE)):
+            for name, kind in tracked.items():
+                original = getattr(namespace, name, None)
+                if original is None:
+                    continue
+                self._originals[(namespace, name)] = original
+                setattr(namespace, name, self._wrap(name, kind, original))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (namespace, name), original in self._originals.items():
+            setattr(namespace, name, original)
         self._originals.clear()
 
     # ------------------------------------------------------------------ queries
@@ -191,9 +202,80 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, async
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> Any:
-    """Reduce ``input`` over ``group``; group rank ``i`` receives the ``i``-th block in ``output``."""
+    """Reduce ``input`` over ``group``; group rank ``i`` receives the ``i``-th block in ``output``.
+    On gloo with CPU tensors and a sum or mean, over a ring (:func:`ring_reduce_scatter`)."""
+    if not async_op and _ring_applies(input, op, group):
+        ring_reduce_scatter(output, input, op, group)
+        return None
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+_RING_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+
+
+def _ring_applies(input: torch.Tensor, op: Any, group: Any) -> bool:
+    """Gloo moves point-to-point messages from host memory only; other reductions (and NCCL, which
+    has a real reduce-scatter) take the backend's own collective."""
+    if input.device.type != "cpu" or not any(op == supported for supported in _RING_OPS):
+        return False
+    return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:
+    """Reduce-scatter over a ring of point-to-point messages: ``n - 1`` steps, in each of which a
+    rank passes a partial sum of one block to the next rank and adds its own block to the one it
+    receives. Every rank sends ``(n - 1) / n`` of the input once -- half of what gloo's
+    all-reduce-based ``reduce_scatter_tensor`` sends. Blocks are summed in ring order starting after
+    their owner, so results may differ from gloo's in the last bits (they are the same on every run).
+    ``op``: SUM or AVG."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    block = output.numel()
+    if input.numel() != n * block:
+        raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {block}")
+    blocks = input.reshape(n, block)
+    send_to = dist.get_global_rank(group, (rank + 1) % n)
+    receive_from = dist.get_global_rank(group, (rank - 1) % n)
+    # block b travels r = b + 1, b + 2, ..., and ends, summed over all ranks, at its owner b
+    outgoing = blocks[(rank - 1) % n].clone()
+    incoming = torch.empty_like(outgoing)
+    destination = output.view(-1)
+    for step in range(n - 1):
+        requests = [dist.isend(outgoing, send_to, group=group), dist.irecv(incoming, receive_from, group=group)]
+        for request in requests:
+            request.wait()
+        # the received partial sum is of block (rank - step - 2); after n - 1 steps, our own block
+        own = blocks[(rank - step - 2) % n]
+        last = step == n - 2
+        torch.add(incoming, own, out=destination if last else outgoing)
+    if n == 1:
+        destination.copy_(blocks[0])
+    if op == dist.ReduceOp.AVG:
+        destination.div_(n)
+
+
+class RingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter comm on gloo: :func:`reduce_scatter_flat`, which takes the ring."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any = dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> Any:
+        return reduce_scatter_flat(output_tensor, input_tensor, op, group, async_op)
+
+
+def install_ring_reduce_scatter(units: list[Any]) -> None:
+    """Use :class:`RingReduceScatter` in every FSDP unit (FSDP's setter is per unit, not recursive)."""
+    comm = RingReduceScatter()
+    for unit in units:
+        unit.set_custom_reduce_scatter(comm)
 
 
 class _HierarchicalComm:

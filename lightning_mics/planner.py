@@ -140,9 +140,12 @@ class ClusterSpec:
     #: kernels take SMs and HBM bandwidth from the compute they overlap.
     overlap: float = 0.8
     memory_reserve_fraction: float = 0.1
-    #: ``"gloo"`` has no native reduce-scatter: ``reduce_scatter_tensor`` all-reduces the whole
-    #: buffer and keeps its chunk, so it costs an all-reduce (two ring passes).
     backend: Literal["nccl", "gloo"] = "nccl"
+    #: How reduce-scatters run: ``"ring"`` -- one ring pass (NCCL; MiCSStrategy on gloo, which uses
+    #: :func:`~lightning_mics.collectives.ring_reduce_scatter`) -- or ``"all_reduce"``: gloo's own
+    #: ``reduce_scatter_tensor`` (what FSDP1 gets) all-reduces the whole buffer and keeps its chunk,
+    #: two ring passes.
+    reduce_scatter_algorithm: Literal["ring", "all_reduce"] = "ring"
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -166,6 +169,10 @@ class ClusterSpec:
             raise ValueError(f"ClusterSpec.overlap is a fraction in [0, 1], got {self.overlap!r}.")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"ClusterSpec.backend must be 'nccl' or 'gloo', got {self.backend!r}.")
+        if self.reduce_scatter_algorithm not in ("ring", "all_reduce"):
+            raise ValueError(
+                f"ClusterSpec.reduce_scatter_algorithm must be 'ring' or 'all_reduce', got {self.reduce_scatter_algorithm!r}."
+            )
         if not 0.0 <= self.memory_reserve_fraction < 1.0:
             raise ValueError(f"ClusterSpec.memory_reserve_fraction must lie in [0, 1), got {self.memory_reserve_fraction!r}.")
 
@@ -375,7 +382,7 @@ def collective_cost(
     ``payload_bytes`` follows :class:`~lightning_mics.collectives.CollectiveRecorder`: the gathered
     output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an all-reduce.
     """
-    passes = 2 if (kind == "reduce_scatter" and cluster.backend == "gloo") else _RING_PASSES[kind]
+    passes = 2 if (kind == "reduce_scatter" and cluster.reduce_scatter_algorithm == "all_reduce") else _RING_PASSES[kind]
     n, m, k = group.size, group.per_node, group.nodes
     if n <= 1:
         return CollectiveCost()

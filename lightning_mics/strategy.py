@@ -44,7 +44,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import checkpoint as ckpt
-from lightning_mics.collectives import HierarchicalGroups, create_hierarchical_groups, install_hierarchical_collectives
+from lightning_mics.collectives import (
+    HierarchicalGroups,
+    create_hierarchical_groups,
+    install_hierarchical_collectives,
+    install_ring_reduce_scatter,
+)
 from lightning_mics.grad_sync import defer_cross_replica_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.process_groups import (
@@ -402,6 +407,8 @@ class MiCSStrategy(ParallelStrategy):
         )
         if self._hierarchical_groups is not None:
             install_hierarchical_collectives(self._fsdp_units, self._hierarchical_groups)
+        elif self._process_group_backend == "gloo":  # gloo's own reduce-scatter is a full all-reduce
+            install_ring_reduce_scatter(self._fsdp_units)
         if has_meta_tensors(root):
             materialize_meta_module(module, self.root_device)
         root.to(self.root_device)  # buffers and anything FSDP did not own

@@ -45,12 +45,14 @@ def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
     assert wire.intra_node == pytest.approx(6 * per_edge)
 
 
-def test_all_gather_and_gloo_reduce_scatter_shares() -> None:
+def test_all_gather_and_reduce_scatter_shares() -> None:
     pair = (0, 4)  # same local index on both nodes: both ring edges cross
     assert gloo_wire_bytes(Collective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
-    # gloo has no reduce-scatter: it all-reduces the whole input, twice an all-gather's bytes
-    reduce_scatter = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3), CLUSTER)
-    assert reduce_scatter.inter_node == pytest.approx(3 * 2 * MB)
+    # our ring reduce-scatter moves what an all-gather does; gloo's own all-reduces the whole input
+    ring = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3), CLUSTER)
+    assert ring.inter_node == pytest.approx(3 * MB)
+    native = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3, via_all_reduce=True), CLUSTER)
+    assert native.inter_node == pytest.approx(3 * 2 * MB)
     assert gloo_wire_bytes(Collective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
     assert gloo_wire_bytes(Collective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
 

@@ -309,12 +309,18 @@ def test_unit_parsing():
     assert math.isclose(ModelSpec.from_param_count(1_300_000_000).params, 1.3e9)
 
 
-def test_gloo_reduce_scatter_costs_an_all_reduce_and_fsdp1_reduces_once():
-    gloo = replace(CLUSTER, backend="gloo")
-    group = GroupShape(8, 8)
-    assert collective_cost("reduce_scatter", 1e8, group, gloo).time_s == pytest.approx(
-        collective_cost("all_reduce", 1e8, group, CLUSTER).time_s
-    )
+def test_gloos_own_reduce_scatter_costs_an_all_reduce_ours_half_and_fsdp1_reduces_once():
+    native_gloo = replace(CLUSTER, backend="gloo", reduce_scatter_algorithm="all_reduce")
+    ring_on_gloo = replace(CLUSTER, backend="gloo")
+    for group in (GroupShape(8, 8), GroupShape(16, 8)):
+        all_reduce = collective_cost("all_reduce", 1e8, group, CLUSTER)
+        native = collective_cost("reduce_scatter", 1e8, group, native_gloo)
+        ring = collective_cost("reduce_scatter", 1e8, group, ring_on_gloo)
+        assert native.time_s == pytest.approx(all_reduce.time_s)
+        assert native.node_egress_bytes == pytest.approx(all_reduce.node_egress_bytes)
+        assert ring.time_s == pytest.approx(all_reduce.time_s / 2)
+    with pytest.raises(ValueError, match="reduce_scatter_algorithm must be 'ring' or 'all_reduce'"):
+        replace(CLUSTER, reduce_scatter_algorithm="tree")
     fsdp2 = estimate(ShardingSpec.uniform("world"), CLUSTER, MODEL, TRAINING)
     fsdp1 = estimate(ShardingSpec.uniform("world"), CLUSTER, MODEL, TRAINING, reduce_every_micro_step=False)
     assert fsdp1.comm_s["backward"] < fsdp2.comm_s["backward"] and fsdp1.comm_s["boundary"] > 0
