@@ -228,7 +228,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, grou
     receives. Every rank sends ``(n - 1) / n`` of the input once -- half of what gloo's
     all-reduce-based ``reduce_scatter_tensor`` sends. Blocks are summed in ring order starting after
     their owner, so results may differ from gloo's in the last bits (they are the same on every run).
-    ``op``: SUM or AVG."""
+    ``op``: SUM or AVG; ``group`` None is the default group."""
+    group = dist.GroupMember.WORLD if group is None else group
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     block = output.numel()
     if input.numel() != n * block:

@@ -14,8 +14,8 @@ from toy import RunConfig, ToyModule, fit_with_mics
 from lightning_mics.collectives import CollectiveRecorder, RingReduceScatter, reduce_scatter_flat
 
 WORLD = 4
-#: world, a strided pair and a group of 3 (not a power of two)
-GROUPS = {"world": (0, 1, 2, 3), "odd ranks": (1, 3), "three": (0, 1, 2)}
+#: the default group (None), the world as a new group, a strided pair and a group of 3 (not a power of two)
+GROUPS = {"default": (0, 1, 2, 3), "world": (0, 1, 2, 3), "odd ranks": (1, 3), "three": (0, 1, 2)}
 BLOCK = 1031  # elements each rank receives
 
 
@@ -34,6 +34,7 @@ def _count_sent_bytes() -> tuple[list[int], Any]:
 def _compare_with_gloo(rank: int, world_size: int) -> dict[str, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     groups = {name: dist.new_group(list(ranks)) for name, ranks in GROUPS.items()}  # collective: every rank
+    groups["default"] = None
     results: dict[str, Any] = {}
     for name, ranks in GROUPS.items():
         if rank not in ranks:
@@ -83,7 +84,7 @@ def test_ring_equals_gloos_reduce_scatter(compared: list[dict[str, Any]]) -> Non
             else:
                 torch.testing.assert_close(result["ours"], result["gloo"], rtol=1e-5, atol=1e-6, msg=case)
             checked += 1
-    assert checked == 4 * (4 + 2 + 3)  # every member of every group, every case
+    assert checked == 4 * (4 + 4 + 2 + 3)  # every member of every group, every case
 
 
 def test_ring_sends_n_minus_1_blocks_and_is_recorded_as_one_reduce_scatter(compared: list[dict[str, Any]]) -> None:
