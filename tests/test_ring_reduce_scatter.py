@@ -99,17 +99,26 @@ def test_ring_sends_n_minus_1_blocks_and_is_recorded_as_one_reduce_scatter(compa
 
 
 def _fit_and_inspect(rank: int, world_size: int) -> dict[str, Any]:
+    comm_calls: list[int] = []
+    original_call = RingReduceScatter.__call__
+
+    def counting_call(self: RingReduceScatter, *args: Any, **kwargs: Any) -> Any:
+        comm_calls.append(1)
+        return original_call(self, *args, **kwargs)
+
+    RingReduceScatter.__call__ = counting_call
     sent, original_isend = _count_sent_bytes()
     try:
-        trainer = fit_with_mics(ToyModule(RunConfig(world_size=2, steps=1)), RunConfig(world_size=2, steps=1))
+        cfg = RunConfig(world_size=2, steps=1)
+        trainer = fit_with_mics(ToyModule(cfg), cfg)
     finally:
         dist.isend = original_isend
-    units = trainer.strategy._fsdp_units
-    comms = [type(group._reduce_scatter_comm) for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
-    return {"comms": comms, "units": len(units), "sends": len(sent)}
+        RingReduceScatter.__call__ = original_call
+    return {"comm_calls": len(comm_calls), "units": len(trainer.strategy._fsdp_units), "sends": len(sent)}
 
 
 def test_fsdp_units_reduce_scatter_over_the_ring_on_gloo() -> None:
     for result in run_ranks(_fit_and_inspect, 2):
-        assert result["comms"] == [RingReduceScatter] * result["units"]
-        assert result["sends"] > 0  # the gradients did travel point to point
+        # one optimizer step of one micro-batch: every unit (all hold trainable parameters) reduce-scatters once
+        assert result["comm_calls"] == result["units"] > 1
+        assert result["sends"] >= result["units"]  # ... point to point: one send per ring step (2 ranks: one step)
