@@ -255,11 +255,15 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, grou
         destination.div_(n)
 
 
-class RingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter comm on gloo: :func:`reduce_scatter_flat`, which takes the ring."""
+class _PlainAllocation:
+    """FSDP2 comms also decide how their buffers are allocated; ours take ordinary tensors."""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class RingReduceScatter(_PlainAllocation, ReduceScatter):
+    """FSDP2's reduce-scatter comm on gloo: :func:`reduce_scatter_flat`, which takes the ring."""
 
     def __call__(
         self,
@@ -279,15 +283,12 @@ def install_ring_reduce_scatter(units: list[Any]) -> None:
         unit.set_custom_reduce_scatter(comm)
 
 
-class _HierarchicalComm:
+class _HierarchicalComm(_PlainAllocation):
     """Shared parts: allocation and deciding whether a call is for our partition group."""
 
     def __init__(self, groups: HierarchicalGroups) -> None:
         self.groups = groups
         self._partition_group_ids: set[int] = set()
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _is_partition_group(self, group: dist.ProcessGroup) -> bool:
         key = id(group)
