@@ -60,7 +60,14 @@ from lightning_mics.process_groups import (
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
-from lightning_mics.wrapping import AutoWrapPolicy, has_meta_tensors, materialize_meta_module, shard_model
+from lightning_mics.wrapping import (
+    AutoWrapPolicy,
+    broadcast_module_states,
+    broadcast_shards_across_replicas,
+    has_meta_tensors,
+    materialize_meta_module,
+    shard_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +123,10 @@ class MiCSStrategy(ParallelStrategy):
         timeout: timeout for collectives, so a dead rank cannot hang the others forever.
         save_full_state_dict: save checkpoints as one file gathered on rank 0 (Lightning's usual
             format, for small models / export) instead of a sharded directory. Loading takes either.
+        sync_module_states: start every rank from global rank 0's parameters and buffers, as DDP
+            does (one broadcast of the model before sharding), so training does not depend on every
+            rank seeding alike or loading the same weights. Meta-device models have no values before
+            sharding: their replicas of each shard take the first replica's values instead.
     """
 
     strategy_name = "mics"
@@ -134,6 +145,7 @@ class MiCSStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         save_full_state_dict: bool = False,
+        sync_module_states: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -183,6 +195,7 @@ class MiCSStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.save_full_state_dict = save_full_state_dict
+        self.sync_module_states = sync_module_states
         self._num_nodes = 1
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None
@@ -394,6 +407,10 @@ class MiCSStrategy(ParallelStrategy):
         converted = self.precision_plugin.convert_module(module)
         assert converted is module
         root = _MiCSRoot(module)
+        on_meta = has_meta_tensors(root)
+        if self.sync_module_states and not on_meta:
+            staging = self.root_device if self._process_group_backend == "nccl" else None
+            broadcast_module_states(root, src=0, device=staging)
         self._fsdp_units = shard_model(
             root,
             self._fsdp_mesh(),
@@ -409,9 +426,12 @@ class MiCSStrategy(ParallelStrategy):
             install_hierarchical_collectives(self._fsdp_units, self._hierarchical_groups)
         elif self._process_group_backend == "gloo":  # gloo's own reduce-scatter is a full all-reduce
             install_ring_reduce_scatter(self._fsdp_units)
-        if has_meta_tensors(root):
+        if on_meta:
             materialize_meta_module(module, self.root_device)
         root.to(self.root_device)  # buffers and anything FSDP did not own
+        if on_meta and self.sync_module_states:
+            mesh = self.device_mesh
+            broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None)
         return root
 
     def _shard_optimizer_states(self) -> None:

@@ -8,12 +8,15 @@ units waste memory; too many send many small messages. Repeated blocks (the chil
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Union
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -206,3 +209,53 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
             f"`reset_parameters()` to initialise them after sharding: {missing}. Add a `reset_parameters()` method to "
             "them, or create the model without `empty_init=True`/meta device."
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting every rank from the same model
+# ---------------------------------------------------------------------------------------------
+
+
+def _unique_states(module: nn.Module) -> Iterator[Tensor]:
+    """Parameters and buffers, each once (tied weights are one tensor)."""
+    seen: set[int] = set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
+@torch.no_grad()
+def broadcast_module_states(module: nn.Module, src: int = 0, device: torch.device | None = None) -> None:
+    """Give every rank global rank ``src``'s parameters and buffers, as DDP does when it wraps a model.
+
+    ``fully_shard`` keeps each rank's slice of *its own* copy, so without this a rank that seeded
+    differently (or loaded pretrained weights that others did not) would contribute a different
+    model's slice -- and replicas of a shard would differ for the whole run. Called before
+    sharding, collectively. Meta tensors have no values yet and are skipped (see
+    :func:`broadcast_shards_across_replicas`). ``device``: where the collective needs the data
+    (the GPU for NCCL); tensors elsewhere travel through a staging copy, one at a time."""
+    for tensor in _unique_states(module):
+        if tensor.is_meta:
+            continue
+        target = tensor.data
+        if (device is not None and target.device != device) or not target.is_contiguous():
+            staged = target.to(device or target.device).contiguous()
+            dist.broadcast(staged, src)
+            target.copy_(staged)
+        else:
+            dist.broadcast(target, src)
+
+
+@torch.no_grad()
+def broadcast_shards_across_replicas(module: nn.Module, replica_group: dist.ProcessGroup | None) -> None:
+    """After meta-device materialisation: every replica of a shard takes the first replica's values,
+    and unsharded buffers take global rank 0's. Each rank initialised only its own shard, from its
+    own random state, so replicas agree only if every rank's RNG did; this makes them agree anyway.
+    Collective over the world (buffers) and ``replica_group`` (shards; ``None``: no replicas)."""
+    for tensor in _unique_states(module):
+        if isinstance(tensor, DTensor):
+            if replica_group is not None:
+                dist.broadcast(tensor._local_tensor, dist.get_global_rank(replica_group, 0), group=replica_group)
+        else:
+            dist.broadcast(tensor.data, 0)
