@@ -11,7 +11,7 @@ What is taken from the JSON:
 
 * links -- intra-node: ``network.loopback_per_node_bytes_per_s / ranks_per_node`` (each rank's
   loopback stream while all stream); inter-node: ``network.inter_node_measured_bytes_per_s``
-  (falling back to ``inter_node_rate_bytes_per_s``); the backend is gloo;
+  (falling back to ``inter_node_rate_bytes_per_s``);
 * model and batch -- ``setup.model`` (a GPTConfig), ``setup.micro_batch``, ``setup.accumulate``,
   ``setup.model_params``; precision ``32-true`` unless ``setup.precision`` says otherwise;
 * compute -- ``setup.compute_flops_per_rank`` (or ``network.compute_flops_per_rank``) when the
@@ -95,7 +95,6 @@ def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> Clu
         inter_node_latency=inter_latency,
         memory_bandwidth=10e9,
         overlap=args.overlap,
-        backend="gloo",
         name="emulated",
     )
 

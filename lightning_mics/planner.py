@@ -140,7 +140,6 @@ class ClusterSpec:
     #: kernels take SMs and HBM bandwidth from the compute they overlap.
     overlap: float = 0.8
     memory_reserve_fraction: float = 0.1
-    backend: Literal["nccl", "gloo"] = "nccl"
     #: How reduce-scatters run: ``"ring"`` -- one ring pass (NCCL; MiCSStrategy on gloo, which uses
     #: :func:`~lightning_mics.collectives.ring_reduce_scatter`) -- or ``"all_reduce"``: gloo's own
     #: ``reduce_scatter_tensor`` (what FSDP1 gets) all-reduces the whole buffer and keeps its chunk,
@@ -167,8 +166,6 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)!r}.")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"ClusterSpec.overlap is a fraction in [0, 1], got {self.overlap!r}.")
-        if self.backend not in ("nccl", "gloo"):
-            raise ValueError(f"ClusterSpec.backend must be 'nccl' or 'gloo', got {self.backend!r}.")
         if self.reduce_scatter_algorithm not in ("ring", "all_reduce"):
             raise ValueError(
                 f"ClusterSpec.reduce_scatter_algorithm must be 'ring' or 'all_reduce', got {self.reduce_scatter_algorithm!r}."
