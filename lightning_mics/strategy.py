@@ -52,12 +52,12 @@ from lightning_mics.collectives import (
 )
 from lightning_mics.grad_sync import defer_cross_replica_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.precision import MiCSPrecision
 from lightning_mics.process_groups import (
     SHARD_DIM,
     build_device_mesh,
     create_optimizer_state_groups,
 )
-from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
 from lightning_mics.wrapping import (

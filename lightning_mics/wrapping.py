@@ -16,9 +16,9 @@ from typing import Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,17 @@ def shard_model(
     return units  # type: ignore[return-value]
 
 
+def _unique_states(module: nn.Module) -> Iterator[Tensor]:
+    """Parameters and buffers, each once (tied weights are one tensor)."""
+    seen: set[int] = set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield tensor
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+    return any(t.is_meta for t in _unique_states(module))
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
@@ -214,15 +223,6 @@ def materialize_meta_module(module: nn.Module, device: torch.device) -> None:
 # ---------------------------------------------------------------------------------------------
 # Starting every rank from the same model
 # ---------------------------------------------------------------------------------------------
-
-
-def _unique_states(module: nn.Module) -> Iterator[Tensor]:
-    """Parameters and buffers, each once (tied weights are one tensor)."""
-    seen: set[int] = set()
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            yield tensor
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from checkpoint_helpers import TRAIN_CONFIG, make_trainer
+from checkpoint_helpers import TRAIN_CONFIG, assert_same_tensors, make_trainer
 from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from toy import ToyModule, full_parameters
@@ -82,12 +82,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     return run_ranks(_scenarios, TRAIN_CONFIG.world_size, str(root))[0], root
 
 
-def _assert_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-
-
 def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float = 1e-5) -> None:
     """Same up to the rounding of a different reduction order (relative error per tensor)."""
     assert sorted(actual) == sorted(expected)
@@ -99,9 +93,9 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 @pytest.mark.parametrize("kind", list(MODULES))
 def test_resume_in_the_same_layout_is_bit_identical_and_saving_changes_nothing(runs, kind: str) -> None:
     results = runs[0][kind]
-    _assert_identical(results["amsp, saving every epoch"], results["amsp"])
-    _assert_identical(results["amsp resumed from amsp"], results["amsp"])
-    _assert_identical(results["amsp resumed from amsp, full file"], results["amsp"])
+    assert_same_tensors(results["amsp, saving every epoch"], results["amsp"])
+    assert_same_tensors(results["amsp resumed from amsp"], results["amsp"])
+    assert_same_tensors(results["amsp resumed from amsp, full file"], results["amsp"])
 
 
 @pytest.mark.parametrize("kind", list(MODULES))
