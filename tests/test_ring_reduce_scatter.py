@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from toy import RunConfig, ToyModule, fit_with_mics
 
-from lightning_mics.collectives import CollectiveRecorder, RingReduceScatter, reduce_scatter_flat
+from lightning_mics.collectives import CollectiveRecorder, RingReduceScatter, reduce_scatter_flat, ring_reduce_scatter
 
 WORLD = 4
 #: the default group (None), the world as a new group, a strided pair and a group of 3 (not a power of two)
@@ -36,6 +36,11 @@ def _compare_with_gloo(rank: int, world_size: int) -> dict[str, Any]:
     groups = {name: dist.new_group(list(ranks)) for name, ranks in GROUPS.items()}  # collective: every rank
     groups["default"] = None
     results: dict[str, Any] = {}
+    try:  # an input that is not world x output elements: refused before anything is sent
+        ring_reduce_scatter(torch.empty(3), torch.empty(3 * world_size + 1), dist.ReduceOp.SUM, None)
+        results["size error"] = None
+    except ValueError as error:
+        results["size error"] = str(error)
     for name, ranks in GROUPS.items():
         if rank not in ranks:
             continue
@@ -73,10 +78,19 @@ def compared() -> list[dict[str, Any]]:
     return run_ranks(_compare_with_gloo, WORLD)
 
 
+def test_ring_refuses_an_input_of_the_wrong_size(compared: list[dict[str, Any]]) -> None:
+    for per_rank in compared:
+        assert per_rank["size error"] == "reduce-scatter input has 13 elements, expected 4 x 3"
+
+
+def _cases(per_rank: dict[str, Any]) -> dict[str, Any]:
+    return {case: result for case, result in per_rank.items() if case != "size error"}
+
+
 def test_ring_equals_gloos_reduce_scatter(compared: list[dict[str, Any]]) -> None:
     checked = 0
     for per_rank in compared:
-        for case, result in per_rank.items():
+        for case, result in _cases(per_rank).items():
             if "exact" in case or "max" in case:
                 torch.testing.assert_close(result["ours"], result["gloo"], rtol=0, atol=0, msg=case)
             elif "bf16" in case:
@@ -89,7 +103,7 @@ def test_ring_equals_gloos_reduce_scatter(compared: list[dict[str, Any]]) -> Non
 
 def test_ring_sends_n_minus_1_blocks_and_is_recorded_as_one_reduce_scatter(compared: list[dict[str, Any]]) -> None:
     for per_rank in compared:
-        for case, result in per_rank.items():
+        for case, result in _cases(per_rank).items():
             n, ranks = result["n"], GROUPS[case.split(":")[0]]
             assert result["calls"] == [("reduce_scatter", ranks, result["input_bytes"])], case
             if "max" in case:
