@@ -17,8 +17,6 @@ full copy of the states it writes.
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -26,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.checkpoint.atomic import write_durably
 
 
 def consolidate(
@@ -33,9 +32,11 @@ def consolidate(
     out: ckpt.PathLike,
     with_optimizer: bool = False,
     strip_prefix: Optional[str] = None,
+    verify: ckpt.VerifyMode = "checksum",
 ) -> Path:
-    """Write the single-file form of ``checkpoint_dir`` to ``out`` (atomically); return ``out``."""
-    model_state, optimizer_states, trainer_state = ckpt.read_full_state(checkpoint_dir)
+    """Write the single-file form of ``checkpoint_dir`` to ``out`` (atomically and durably); return
+    ``out``. ``verify``: how the checkpoint's files are checked first (see :func:`ckpt.load`)."""
+    model_state, optimizer_states, trainer_state = ckpt.read_full_state(checkpoint_dir, verify=verify)
     if strip_prefix:
         model_state = {k[len(strip_prefix) :]: v for k, v in model_state.items() if k.startswith(strip_prefix)}
         if not model_state:
@@ -44,12 +45,7 @@ def consolidate(
     if with_optimizer:
         payload = {**trainer_state, "state_dict": model_state, "optimizer_states": optimizer_states}
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.partial-{secrets.token_hex(4)}")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, out)  # a reader never sees a half-written OUT
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_durably(out, lambda handle: torch.save(payload, handle))  # a reader never sees a half-written OUT
     return out
 
 
@@ -68,11 +64,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--strip-prefix", default=None, help="keep only keys with this prefix and drop it, e.g. 'model.'"
     )
+    parser.add_argument(
+        "--verify",
+        choices=ckpt.VERIFY_MODES,
+        default="checksum",
+        help="check the checkpoint's files against its integrity record first: sizes and checksums (default), "
+        "sizes only (faster for very large checkpoints), or not at all",
+    )
     args = parser.parse_args(argv)
     if args.with_optimizer and args.strip_prefix:
         parser.error("--strip-prefix applies to bare weights only; it cannot be combined with --with-optimizer")
     try:
-        out = consolidate(args.checkpoint_dir, args.out, args.with_optimizer, args.strip_prefix)
+        out = consolidate(args.checkpoint_dir, args.out, args.with_optimizer, args.strip_prefix, args.verify)
     except (FileNotFoundError, ckpt.CheckpointError) as err:
         parser.exit(2, f"error: {err}\n")
     print(f"wrote {out}", file=sys.stderr)

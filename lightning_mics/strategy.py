@@ -9,6 +9,7 @@ The ideas live in their own modules -- :mod:`~lightning_mics.topology` (who shar
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -127,6 +128,13 @@ class MiCSStrategy(ParallelStrategy):
             does (one broadcast of the model before sharding), so training does not depend on every
             rank seeding alike or loading the same weights. Meta-device models have no values before
             sharding: their replicas of each shard take the first replica's values instead.
+        async_save: write sharded checkpoints in the background: a save copies the states to CPU
+            memory and returns; shards are written, checksummed and committed by a worker thread
+            (its own process group). At most one save is in flight; loads, the next save and the end
+            of the run wait for it. A failed background save raises at the next save or at teardown.
+        checkpoint_verify: how a checkpoint's files are checked against its integrity record before
+            loading: ``"checksum"`` (sizes and CRC-32, default), ``"size"`` (sizes only, for very
+            large checkpoints on slow storage) or ``"none"``.
     """
 
     strategy_name = "mics"
@@ -146,6 +154,8 @@ class MiCSStrategy(ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         save_full_state_dict: bool = False,
         sync_module_states: bool = True,
+        async_save: bool = False,
+        checkpoint_verify: ckpt.VerifyMode = "checksum",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -196,6 +206,15 @@ class MiCSStrategy(ParallelStrategy):
         self._timeout = timeout
         self.save_full_state_dict = save_full_state_dict
         self.sync_module_states = sync_module_states
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+        if checkpoint_verify not in ckpt.VERIFY_MODES:
+            raise ValueError(
+                f"checkpoint_verify={checkpoint_verify!r} is not one of {list(ckpt.VERIFY_MODES)}: 'checksum' checks "
+                "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
+            )
+        self.checkpoint_verify: ckpt.VerifyMode = checkpoint_verify
+        self._async_saver: Optional[ckpt.AsyncCheckpointSaver] = ckpt.AsyncCheckpointSaver() if async_save else None
         self._num_nodes = 1
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None
@@ -553,6 +572,8 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._async_saver is not None:
+            self._async_saver.close()  # the run ends only once its last checkpoint is committed
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -600,20 +621,33 @@ class MiCSStrategy(ParallelStrategy):
             raise TypeError("MiCSStrategy.save_checkpoint does not take storage_options: it writes with DCP.")
         topology = self.topology
         layout = ckpt.CheckpointLayout(topology.world_size, topology.partition_size, topology.ranks_per_node)
-        ckpt.save(filepath, checkpoint, layout, full=self.save_full_state_dict)
+        ckpt.save(filepath, checkpoint, layout, full=self.save_full_state_dict, saver=self._async_saver)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # `weights_only` is moot: every loading path is weights-only (or DCP with a weights-only planner)
         path = self.broadcast(str(checkpoint_path))
         assert self.lightning_module is not None
+        if self._async_saver is not None:
+            self._async_saver.wait()  # it may be the checkpoint still being written
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         strict = self.lightning_module.strict_loading
         with self._optimizers_in_partition_form(optimizers, write_back=True):
-            return ckpt.load(path, self.lightning_module, optimizers, strict, restore_rng=True, for_trainer=True)
+            return ckpt.load(
+                path,
+                self.lightning_module,
+                optimizers,
+                strict,
+                restore_rng=True,
+                for_trainer=True,
+                verify=self.checkpoint_verify,
+            )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        saver = self._async_saver
+        if saver is not None and saver.in_flight is not None and str(saver.in_flight) == os.path.abspath(filepath):
+            saver.wait()  # never delete a checkpoint while it is being written
         ckpt.remove(filepath)
 
     @classmethod

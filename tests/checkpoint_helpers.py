@@ -32,6 +32,7 @@ from toy import RunConfig, ToyModule, full_parameters, lm_loss, trainer_kwargs  
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics import checkpoint as ckpt  # noqa: E402
+from lightning_mics.checkpoint import integrity  # noqa: E402
 from lightning_mics.sharding_spec import ShardingSpec  # noqa: E402
 
 #: Two optimizer steps per epoch; runs of several epochs resume at epoch boundaries, where
@@ -295,17 +296,18 @@ class KillDuringSecondLastSave(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # runs before ModelCheckpoint's hook (Lightning orders checkpoint callbacks last), which then
-        # saves epoch=1-step=4.ckpt and last.ckpt, each calling capture_rng_state after its DCP write
+        # saves epoch=1-step=4.ckpt and last.ckpt, each digesting the files a rank wrote right after
+        # writing them (and before rank 0 commits)
         if trainer.global_rank == VICTIM_RANK and trainer.current_epoch == 1:
-            original, calls = ckpt.capture_rng_state, []
+            original, calls = integrity.digest_files, []
 
-            def die_in_second_call() -> dict[str, Any]:
+            def die_in_second_call(*args: Any, **kwargs: Any) -> Any:
                 calls.append(1)
                 if len(calls) == 2:
                     os.kill(os.getpid(), signal.SIGKILL)
-                return original()
+                return original(*args, **kwargs)
 
-            ckpt.capture_rng_state = die_in_second_call  # type: ignore[assignment]
+            integrity.digest_files = die_in_second_call  # type: ignore[assignment]
 
 
 def _scenario_rank(scenario: str, root: Path) -> None:

@@ -28,6 +28,7 @@ from toy import RunConfig, ToyLM, ToyModule
 
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import consolidate
+from lightning_mics.checkpoint.format import PARTIAL_MARK
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,7 @@ def test_bad_checkpoints_given_to_fit(reference: tuple[Path, dict[str, Any]], tm
     not_a_checkpoint = tmp_path / "notes"
     not_a_checkpoint.mkdir()
     (not_a_checkpoint / "readme.txt").write_text("hello")
-    staging = tmp_path / f".last.ckpt{ckpt._PARTIAL_MARK}0123abcd"
+    staging = tmp_path / f".last.ckpt{PARTIAL_MARK}0123abcd"
     uncommitted = tmp_path / "uncommitted.ckpt"
     for copy in (staging, uncommitted):
         subprocess.run(["cp", "-r", str(root / "sharded"), str(copy)], check=True)

@@ -23,6 +23,7 @@ from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.checkpoint import atomic, saving
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
@@ -46,32 +47,32 @@ def _save_wide(path: Path, module: WideModule, step: int) -> None:
 
 
 def _kill_during_dcp_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = ckpt.dcp.save
+    original = saving.dcp.save
 
     def write_then_die(*args: Any, **kwargs: Any) -> Any:
         original(*args, **kwargs)  # the shards are on disk, the save is not committed
         raise _KilledHere
 
-    monkeypatch.setattr(ckpt.dcp, "save", write_then_die)
+    monkeypatch.setattr(saving.dcp, "save", write_then_die)
 
 
 def _kill_before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     def die(*args: Any, **kwargs: Any) -> None:
         raise _KilledHere
 
-    monkeypatch.setattr(ckpt, "_commit_sharded", die)
+    monkeypatch.setattr(atomic, "commit_sharded", die)
 
 
 def _kill_after_new_data_is_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """Update mode: the new data directory is renamed into the checkpoint, the record not yet switched."""
-    original = ckpt._write_durably
+    original = atomic.write_durably
 
     def die_on_record(path: Path, data: bytes) -> None:
         if path.name == ckpt.MANIFEST_FILE:
             raise _KilledHere
         original(path, data)
 
-    monkeypatch.setattr(ckpt, "_write_durably", die_on_record)
+    monkeypatch.setattr(atomic, "write_durably", die_on_record)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +109,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(
 
     for path in (last, first):
         _save_wide(path, module, step=3)
-        assert ckpt._staging_leftovers(path) == []
+        assert atomic.staging_leftovers(path) == []
         reloaded = WideModule()
         ckpt.load(path, reloaded)
         assert_same_tensors(reloaded.state_dict(), newer)
@@ -130,14 +131,14 @@ def test_rank_sigkilled_mid_save_exits_and_resumes_from_last(tmp_path: Path) -> 
 
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert ckpt.inspect_checkpoint(last).global_step == STEPS_PER_EPOCH  # the first save, intact
-    assert ckpt._staging_leftovers(last), "the killed save should have left (ignored) staging data"
+    assert atomic.staging_leftovers(last), "the killed save should have left (ignored) staging data"
 
     codes = launch_ranks("resume", tmp_path, TRAIN_CONFIG.world_size, deadline)
     assert codes == [0] * TRAIN_CONFIG.world_size, _logs(tmp_path, "resume")
     resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
     assert resumed["steps_run"] == (SCENARIO_EPOCHS - 1) * STEPS_PER_EPOCH
     assert_same_tensors(resumed["params"], torch.load(tmp_path / "uninterrupted.pt", weights_only=True))
-    assert ckpt._staging_leftovers(last) == []  # the resumed run's saves cleaned up
+    assert atomic.staging_leftovers(last) == []  # the resumed run's saves cleaned up
 
 
 def _logs(root: Path, scenario: str) -> str:
