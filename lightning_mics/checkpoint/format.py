@@ -172,7 +172,7 @@ def _is_int(value: object) -> bool:
 def _damaged(record_path: Path, key: str, value: object, expected: str) -> str:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     return (
-        f"{record_path} is damaged: its field {key!r} is {shown}, expected {expected}. The checkpoint is not used "
+        f"{record_path} is damaged: its field '{key}' is {shown}, expected {expected}. The checkpoint is not used "
         "(nothing was read, written or deleted because of it); load an earlier checkpoint, or save to this path "
         "again to replace it."
     )

@@ -112,8 +112,10 @@ def open_checkpoint(path: Path) -> tuple[CheckpointInfo, Optional[dict[str, Any]
     missing = [name for name in (METADATA_FILE, TRAINER_STATE_FILE) if not (data_dir / name).is_file()]
     if missing:
         raise CheckpointError(
-            f"{path} is incomplete: its commit record names {data_dir.name}, which lacks {missing} (files were deleted "
-            "or the directory was copied partially). Load another checkpoint or copy this one again."
+            f"The checkpoint {path} is damaged; nothing was loaded:\n  "
+            + "\n  ".join(f"{data_dir / name}: missing" for name in missing)
+            + "\nFiles were deleted or the directory was copied partially: load another checkpoint (pass another "
+            "ckpt_path=), or copy this one again."
         )
     leftovers = staging_leftovers(path)
     if leftovers and coordination.rank() == 0:
