@@ -100,6 +100,7 @@ def make_trainer(
     max_steps: int = -1,
     max_epochs: Optional[int] = None,
     timeout: Optional[timedelta] = None,
+    async_save: bool = False,
     **overrides: Any,
 ) -> pl.Trainer:
     """A trainer for the toy runs (``partition_size`` may be an AMSP ``ShardingSpec``). Runs that are
@@ -110,6 +111,7 @@ def make_trainer(
     )
     if timeout is not None:
         strategy_kwargs["timeout"] = timeout
+    strategy_kwargs["async_save"] = async_save
     limits = {"max_steps": max_steps, "max_epochs": max_epochs}
     kwargs = {**trainer_kwargs(RunConfig(world_size=world_size)), **limits, **overrides}
     return pl.Trainer(strategy=MiCSStrategy(**strategy_kwargs), **kwargs)
@@ -215,9 +217,10 @@ def fit_errors(rank: int, world_size: int, cases: dict[str, tuple[str, str]]) ->
     return outcomes
 
 
-def resume_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def resume_scenarios(rank: int, world_size: int, root: str, async_save: bool = False) -> dict[str, Any]:
     """An uninterrupted run of two epochs, and the same run stopped after one epoch and resumed,
-    once via ``ckpt_path="last"`` and once via the path of a per-epoch ``ModelCheckpoint`` file."""
+    once via ``ckpt_path="last"`` and once via the path of a per-epoch ``ModelCheckpoint`` file
+    (checkpoints saved in the background with ``async_save``)."""
     cfg = RunConfig(world_size=world_size, steps=STEPS_PER_EPOCH)
     results: dict[str, Any] = {}
 
@@ -229,12 +232,16 @@ def resume_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
         return [ModelCheckpoint(dirpath=Path(root, "checkpoints"), save_last=True, save_top_k=-1, every_n_epochs=1)]
 
     model = NoisyToyModule(cfg)
-    make_trainer(world_size, 2, max_epochs=1, enable_checkpointing=True, callbacks=callbacks()).fit(model)
+    make_trainer(
+        world_size, 2, max_epochs=1, enable_checkpointing=True, callbacks=callbacks(), async_save=async_save
+    ).fit(model)
 
     per_epoch_path = Path(root, "checkpoints", f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
     for name, ckpt_path in (("via_last", "last"), ("via_path", str(per_epoch_path))):
         model = NoisyToyModule(cfg)
-        trainer = make_trainer(world_size, 2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks())
+        trainer = make_trainer(
+            world_size, 2, max_epochs=2, enable_checkpointing=True, callbacks=callbacks(), async_save=async_save
+        )
         trainer.fit(model, ckpt_path=ckpt_path)
         results[name] = {
             "params": full_parameters(model),
@@ -311,11 +318,14 @@ class KillDuringSecondLastSave(Callback):
 
 
 def _scenario_rank(scenario: str, root: Path) -> None:
+    scenario, _, mode = scenario.partition(":")
+    async_save = mode == "async"
     """One rank of the fault-tolerance scenario.
 
     ``interrupted``: an uninterrupted reference run (rank 0 keeps its parameters), then the same
     run with ``last.ckpt`` saves, killed on the victim rank during the second save.
-    ``resume``: ``fit(ckpt_path="last")`` to the end; rank 0 keeps the parameters and steps run."""
+    ``resume``: ``fit(ckpt_path="last")`` to the end; rank 0 keeps the parameters and steps run.
+    A ``:async`` suffix saves in the background (the kill then hits the checkpoint worker thread)."""
     torch.set_num_threads(1)
     world_size = int(os.environ["WORLD_SIZE"])
     cfg = RunConfig(world_size=world_size, steps=STEPS_PER_EPOCH)
@@ -335,6 +345,7 @@ def _scenario_rank(scenario: str, root: Path) -> None:
         timeout=SCENARIO_TIMEOUT,
         enable_checkpointing=True,
         callbacks=callbacks,
+        async_save=async_save,
     )
     trainer.fit(model, ckpt_path="last" if scenario == "resume" else None)
     params = full_parameters(model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -26,11 +26,13 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics.checkpoint import atomic, saving
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resumed_run_equals_uninterrupted_run(tmp_path: Path, async_save: bool) -> None:
     """Stopped after one epoch and resumed -- from ``ckpt_path="last"`` and from an explicit
     ``trainer.save_checkpoint`` path -- training with random input masking reaches bit-identical
-    parameters (model, optimizer, loops and every rank's RNG restored)."""
-    results = run_ranks(resume_scenarios, TRAIN_CONFIG.world_size, str(tmp_path))[0]
+    parameters (model, optimizer, loops and every rank's RNG restored), also when checkpoints are
+    written in the background while training goes on."""
+    results = run_ranks(resume_scenarios, TRAIN_CONFIG.world_size, str(tmp_path), async_save)[0]
     for name in ("via_last", "via_path"):
         resumed = results[name]
         assert resumed["global_step"] == 2 * STEPS_PER_EPOCH
@@ -42,8 +44,11 @@ class _KilledHere(BaseException):
     """Stands in for a kill: nothing after it runs, not even ``except Exception`` cleanup."""
 
 
-def _save_wide(path: Path, module: WideModule, step: int) -> None:
-    ckpt.save(path, {"state_dict": ckpt.model_state_dict(module), "global_step": step})
+def _save_wide(path: Path, module: WideModule, step: int, saver: Optional[ckpt.AsyncCheckpointSaver] = None) -> None:
+    """Save (and with a background ``saver``, wait for the save to finish)."""
+    ckpt.save(path, {"state_dict": ckpt.model_state_dict(module), "global_step": step}, saver=saver)
+    if saver is not None:
+        saver.wait()
 
 
 def _kill_during_dcp_write(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,14 +80,16 @@ def _kill_after_new_data_is_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(atomic, "write_durably", die_on_record)
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize(
     "kill", [_kill_during_dcp_write, _kill_before_commit, _kill_after_new_data_is_in_place], ids=lambda f: f.__name__
 )
 def test_save_killed_midway_leaves_previous_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill: Callable[[pytest.MonkeyPatch], None]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kill: Callable[[pytest.MonkeyPatch], None], background: bool
 ) -> None:
     """A first save and an overwrite, each killed midway: the path holds the previous checkpoint
     (or nothing), "last" never finds the staging data, and the next save cleans it up."""
+    saver = ckpt.AsyncCheckpointSaver() if background else None
     module = WideModule()
     previous = {name: value.clone() for name, value in module.state_dict().items()}
     last, first = tmp_path / "last.ckpt", tmp_path / "first.ckpt"
@@ -96,7 +103,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(
         kill(patch)
         for path in (last, first):
             with pytest.raises(_KilledHere):
-                _save_wide(path, module, step=2)
+                _save_wide(path, module, step=2, saver=saver)
 
     assert ckpt.inspect_checkpoint(last).global_step == 1
     reloaded = WideModule()
@@ -108,7 +115,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(
     assert finder._find_last_checkpoints(trainer=None) == {str(last)}  # type: ignore[arg-type]
 
     for path in (last, first):
-        _save_wide(path, module, step=3)
+        _save_wide(path, module, step=3, saver=saver)
         assert atomic.staging_leftovers(path) == []
         reloaded = WideModule()
         ckpt.load(path, reloaded)
@@ -116,13 +123,15 @@ def test_save_killed_midway_leaves_previous_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first.ckpt", "last.ckpt"]
 
 
-def test_rank_sigkilled_mid_save_exits_and_resumes_from_last(tmp_path: Path) -> None:
-    """One rank of four is SIGKILLed while writing the second ``last.ckpt``. The others must fail
-    (non-zero) well within the collective timeout instead of hanging; the previous ``last.ckpt``
-    stays intact, and ``fit(ckpt_path="last")`` finishes with exactly the uninterrupted parameters."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rank_sigkilled_mid_save_exits_and_resumes_from_last(tmp_path: Path, mode: str) -> None:
+    """One rank of four is SIGKILLed while writing the second ``last.ckpt`` (``async``: in its
+    background checkpoint thread). The others must fail (non-zero) well within the collective
+    timeout instead of hanging; the previous ``last.ckpt`` stays intact, and
+    ``fit(ckpt_path="last")`` finishes with exactly the uninterrupted parameters."""
     deadline = 3 * SCENARIO_TIMEOUT.total_seconds() + 60  # startup + training + one timeout, generously
     started = time.monotonic()
-    codes = launch_ranks("interrupted", tmp_path, TRAIN_CONFIG.world_size, deadline)
+    codes = launch_ranks(f"interrupted:{mode}", tmp_path, TRAIN_CONFIG.world_size, deadline)
     elapsed = time.monotonic() - started
     assert None not in codes, f"ranks still running after {deadline}s (hang): {codes}"
     assert codes[VICTIM_RANK] == -9
@@ -133,7 +142,7 @@ def test_rank_sigkilled_mid_save_exits_and_resumes_from_last(tmp_path: Path) -> 
     assert ckpt.inspect_checkpoint(last).global_step == STEPS_PER_EPOCH  # the first save, intact
     assert atomic.staging_leftovers(last), "the killed save should have left (ignored) staging data"
 
-    codes = launch_ranks("resume", tmp_path, TRAIN_CONFIG.world_size, deadline)
+    codes = launch_ranks(f"resume:{mode}", tmp_path, TRAIN_CONFIG.world_size, deadline)
     assert codes == [0] * TRAIN_CONFIG.world_size, _logs(tmp_path, "resume")
     resumed = torch.load(tmp_path / "resume.pt", weights_only=True)
     assert resumed["steps_run"] == (SCENARIO_EPOCHS - 1) * STEPS_PER_EPOCH

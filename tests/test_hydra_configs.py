@@ -62,11 +62,14 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
             "strategy.hierarchical=false",
             "strategy.prefetch_depth=2",
             "strategy.activation_checkpointing_policy=true",
+            "strategy.async_save=true",
+            "strategy.checkpoint_verify=size",
         ).strategy,
         _convert_="all",
     )
     assert strategy.sharding == ShardingSpec("node", "node", "world")
     assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
+    assert strategy._async_saver is not None and strategy.checkpoint_verify == "size"
 
 
 def test_fsdp_hybrid_baseline_builds_lightnings_strategy_on_gpu_and_refuses_cpu() -> None:

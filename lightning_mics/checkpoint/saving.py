@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import warnings
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
@@ -53,7 +54,9 @@ class AsyncCheckpointSaver:
     flight; :meth:`wait` raises its failure (on every rank: all ranks' workers agree on the
     outcome). Call :meth:`close` at teardown so no save is left unfinished."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: Optional[timedelta] = None) -> None:
+        #: collective timeout of the workers' group: a dead rank must fail a background save, not hang it
+        self.timeout = timeout
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
         self._pending_target: Optional[Path] = None
@@ -69,7 +72,7 @@ class AsyncCheckpointSaver:
         """The workers' process group, created on first use (a collective: every rank saves together)."""
         if not self._group_ready:
             if coordination.distributed():
-                self._group = dist.new_group(backend="gloo")  # staged states are on CPU
+                self._group = dist.new_group(backend="gloo", timeout=self.timeout)  # staged states are on CPU
             self._group_ready = True
         return self._group
 
