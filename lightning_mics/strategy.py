@@ -65,7 +65,9 @@ from lightning_mics.wrapping import (
     AutoWrapPolicy,
     broadcast_module_states,
     broadcast_shards_across_replicas,
+    check_reshard_group,
     has_meta_tensors,
+    make_wrap_predicate,
     materialize_meta_module,
     shard_model,
 )
@@ -121,7 +123,8 @@ class MiCSStrategy(ParallelStrategy):
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
         process_group_backend: ``"nccl"``, ``"gloo"``, ...; default: NCCL on CUDA, gloo on CPU.
-        timeout: timeout for collectives, so a dead rank cannot hang the others forever.
+        timeout: timeout for collectives, so a dead rank cannot hang the others forever: a
+            ``timedelta`` or a number of seconds.
         save_full_state_dict: save checkpoints as one file gathered on rank 0 (Lightning's usual
             format, for small models / export) instead of a sharded directory. Loading takes either.
         sync_module_states: start every rank from global rank 0's parameters and buffers, as DDP
@@ -151,7 +154,7 @@ class MiCSStrategy(ParallelStrategy):
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[timedelta, float, None] = default_pg_timeout,
         save_full_state_dict: bool = False,
         sync_module_states: bool = True,
         async_save: bool = False,
@@ -169,13 +172,23 @@ class MiCSStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}.")
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            if reshard_after_forward < 1:
-                raise ValueError(
-                    f"reshard_after_forward={reshard_after_forward} must be True, False or a positive group size."
-                )
+        if ranks_per_node is not None and (
+            isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+        ):
+            raise ValueError(
+                f"ranks_per_node must be a positive int or None (detect from the launcher), got {ranks_per_node!r}"
+                + (f"; write ranks_per_node={int(ranks_per_node)}." if str(ranks_per_node).isdigit() else ".")
+            )
+        if not isinstance(reshard_after_forward, (bool, int)) or (
+            not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+        ):
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward!r} must be True, False or a positive group size."
+            )
+        make_wrap_predicate(auto_wrap_policy)  # a malformed policy fails here, not at setup
+        if activation_checkpointing_policy is not True:
+            make_wrap_predicate(activation_checkpointing_policy)
+        timeout = _as_timedelta(timeout)
         if sharding is not None and (partition_size is not None or reshard_after_forward is not True):
             raise ValueError(
                 "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
@@ -339,6 +352,7 @@ class MiCSStrategy(ParallelStrategy):
         if self.partition_size_spec == "auto":
             self.partition_size_spec = self._plan_partition_size(ranks_per_node)
         self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
+        check_reshard_group(self.reshard_after_forward, self._topology.partition_size)
         self._device_mesh = self._build_mesh(self._topology)
         if self._shards_optimizer_beyond_partition:
             self._optim_groups = create_optimizer_state_groups(self._topology, self._optim_degree, self._timeout)
@@ -662,3 +676,14 @@ class MiCSStrategy(ParallelStrategy):
         strategy_registry.register(
             "mics_replicate", cls, description="MiCS strategy without sharding (DDP-like)", partition_size=1
         )
+
+
+def _as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
+    """Collective timeouts are ``timedelta``s in torch; a plain number is taken as seconds."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ValueError(
+        f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds, e.g. timeout=1800."
+    )

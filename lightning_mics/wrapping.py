@@ -8,10 +8,12 @@ units waste memory; too many send many small messages. Repeated blocks (the chil
 
 from __future__ import annotations
 
+import inspect
+
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -53,12 +55,44 @@ def make_wrap_predicate(policy: AutoWrapPolicy) -> Callable[[str, nn.Module, nn.
             raise TypeError(f"auto_wrap_policy entries must be nn.Module subclasses, got {bad!r}.")
         return lambda name, module, parent: isinstance(module, classes)
     if callable(policy):
+        _check_predicate_signature(policy)
         user_predicate = policy
         return lambda name, module, parent: bool(user_predicate(name, module))
     raise TypeError(
         f"auto_wrap_policy={policy!r} is not supported. Pass None (wrap nn.ModuleList children), a module class or "
         "a list of module classes, a callable (name, module) -> bool, or False (wrap only the root)."
     )
+
+
+def _check_predicate_signature(policy: Callable[..., Any]) -> None:
+    """A policy callable is called as ``policy(name, module)``: refuse one that cannot be, now,
+    rather than with a TypeError from deep inside the model setup."""
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    try:
+        signature.bind("blocks.0", nn.Module())
+    except TypeError:
+        raise TypeError(
+            f"auto_wrap_policy callable {getattr(policy, '__name__', policy)!r}{signature} cannot be called as "
+            "policy(name, module): it must take the module's qualified name and the module and return True to wrap "
+            "it, e.g. `lambda name, module: isinstance(module, Block)`."
+        ) from None
+
+
+def check_reshard_group(reshard_after_forward: bool | int, partition_size: int) -> None:
+    """An int ``reshard_after_forward`` is the group parameters are resharded to after forward:
+    FSDP2 needs it to divide the partition (shard) size."""
+    if isinstance(reshard_after_forward, bool):
+        return
+    if partition_size % reshard_after_forward:
+        divisors = [d for d in range(1, partition_size + 1) if partition_size % d == 0]
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward} is not a group size that divides the partition size "
+            f"{partition_size}. Use True (reshard to the whole partition), False (keep parameters gathered), or one of "
+            f"{divisors}."
+        )
 
 
 def select_modules_to_wrap(root: nn.Module, policy: AutoWrapPolicy) -> list[tuple[str, nn.Module]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +14,7 @@ from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, lm_loss, t
 import lightning_mics  # noqa: F401  (registers the strategy names)
 from lightning_mics import MiCSStrategy
 from lightning_mics.planner import device_memory_bytes
+from lightning_mics.wrapping import check_reshard_group
 
 
 @pytest.mark.parametrize(
@@ -38,11 +40,41 @@ def test_unsupported_precision_is_rejected_at_construction():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"ranks_per_node": 0}, "ranks_per_node"), ({"reshard_after_forward": 0}, "reshard_after_forward")],
+    [
+        ({"ranks_per_node": 0}, "ranks_per_node"),
+        ({"ranks_per_node": "2"}, "ranks_per_node must be a positive int .*write ranks_per_node=2"),
+        ({"reshard_after_forward": 0}, "reshard_after_forward"),
+        ({"reshard_after_forward": "yes"}, "must be True, False or a positive group size"),
+        ({"timeout": "30"}, "timedelta or a positive number of seconds"),
+        ({"timeout": -5}, "timedelta or a positive number of seconds"),
+        ({"checkpoint_verify": "sha"}, "checkpoint_verify='sha' is not one of \\['checksum', 'size', 'none'\\]"),
+    ],
 )
 def test_bad_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MiCSStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("option", ["auto_wrap_policy", "activation_checkpointing_policy"])
+def test_policy_callable_with_the_wrong_signature_is_refused_at_construction(option):
+    with pytest.raises(TypeError, match=r"cannot be called as policy\(name, module\)"):
+        MiCSStrategy(**{option: lambda module: True})
+    MiCSStrategy(**{option: lambda name, module: False})  # the documented form
+    MiCSStrategy(**{option: lambda *args: False})
+
+
+def test_timeout_in_seconds_is_accepted():
+    assert MiCSStrategy(timeout=30)._timeout == timedelta(seconds=30)
+    with pytest.raises(TypeError, match="async_save must be True or False"):
+        MiCSStrategy(async_save="yes")
+
+
+def test_reshard_group_must_divide_the_partition():
+    check_reshard_group(2, 4)
+    check_reshard_group(True, 4)
+    check_reshard_group(False, 3)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 .* partition size 4.*\[1, 2, 4\]"):
+        check_reshard_group(3, 4)
 
 
 class RecordBatches(pl.Callback):
