@@ -47,7 +47,7 @@ from typing import Literal
 import torch
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
-from lightning_mics.models import GPT, GPTConfig
+from examples.models import GPT, GPTConfig
 from lightning_mics.telemetry import UnitShapes, padded_numel
 from lightning_mics.topology import MiCSTopology
 

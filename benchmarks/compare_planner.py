@@ -100,7 +100,7 @@ def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> Clu
 
 
 def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
-    from lightning_mics.models import GPTConfig
+    from examples.models import GPTConfig
 
     setup = report["setup"]
     config = GPTConfig.resolve(setup["model"])

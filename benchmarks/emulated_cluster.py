@@ -42,7 +42,7 @@ from benchmarks.comm_model import (  # noqa: E402
 )
 from benchmarks.netns import REPO_ROOT, UPLINK, EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup, select_strategies  # noqa: E402
-from lightning_mics.models import GPTConfig  # noqa: E402
+from examples.models import GPTConfig  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 MASTER_PORT_BASE = 29600

@@ -48,8 +48,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
-from lightning_mics.models.gpt import Block  # noqa: E402
+from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
+from examples.models.gpt import Block  # noqa: E402
 from lightning_mics.telemetry import model_state_bytes  # noqa: E402
 
 UPLINK = "uplink"

@@ -60,7 +60,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mics import MiCSStrategy
-from lightning_mics.models import GPTConfig, GPTLightningModule
+from examples.models import GPTConfig, GPTLightningModule
 from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Optional
 
-from lightning_mics.models import GPTConfig
+from examples.models import GPTConfig
 from lightning_mics.topology import MiCSTopology
 
 #: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``.

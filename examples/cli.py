@@ -1,12 +1,62 @@
-"""LightningCLI for the main job; the same as the ``lightning-mics`` console script.
+"""LightningCLI for the main job's GPT + embedded-corpus model (``fit``/``validate``/``test``...).
 
     python examples/cli.py fit --config examples/cli_config.yaml
-    python examples/cli.py fit --config examples/cli_config.yaml \
+    python examples/cli.py fit --config examples/cli_config.yaml \\
         --trainer.strategy=lightning_mics.MiCSStrategy --trainer.strategy.partition_size=2
+    python examples/cli.py fit --config examples/cli_config.yaml --trainer.strategy=mics
     python examples/cli.py validate --config examples/cli_config.yaml --ckpt_path=<checkpoint dir>
+
+Importing :mod:`lightning_mics` registers the strategy names, and the strategy class is importable
+by its dotted path, so both spellings work. The telemetry callback is always on and is
+configured under ``--telemetry.*`` (e.g. ``--telemetry.peak_flops=989e12``). The layout planner is
+the library's own command: ``lightning-mics plan ...``.
 """
 
-from lightning_mics.cli import main
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+if __package__ in (None, ""):  # run as a script: make the ``examples`` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+import lightning_mics  # noqa: F401,E402  (registers strategy="mics", "mics_zero3", "mics_replicate")
+from examples.models import ByteCorpusDataModule, GPTLightningModule  # noqa: E402
+from lightning_mics.telemetry import TrainingTelemetry  # noqa: E402
+
+
+class MiCSCLI(LightningCLI):
+    """LightningCLI with the sequence length linked from the model to the data and telemetry on."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_lightning_class_args(TrainingTelemetry, "telemetry")
+        parser.link_arguments("model.config", "data.seq_len", compute_fn=_seq_len_of)
+
+
+def _seq_len_of(config: Any) -> int:
+    """The data's window length from the parsed ``model.config`` (a preset name or, parsed as a
+    dataclass, a jsonargparse namespace of its fields)."""
+    from examples.models import GPTConfig
+
+    config = getattr(config, "init_args", config)
+    if hasattr(config, "as_dict"):
+        config = config.as_dict()
+    return GPTConfig.resolve(config).seq_len
+
+
+def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
+    """Run LightningCLI on the demo model; ``args`` replaces ``sys.argv[1:]`` (tests)."""
+    return MiCSCLI(
+        GPTLightningModule,
+        ByteCorpusDataModule,
+        args=args,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+    )
+
 
 if __name__ == "__main__":
-    main()
+    main()  # the CLI object is not an exit status: success exits 0, an exception non-zero

@@ -38,7 +38,10 @@ from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger("train")
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # the configs' _target_s name the demo package `examples.*`
+    sys.path.insert(0, str(REPO_ROOT))
+CONFIG_DIR = str(REPO_ROOT / "conf")
 MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
 #: Hydra options that must survive when a sweep job's command line is rebuilt for its ranks.
 _HYDRA_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")

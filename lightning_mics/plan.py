@@ -232,5 +232,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_plan(argv)
 
 
+def console_main(argv: Optional[Sequence[str]] = None) -> int:
+    """The ``lightning-mics`` console script: ``lightning-mics plan [calibrate] [flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["plan"]:
+        print(
+            "usage: lightning-mics plan [calibrate] [flags]   (the layout planner; see lightning-mics plan --help)\n"
+            "Training runs through Lightning: Trainer(strategy='mics'); the demo LightningCLI is "
+            "`python examples/cli.py fit --config examples/cli_config.yaml`.",
+            file=sys.stderr,
+        )
+        return 2
+    return main(argv[1:])
+
+
 if __name__ == "__main__":
     sys.exit(main())

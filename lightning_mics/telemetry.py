@@ -285,7 +285,7 @@ class TrainingTelemetry(Callback):
         peak_flops: peak FLOP/s of *one* device, for MFU. ``"auto"``: looked up for known GPUs when
             training in 16-bit precision (:data:`KNOWN_PEAK_FLOPS_16BIT`); ``None``: no MFU.
         flops_per_token: training FLOPs per token; default: the LightningModule's
-            ``flops_per_token`` attribute (e.g. :class:`~lightning_mics.models.GPTLightningModule`).
+            ``flops_per_token`` attribute (e.g. :class:`~examples.models.GPTLightningModule`).
         tokens_in_batch: counts a micro-batch's tokens on this rank (default: first tensor's numel).
             Ranks are assumed to see equally many tokens (true with Lightning's distributed sampler).
         prog_bar: show the headline numbers in the progress bar.

@@ -9,7 +9,6 @@ units waste memory; too many send many small messages. Repeated blocks (the chil
 from __future__ import annotations
 
 import inspect
-
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator

@@ -9,7 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
+from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"

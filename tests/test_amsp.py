@@ -51,6 +51,7 @@ def runs():
     return run_ranks(_train, 8)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_single_process(runs, case):
     assert_matches_reference([r[case]["params"] for r in runs], CFG)
@@ -63,6 +64,7 @@ def _numel(shape) -> int:
     return n
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_states_are_held_at_their_degrees(runs, case):
     _, partition, optim = CASES[case]
@@ -79,6 +81,7 @@ def test_states_are_held_at_their_degrees(runs, case):
         assert local["optim"] <= total_trainable / optim + rows + 1, (local["optim"], total_trainable / optim)
 
 
+@pytest.mark.distributed
 def test_optimizer_sharding_replaces_the_all_reduce_with_reduce_scatter_and_all_gather(runs):
     topo = MiCSTopology.create(8, RANKS_PER_NODE, 4)
     for rank, run in enumerate(runs):
@@ -98,6 +101,7 @@ def test_optimizer_sharding_replaces_the_all_reduce_with_reduce_scatter_and_all_
         assert gathered == scattered
 
 
+@pytest.mark.distributed
 def test_hpz_gathers_backward_parameters_inside_the_node(runs):
     # partition 8 spans both nodes, so forward all-gathers are hierarchical (across nodes, then in
     # the node); with params resharded to 4 ranks after forward, backward re-gathers stay in the node.
@@ -113,6 +117,7 @@ def test_hpz_gathers_backward_parameters_inside_the_node(runs):
             assert (n_across, n_node) == (LAYERS + 1, 2 * LAYERS + 1), (rank, step, n_across, n_node)
 
 
+@pytest.mark.distributed
 def test_zero2_like_gathers_once_per_optimizer_step(runs):
     for run in runs:
         calls = run["zero2-like-params-kept"]["calls"]

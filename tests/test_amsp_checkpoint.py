@@ -22,6 +22,8 @@ from toy import ToyModule, full_parameters
 from lightning_mics import checkpoint as ckpt
 from lightning_mics.sharding_spec import ShardingSpec
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 AMSP = ShardingSpec(params=2, grads=2, optim=4)
 PLAIN = 2
 

@@ -25,7 +25,7 @@ from benchmarks.comm_model import (  # noqa: E402
 )
 from benchmarks.netns import EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
 from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies, select_strategies  # noqa: E402
-from lightning_mics.models import GPTConfig  # noqa: E402
+from examples.models import GPTConfig  # noqa: E402
 
 CLUSTER = ClusterShape(num_nodes=2, ranks_per_node=4)
 SETUP = TrainingSetup(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2), micro_batch=1, accumulate=4,

@@ -38,6 +38,7 @@ def smoke(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.distributed
 def test_cpu_smoke_run_measures_both_loops(smoke):
     results = {r["mode"]: r for r in smoke["results"]}
     assert list(results) == ["plain", "strategy"]  # compiled modes are opt-in on CPU
@@ -50,6 +51,7 @@ def test_cpu_smoke_run_measures_both_loops(smoke):
     assert smoke["targets"]["strategy_mfu_met"] is None
 
 
+@pytest.mark.distributed
 def test_both_loops_train_the_same_model_on_the_same_batches(smoke):
     plain, strategy = (next(r for r in smoke["results"] if r["mode"] == m) for m in ("plain", "strategy"))
     for key in ("first_loss", "last_loss"):  # FSDP2's bf16 parameters vs autocast's casts: ~1e-5 apart

@@ -43,6 +43,7 @@ def _one_copy_bytes(state: Snapshot) -> int:
     return sum(t.numel() * t.element_size() for group in (state.params, state.momentum) for t in group.values())
 
 
+@pytest.mark.distributed
 def test_each_shard_written_once_and_replicas_share_the_writing(reference: tuple[Path, dict[str, Any]]) -> None:
     root, states = reference
     shard_files = {f: f.stat().st_size for f in (root / "wide").rglob("*.distcp")}
@@ -56,6 +57,7 @@ def test_each_shard_written_once_and_replicas_share_the_writing(reference: tuple
     assert writers & {0, 1} and writers & {2, 3}, shard_files
 
 
+@pytest.mark.distributed
 def test_layout_that_wrote_it_is_recorded(reference: tuple[Path, dict[str, Any]]) -> None:
     root, _ = reference
     info = ckpt.inspect_checkpoint(root / "sharded")
@@ -67,6 +69,7 @@ def test_layout_that_wrote_it_is_recorded(reference: tuple[Path, dict[str, Any]]
     assert (full.kind, full.layout) == ("full", info.layout)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("world_size", "partition_size"), [(2, 2), (4, 4)])
 def test_reshard_onto_other_layouts(
     reference: tuple[Path, dict[str, Any]], world_size: int, partition_size: int
@@ -87,6 +90,7 @@ def _load_plain_toy(path: Path) -> tuple[ToyModule, dict[str, torch.Tensor]]:
     return module, momentum_by_name(optimizer.state_dict(), names)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["sharded", "full.ckpt"])
 def test_load_in_one_process_without_distributed(reference: tuple[Path, dict[str, Any]], name: str) -> None:
     root, states = reference
@@ -105,6 +109,7 @@ def _consolidate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> t
     return code, capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_consolidation_cli_round_trip(
     reference: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -142,6 +147,7 @@ def test_consolidation_cli_round_trip(
     assert_same_tensors(momentum, expected.momentum)
 
 
+@pytest.mark.distributed
 def test_consolidation_cli_bad_input(
     reference: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -153,6 +159,7 @@ def test_consolidation_cli_bad_input(
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.distributed
 def test_bad_checkpoints_given_to_fit(reference: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """Every bad ``ckpt_path`` fails ``fit`` with one error that names the problem (in every rank)."""
     root, _ = reference

@@ -26,6 +26,7 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics.checkpoint import atomic, saving
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_resumed_run_equals_uninterrupted_run(tmp_path: Path, async_save: bool) -> None:
     """Stopped after one epoch and resumed -- from ``ckpt_path="last"`` and from an explicit
@@ -123,6 +124,7 @@ def test_save_killed_midway_leaves_previous_checkpoint(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first.ckpt", "last.ckpt"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rank_sigkilled_mid_save_exits_and_resumes_from_last(tmp_path: Path, mode: str) -> None:
     """One rank of four is SIGKILLed while writing the second ``last.ckpt`` (``async``: in its

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import pickle
-import shutil
 import threading
 import zlib
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from toy import RunConfig, ToyModule
 
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import consolidate
-from lightning_mics.checkpoint import atomic, integrity, saving
+from lightning_mics.checkpoint import atomic, integrity
 from lightning_mics.checkpoint.format import METADATA_FILE, TRAINER_STATE_FILE
 
 
@@ -422,6 +421,7 @@ def test_background_save_returns_before_commit_and_keeps_the_values_of_its_call(
 # through the Trainer, on two ranks
 
 
+@pytest.mark.distributed
 def test_hostile_and_damaged_checkpoints_given_to_fit(tmp_path: Path) -> None:
     marker = tmp_path / "code-ran"
     hostile, flipped, traversal = tmp_path / "hostile.ckpt", tmp_path / "flipped.ckpt", tmp_path / "traversal.ckpt"

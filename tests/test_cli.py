@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from distributed import run_ranks
 from lm_jobs import CLI_CONFIG, SMALL_GPT
 
+from examples.cli import main
 from lightning_mics import MiCSStrategy
-from lightning_mics.cli import main
+
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
 
 WORLD = 2
 SMALL_MODEL_JSON = (

@@ -32,6 +32,8 @@ from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters,
 
 from lightning_mics import MiCSStrategy
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 WORLD = 4

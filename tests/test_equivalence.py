@@ -13,11 +13,11 @@ import pytest
 import torch
 from distributed import run_ranks
 from toy import (
-    fit_with_mics,
     ManualAccumulationModule,
     RunConfig,
     ToyModule,
     assert_matches_reference,
+    fit_with_mics,
     full_parameters,
     reference_training,
     trainer_kwargs,
@@ -97,12 +97,14 @@ def world8():
     return run_ranks(_train_layouts, 8, WORLD8_LAYOUTS, 4)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("partition", "accumulate"), WORLD4_LAYOUTS)
 def test_world4_matches_single_process(world4, partition, accumulate):
     cfg = config(4, accumulate, _clip_for(accumulate))
     assert_matches_reference([rank[(partition, accumulate)] for rank in world4], cfg)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("partition", "accumulate"), WORLD8_LAYOUTS)
 def test_world8_two_nodes_matches_single_process(world8, partition, accumulate):
     cfg = config(8, accumulate, _clip_for(accumulate))
@@ -114,28 +116,34 @@ def test_clipping_was_active():
     assert min(norms) > CLIP  # otherwise the clipped runs would not test clipping
 
 
+@pytest.mark.distributed
 def test_model_built_in_configure_model(world4):
     assert_matches_reference([rank["configure_model"] for rank in world4], config(4, 3, CLIP))
 
 
+@pytest.mark.distributed
 def test_manual_optimization_with_no_cross_replica_sync(world4):
     assert_matches_reference([rank["manual"] for rank in world4], config(4, 3, CLIP))
 
 
+@pytest.mark.distributed
 def test_custom_units_without_reshard(world4):
     assert_matches_reference([rank["linear_units_no_reshard"] for rank in world4], config(4, 1))
 
 
+@pytest.mark.distributed
 def test_activation_checkpointing_with_deeper_prefetch(world4):
     assert_matches_reference([rank["activation_checkpointing_prefetch2"] for rank in world4], config(4, 3, CLIP))
 
 
+@pytest.mark.distributed
 def test_bf16_mixed_keeps_fp32_master_weights_and_tracks_fp32_run(world4):
     assert world4[0]["bf16-mixed master dtypes"] == {torch.float32}
     # bf16 compute: close to the fp32 reference, but not bit-close.
     assert_matches_reference([rank["bf16-mixed"] for rank in world4], config(4, 1), rtol=3e-2)
 
 
+@pytest.mark.distributed
 def test_torch_compiled_blocks():
     results = run_ranks(_train_compiled, 2)
     assert all(r["compiled"] for r in results)

@@ -38,11 +38,13 @@ def runs():
     return run_ranks(_train, 8)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("partition", "hierarchical"), CASES)
 def test_matches_single_process(runs, partition, hierarchical):
     assert_matches_reference([r[(partition, hierarchical)]["params"] for r in runs], CFG)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("partition", [4, 8])
 def test_hierarchical_runs_two_stages_on_node_subgroups(runs, partition):
     topo = MiCSTopology.create(8, RANKS_PER_NODE, partition)

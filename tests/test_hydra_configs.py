@@ -14,8 +14,8 @@ from lm_jobs import CONF_DIR, load_train_script
 from omegaconf import DictConfig
 from omegaconf.errors import MissingMandatoryValue
 
+from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 from lightning_mics import MiCSStrategy, ShardingSpec
-from lightning_mics.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 
 
 def options(group: str) -> list[str]:

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from lm_jobs import REPO, TRAIN_SCRIPT
+
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
 
 STEPS = 12
 

@@ -22,6 +22,8 @@ from toy import RunConfig, ToyModule, assert_matches_reference, fit_with_mics, f
 
 from lightning_mics import MiCSStrategy
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 CFG = RunConfig(world_size=4, accumulate=2, steps=2)
 LAYOUT = {"partition_size": 2, "ranks_per_node": 2}
 

@@ -11,6 +11,8 @@ from distributed import run_ranks
 from lightning_mics.planner import CLUSTER_PRESETS, calibrate_cluster
 from lightning_mics.topology import MiCSTopology
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 
 def _calibrate(rank: int, world_size: int) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -13,6 +13,8 @@ from toy import RunConfig, ToyModule, fit_with_mics
 
 from lightning_mics.collectives import CollectiveRecorder, RingReduceScatter, reduce_scatter_flat, ring_reduce_scatter
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 WORLD = 4
 #: the default group (None), the world as a new group, a strided pair and a group of 3 (not a power of two)
 GROUPS = {"default": (0, 1, 2, 3), "world": (0, 1, 2, 3), "odd ranks": (1, 3), "three": (0, 1, 2)}

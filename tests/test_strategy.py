@@ -177,6 +177,7 @@ def misc():
     return run_ranks(_misc, 4)
 
 
+@pytest.mark.distributed
 def test_rank_zero_logs_the_layout(misc):
     text = "\n".join(misc[0]["log"])
     assert "partition groups (shard model states): [0,1] [2,3]" in text
@@ -185,6 +186,7 @@ def test_rank_zero_logs_the_layout(misc):
     assert not any("MiCS layout" in m for rank in misc[1:] for m in rank["log"])
 
 
+@pytest.mark.distributed
 def test_each_rank_sees_distinct_data(misc):
     rows = [tuple(row.tolist()) for rank in misc for row in rank["tokens"]]
     per_rank = [{tuple(row.tolist()) for row in rank["tokens"]} for rank in misc]
@@ -194,6 +196,7 @@ def test_each_rank_sees_distinct_data(misc):
             assert not per_rank[i] & per_rank[j], f"ranks {i} and {j} saw the same samples"
 
 
+@pytest.mark.distributed
 def test_reduce_broadcast_gather(misc):
     for rank, out in enumerate(misc):
         assert out["sum"] == 10.0 and out["mean"] == 2.5
@@ -201,6 +204,7 @@ def test_reduce_broadcast_gather(misc):
         assert out["all_gather"] == [0, 1, 2, 3]
 
 
+@pytest.mark.distributed
 def test_meta_device_model_is_materialised_consistently(misc):
     assert all(out["created_on_meta"] for out in misc)
     first = misc[0]["meta_params"]
@@ -215,14 +219,17 @@ def test_meta_device_model_is_materialised_consistently(misc):
         assert moved == [n for n in out["meta_params"] if "blocks.1.gate" not in n]  # all but the frozen one
 
 
+@pytest.mark.distributed
 def test_pre_sharded_model_is_refused(misc):
     for out in misc:
         assert out["already_sharded_error"] and "auto_wrap_policy" in out["already_sharded_error"]
 
 
+@pytest.mark.distributed
 def test_auto_partition_size_is_the_planners_choice(misc):
-    from lightning_mics.planner import TrainingSpec, choose_partition_size
     from toy import ToyLM
+
+    from lightning_mics.planner import TrainingSpec, choose_partition_size
 
     params = sum(p.numel() for p in ToyLM().parameters())
     expected = choose_partition_size(4, 2, params, misc[0]["auto_memory"], training=TrainingSpec(precision="32-true"))
@@ -255,6 +262,7 @@ def _hang_on_the_shard_group(rank: int, world: int) -> dict:
     return {"error": error, "waited": time.monotonic() - start}
 
 
+@pytest.mark.distributed
 def test_mesh_groups_use_the_strategy_timeout():
     results = run_ranks(_hang_on_the_shard_group, 4)
     for rank in (0, 2):
@@ -262,6 +270,7 @@ def test_mesh_groups_use_the_strategy_timeout():
         assert results[rank]["waited"] < 10, results[rank]
 
 
+@pytest.mark.distributed
 def test_validate_after_fit_reuses_the_sharded_model(misc):
     losses = {round(out["validate_loss"], 6) for out in misc}
     assert len(losses) == 1 and all(torch.isfinite(torch.tensor(list(losses))))  # synced across ranks

@@ -115,6 +115,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
     return run_ranks(_measure_layouts, WORLD, str(tmp_path_factory.mktemp("telemetry_logs")))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout_index", range(len(LAYOUTS)))
 def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, layout_index: int) -> None:
     for rank_results in measured:
@@ -129,6 +130,7 @@ def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, 
             assert step.comm.cross_replica == expected.cross_replica
 
 
+@pytest.mark.distributed
 def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
     mics, replicate, zero3 = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
     assert mics.intra_partition > 0 and mics.cross_replica > 0
@@ -136,6 +138,7 @@ def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
     assert zero3.cross_replica == 0 and zero3.intra_partition > 0
 
 
+@pytest.mark.distributed
 def test_throughput_mfu_and_memory_are_consistent(measured) -> None:
     tokens_per_step = WORLD * ACCUMULATE * MICRO_BATCH * SMALL_GPT.seq_len
     for result in measured[0]:
@@ -153,6 +156,7 @@ def test_throughput_mfu_and_memory_are_consistent(measured) -> None:
             assert memory["optimizer"] == 2 * memory["params"]
 
 
+@pytest.mark.distributed
 def test_numbers_reach_the_logger(measured) -> None:
     with open(measured[0][0]["metrics_csv"]) as f:
         rows = [row for row in csv.DictReader(f) if row.get("comm/intra_partition_bytes")]

@@ -17,6 +17,8 @@ from toy import LAYERS, ManualAccumulationModule, RunConfig, ToyModule, fit_with
 
 from lightning_mics.topology import MiCSTopology
 
+pytestmark = pytest.mark.distributed  # every test here spawns rank processes
+
 ACCUMULATE = 3
 RANKS_PER_NODE = 4
 UNITS_WITH_GRADS = LAYERS + 1  # one per transformer-like block, plus the root (embedding/head)

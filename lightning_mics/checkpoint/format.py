@@ -191,7 +191,9 @@ def _layout(record_path: Path, value: object) -> Optional[CheckpointLayout]:
     if value is None:
         return None
     names = ("world_size", "partition_size", "ranks_per_node")
-    if not (isinstance(value, dict) and set(value) == set(names) and all(_is_int(value[n]) and value[n] > 0 for n in names)):
+    if not (
+        isinstance(value, dict) and set(value) == set(names) and all(_is_int(value[n]) and value[n] > 0 for n in names)
+    ):
         _raise(_damaged(record_path, "layout", value, f"null or positive integers {list(names)}"))
     assert isinstance(value, dict)
     return CheckpointLayout(**{name: value[name] for name in names})

@@ -97,8 +97,9 @@ def verify(
         return
     if files is None:
         if coordination.rank() == 0:
-            log.info("%s has no integrity record (saved by an older lightning-mics): its files are not verified.",
-                     checkpoint)
+            log.info(
+                "%s has no integrity record (saved by an older lightning-mics): its files are not verified.", checkpoint
+            )
         return
     names = sorted(files)
     if collective:

@@ -32,7 +32,9 @@ from torch.optim import Optimizer
 
 from lightning_mics import _checkpoint_compat as compat
 from lightning_mics.checkpoint import coordination, integrity
+from lightning_mics.checkpoint.atomic import staging_leftovers
 from lightning_mics.checkpoint.format import (
+    DATA_DIR_PATTERN,
     FULL_META_KEY,
     MANIFEST_FILE,
     METADATA_FILE,
@@ -40,7 +42,6 @@ from lightning_mics.checkpoint.format import (
     OLD_MARK,
     OPTIMIZERS_KEY,
     PARTIAL_MARK,
-    DATA_DIR_PATTERN,
     RNG_DIR,
     TRAINER_STATE_FILE,
     CheckpointError,
@@ -49,7 +50,6 @@ from lightning_mics.checkpoint.format import (
     PathLike,
     read_record,
 )
-from lightning_mics.checkpoint.atomic import staging_leftovers
 from lightning_mics.checkpoint.rng import check_rng_state, restore_rng_state
 from lightning_mics.checkpoint.safe_load import (
     SafeEmptyLoadPlanner,
@@ -282,7 +282,9 @@ def load(
         trainer_state = read_torch_file(info.data_dir / TRAINER_STATE_FILE, mmap=False)
         if not isinstance(trainer_state, dict):
             raise CheckpointError(f"{info.data_dir / TRAINER_STATE_FILE} is not Lightning's state dict; it is damaged.")
-        rng_state = _read_rng_file(info.data_dir / RNG_DIR / integrity.rng_file_name(coordination.rank())) if want_rng else None
+        rng_state = (
+            _read_rng_file(info.data_dir / RNG_DIR / integrity.rng_file_name(coordination.rank())) if want_rng else None
+        )
         verified = verify == "checksum" and info.record.files is not None
         _load_sharded(info, module, optimizers, strict, fresh_buffers=not verified)
     else:

@@ -1,7 +1,7 @@
 """Models and data for examples and benchmarks: a GPT-style LM and an embedded byte-level corpus."""
 
-from lightning_mics.models.corpus import ByteCorpusDataModule, ByteWindows, decode_bytes, encode_bytes
-from lightning_mics.models.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule
+from examples.models.corpus import ByteCorpusDataModule, ByteWindows, decode_bytes, encode_bytes
+from examples.models.gpt import GPT, GPT_PRESETS, GPTConfig, GPTLightningModule
 
 __all__ = [
     "GPT",

@@ -34,7 +34,7 @@ def fsdp_hybrid_shard(
     num_nodes: int = 1,
     partition_size: Optional[int] = None,
     accelerator: str = "gpu",
-    wrap_modules: Sequence[str] = ("lightning_mics.models.gpt.Block",),
+    wrap_modules: Sequence[str] = ("examples.models.gpt.Block",),
     **fsdp_kwargs: Any,
 ) -> FSDPStrategy:
     """Lightning's ``FSDPStrategy`` in ``HYBRID_SHARD`` mode, sharding over ``partition_size`` ranks
