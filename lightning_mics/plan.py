@@ -114,11 +114,21 @@ def _cluster_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
     if args.cluster:
         cluster = replace(CLUSTER_PRESETS[args.cluster], **given)
     else:
-        required = ("nodes", "gpus_per_node", "gpu_memory_bytes", "intra_node_bandwidth", "inter_node_bandwidth", "compute_flops")
+        required = (
+            "nodes",
+            "gpus_per_node",
+            "gpu_memory_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "compute_flops",
+        )
         missing = [name for name in required if name not in given]
         if missing:
             flags = ", ".join("--" + _flag(name) for name in missing)
-            parser.error(f"without --cluster, give {flags} (or pick a preset: --cluster {{{','.join(sorted(CLUSTER_PRESETS))}}}).")
+            parser.error(
+                f"without --cluster, give {flags} "
+                f"(or pick a preset: --cluster {{{','.join(sorted(CLUSTER_PRESETS))}}})."
+            )
         cluster = ClusterSpec(**given)
     if args.calibration:
         cluster = Calibration.from_dict(json.loads(args.calibration.read_text())).apply(cluster)
@@ -150,7 +160,10 @@ def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.model:
         return replace(MODEL_PRESETS[args.model], **given)
     if "params" not in given:
-        parser.error(f"give --params (and ideally --layers --hidden --seq-len), or --model {{{','.join(sorted(MODEL_PRESETS))}}}.")
+        parser.error(
+            "give --params (and ideally --layers --hidden --seq-len), "
+            f"or --model {{{','.join(sorted(MODEL_PRESETS))}}}."
+        )
     if not {"layers", "hidden"} <= set(given):  # shape unknown: a GPT-shaped guess from the count
         guess = ModelSpec.from_param_count(given["params"], seq_len=given.get("seq_len", 2048))
         return replace(guess, **given)
@@ -169,7 +182,9 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
         )
-        result = plan(cluster, model, training, uniform_only=args.uniform_only, hierarchical=False if args.flat else "auto")
+        result = plan(
+            cluster, model, training, uniform_only=args.uniform_only, hierarchical=False if args.flat else "auto"
+        )
     except (ValueError, OSError) as error:
         parser.error(str(error))
     top = args.top or None

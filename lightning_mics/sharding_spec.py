@@ -81,7 +81,9 @@ class ShardingSpec:
             ValueError: naming the offending state, the rule it breaks and the valid choices.
         """
         _check_world(world_size, ranks_per_node)
-        resolved = {name: _resolve_degree(name, getattr(self, name), world_size, ranks_per_node) for name in STATE_NAMES}
+        resolved = {
+            name: _resolve_degree(name, getattr(self, name), world_size, ranks_per_node) for name in STATE_NAMES
+        }
         return ShardingDegrees(world_size=world_size, ranks_per_node=ranks_per_node, **resolved)
 
 

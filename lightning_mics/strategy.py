@@ -227,7 +227,7 @@ class MiCSStrategy(ParallelStrategy):
                 "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
             )
         self.checkpoint_verify: ckpt.VerifyMode = checkpoint_verify
-        self._async_saver: Optional[ckpt.AsyncCheckpointSaver] = ckpt.AsyncCheckpointSaver(timeout) if async_save else None
+        self._async_saver = ckpt.AsyncCheckpointSaver(timeout) if async_save else None
         self._num_nodes = 1
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None

@@ -360,7 +360,9 @@ class TrainingTelemetry(Callback):
             self._recorder = None
 
     # ------------------------------------------------------------------ per step
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._window_start is None:
             self._synchronize()
             assert self._recorder is not None

@@ -231,7 +231,8 @@ class MiCSTopology:
         if optim_degree % p != 0 or replicas % (optim_degree // p) != 0:
             raise ValueError(
                 f"optimizer-state sharding degree {optim_degree} must be partition_size ({p}) times a divisor of the "
-                f"replication degree ({replicas}); valid: {[p * r for r in range(1, replicas + 1) if replicas % r == 0]}."
+                f"replication degree ({replicas}); "
+                f"valid: {[p * r for r in range(1, replicas + 1) if replicas % r == 0]}."
             )
         r = optim_degree // p
         blocks = replicas // r

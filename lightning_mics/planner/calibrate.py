@@ -1,0 +1,193 @@
+"""Calibration: time real collectives on an initialised process group and fit the alpha-beta
+parameters the cost model uses (``lightning-mics plan calibrate`` under torchrun)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Optional
+
+from lightning_mics.planner.cost_model import CollectiveKind, _RING_PASSES
+from lightning_mics.planner.specs import ClusterSpec
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class ProbeTiming:
+    """Median seconds of one collective at one payload size."""
+
+    scope: Literal["intra_node", "inter_node"]
+    kind: CollectiveKind
+    group_size: int
+    payload_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted link parameters. ``None`` where the cluster has no such link (one node / one GPU per node)."""
+
+    intra_node_bandwidth: Optional[float]
+    intra_node_latency: Optional[float]
+    inter_node_bandwidth: Optional[float]
+    inter_node_latency: Optional[float]
+    probes: tuple[ProbeTiming, ...] = field(default=())
+
+    def apply(self, cluster: ClusterSpec) -> ClusterSpec:
+        """``cluster`` with the measured values replacing the assumed ones."""
+        updates = {name: value for name, value in self.link_values().items() if value is not None}
+        return replace(cluster, **updates)
+
+    def link_values(self) -> dict[str, Optional[float]]:
+        return {
+            "intra_node_bandwidth": self.intra_node_bandwidth,
+            "intra_node_latency": self.intra_node_latency,
+            "inter_node_bandwidth": self.inter_node_bandwidth,
+            "inter_node_latency": self.inter_node_latency,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.link_values(), "probes": [asdict(p) for p in self.probes]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        probes = tuple(ProbeTiming(**p) for p in data.get("probes", ()))
+        return cls(
+            data.get("intra_node_bandwidth"),
+            data.get("intra_node_latency"),
+            data.get("inter_node_bandwidth"),
+            data.get("inter_node_latency"),
+            probes,
+        )
+
+
+def fit_alpha_beta(
+    timings: Sequence[ProbeTiming], ring_edges_per_node: float = 1.0
+) -> tuple[Optional[float], Optional[float]]:
+    """Fit ``T = passes * ((n-1) alpha + (n-1)/n * M * c / B)`` to probes by least squares.
+
+    Each probe gives one linear equation in ``alpha`` and ``1/B``; ``c`` is ``ring_edges_per_node``
+    (how many concurrent groups share the link: 1 inside a node, ranks per node across nodes,
+    so that ``B`` comes out as the node's total network bandwidth). Negative fits (noise on tiny
+    probes) are clamped: latency to 0, bandwidth to ``None``.
+    """
+    rows = [
+        (
+            _RING_PASSES[t.kind] * (t.group_size - 1),
+            _RING_PASSES[t.kind] * (t.group_size - 1) / t.group_size * t.payload_bytes * ring_edges_per_node,
+            t.seconds,
+        )
+        for t in timings
+        if t.group_size > 1
+    ]
+    if len(rows) < 2:
+        return None, None
+    # normal equations of the 2-parameter least squares  seconds = x * alpha + y * inv_bandwidth
+    sxx = sum(x * x for x, _, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        return None, None
+    alpha = (sxt * syy - syt * sxy) / det
+    inv_bandwidth = (sxx * syt - sxy * sxt) / det
+    if inv_bandwidth <= 0:
+        return max(alpha, 0.0), None
+    if alpha < 0:  # refit bandwidth alone through the origin
+        inv_bandwidth = syt / syy
+        alpha = 0.0
+    return alpha, 1.0 / inv_bandwidth
+
+
+def calibrate_cluster(
+    topology: Any,
+    payload_bytes: Sequence[int] = (1 << 12, 1 << 20, 1 << 22),
+    repeats: int = 5,
+    device: Optional[Any] = None,
+) -> Calibration:
+    """Measure all-gather and all-reduce inside and across nodes on the running cluster.
+
+    Call it on every rank after ``torch.distributed`` is initialised, with the job's
+    :class:`~lightning_mics.topology.MiCSTopology` (only its ``world_size`` and ``ranks_per_node``
+    matter). It creates one process group per node (intra-node probes) and one per local rank
+    across nodes (inter-node probes; all of them run at once, as the 2-hop boundary all-reduce
+    does), times each collective at every payload size (``repeats`` runs after a warm-up, the
+    slowest rank's time, median over runs), and fits ``alpha`` and ``B`` per scope with
+    :func:`fit_alpha_beta`. Every rank returns the same result. The default sizes take well under
+    a second per probe on NCCL; on CPU/gloo they take a few seconds in all.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from lightning_mics.collectives import all_gather_flat
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "calibrate_cluster needs an initialised default process group (torch.distributed.init_process_group)."
+        )
+    world, per_node = dist.get_world_size(), topology.ranks_per_node
+    if world != topology.world_size:
+        raise ValueError(f"The topology describes {topology.world_size} ranks but the process group has {world}.")
+    rank = dist.get_rank()
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
+    intra_groups = [list(range(start, start + per_node)) for start in range(0, world, per_node)]
+    inter_groups = [list(range(local, world, per_node)) for local in range(per_node)]
+    # new_group must be called by every rank for every group, in the same order.
+    intra_handles = [dist.new_group(ranks) for ranks in intra_groups] if per_node > 1 else []
+    inter_handles = [dist.new_group(ranks) for ranks in inter_groups] if world > per_node else []
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(kind: CollectiveKind, group: Any, size: int, payload: int) -> float:
+        elements = max(size, payload // 4 // size * size)  # float32, divisible by the group size
+        full = torch.ones(elements, dtype=torch.float32, device=device)
+        piece = torch.ones(elements // size, dtype=torch.float32, device=device)
+
+        def run() -> None:
+            if kind == "all_gather":
+                all_gather_flat(full, piece, group)
+            else:
+                dist.all_reduce(full, group=group)
+
+        run()  # warm-up: connection setup, buffers
+        samples = []
+        for _ in range(repeats):
+            dist.barrier()
+            synchronize()
+            start = time.perf_counter()
+            run()
+            synchronize()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective lasts as long as its slowest rank
+            samples.append(float(elapsed.item()))
+        return statistics.median(samples)
+
+    probes: list[ProbeTiming] = []
+    for scope, handles, groups in (
+        ("intra_node", intra_handles, intra_groups),
+        ("inter_node", inter_handles, inter_groups),
+    ):
+        if not handles:
+            continue
+        mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
+        size = len(groups[mine])
+        for kind in ("all_gather", "all_reduce"):
+            for payload in payload_bytes:
+                elements = max(size, payload // 4 // size * size)
+                seconds = timed(kind, handles[mine], size, payload)  # type: ignore[arg-type]
+                probes.append(ProbeTiming(scope, kind, size, elements * 4, seconds))  # type: ignore[arg-type]
+    intra = [p for p in probes if p.scope == "intra_node"]
+    inter = [p for p in probes if p.scope == "inter_node"]
+    intra_alpha, intra_bandwidth = fit_alpha_beta(intra) if intra else (None, None)
+    inter_alpha, inter_bandwidth = fit_alpha_beta(inter, ring_edges_per_node=per_node) if inter else (None, None)
+    return Calibration(intra_bandwidth, intra_alpha, inter_bandwidth, inter_alpha, tuple(probes))

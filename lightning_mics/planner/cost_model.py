@@ -1,0 +1,468 @@
+"""The planner's cost model: what one layout's optimizer step costs in time, traffic and memory.
+
+The planner answers "which partition size (or AMSP sharding spec) should this job use on this
+cluster?" before anything is launched. It is pure Python (no processes) except
+:func:`calibrate_cluster`, which times real collectives on an initialised process group.
+
+Model
+=====
+
+**Collectives (alpha-beta ring model).** A ring collective over ``n`` ranks moves its payload in
+``n - 1`` steps. For an all-gather whose *gathered output* is ``M`` bytes, every rank sends and
+receives ``M / n`` per step, so over the whole operation each ring edge carries ``(n-1)/n * M``::
+
+    T_allgather(M, n) = (n - 1) * alpha + (n - 1) / n * M / B
+    T_reducescatter   = the same, with M the *pre-scatter input* (the mirror image of the all-gather)
+    T_allreduce       = T_reducescatter + T_allgather = 2 (n - 1) alpha + 2 (n - 1) / n * M / B
+
+``alpha`` is the per-step latency of the slowest link in the ring and ``B`` the bandwidth a ring
+edge gets. Inside a node every GPU has its own links (NVLink/NVSwitch): ``B = B_intra`` per GPU.
+Across nodes the ring leaves each node once per group, and every group of the same shape runs at
+the same time (collectives are SPMD), so the node's NIC bandwidth ``B_node`` is shared by the
+``c = ranks_per_node / m`` groups that have ``m`` ranks on the node::
+
+    flat ring spanning k nodes:  T = (n-1) alpha_inter + (n-1)/n * M * max(1 / B_intra, c / B_node)
+                                 node egress = c * (n-1)/n * M
+
+**Hierarchical collectives** (MiCS Sec. 3.3, ``hierarchical=True`` in the strategy) split a group
+of ``n = k * m`` ranks (``m`` per node on ``k`` nodes) into an inter-node stage among the ``k``
+same-local-rank peers, on ``M / m`` bytes, and an intra-node stage among ``m`` ranks on ``M``::
+
+    T = (k-1) alpha_inter + (k-1)/k * (M / m) * (ranks_per_node / B_node)
+      + (m-1) alpha_intra + (m-1)/m * M / B_intra
+    node egress = c * (k-1)/k * M        (flat: c * (n-1)/n * M -- a factor ~m less across nodes
+                                          when k is small, and k-1 instead of n-1 slow latencies)
+
+**Per-step schedule of a layout (P, G, OS)** with ``Psi`` parameters split into ``U`` FSDP units
+(the blocks plus the root), ``A`` micro-steps per optimizer step, ``W`` ranks, and the precision's
+byte widths ``b_gather`` (all-gather dtype), ``b_reduce`` (gradient reduction dtype), ``b_param``
+(sharded parameter / master dtype) -- see :func:`layout_schedule`:
+
+* every micro-step: forward all-gather of ``Psi * b_gather`` over the ``G`` group; backward
+  all-gather again over the ``G`` group (``P = G``), over the ``P`` group (hpZ) or not at all
+  (``P = 1``); reduce-scatter of ``Psi * b_reduce`` over the ``G`` group;
+* once per optimizer step (the 2-hop boundary): ``OS = G``: all-reduce of the ``Psi / G`` shard
+  across the ``W / G`` replicas. ``OS > G``: reduce-scatter of it across ``OS / G`` replicas,
+  all-reduce of the ``Psi / OS`` result across ``W / OS`` replicas, then all-gather of the updated
+  ``Psi / G * b_param`` parameter shard across the ``OS / G`` replicas after the optimizer step.
+* the optimizer step itself streams ``Psi / OS`` parameters through HBM.
+
+**Overlap.** FSDP prefetches the next unit's all-gather during the current unit's compute and
+reduce-scatters (then all-reduces, on the boundary) a unit's gradients during the next unit's
+backward. Collectives on the same links serialise, compute runs beside them, and the first
+unit's all-gather / last unit's reduction cannot hide. With ``overlap`` the fraction of compute
+time that can hide communication (1 on GPUs with separate comm streams, ~0 on CPU ranks where
+compute and gloo share cores)::
+
+    exposed_phase = comm_phase / U + max(0, comm_phase * (U-1)/U - overlap * compute_phase)
+
+for the forward and backward phases. The post-step parameter all-gather (``OS > G``) and the
+optimizer step are fully exposed. Compute per micro-step is ``flops_per_token * tokens /
+compute_rate`` (PaLM's ``6 Psi + 12 L h s`` per token; x 4/3 with activation checkpointing, which
+recomputes the forward), split 1/3 forward, 2/3 backward.
+
+**Memory per GPU** (:func:`memory_breakdown`)::
+
+    states      = Psi * (b_param / G + b_grad / G + b_optim / OS)
+    held params = Psi * b_gather / P      parameters kept between forward and backward (P < G)
+    buffers     = 2 Psi / U * (b_gather + b_reduce)   prefetched unit + unsharded gradients (G > 1)
+    activations = per layer s*b*h*(34 + 5*a*s/h) bytes at 16-bit (Korthikanti et al. 2022), or
+                  2*s*b*h per layer + one layer's worth with activation checkpointing
+
+and a layout *fits* when their sum is at most ``(1 - memory_reserve_fraction)`` of device memory
+(the reserve stands for the CUDA context, allocator fragmentation and temporaries).
+
+The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimizer-step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Union
+
+from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
+from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+
+# ---------------------------------------------------------------------------------------------- collectives
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+_RING_PASSES: dict[str, int] = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """Where the ranks of one process group sit: ``size`` ranks, ``per_node`` of them on each node."""
+
+    size: int
+    per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.size // self.per_node
+
+    @classmethod
+    def strided(cls, size: int, stride: int, ranks_per_node: int) -> GroupShape:
+        """The group ``{base + j * stride : j < size}`` under the contiguous rank layout: with a stride
+        smaller than a node, ``ranks_per_node / stride`` members share each node."""
+        per_node = min(size, max(1, ranks_per_node // stride))
+        return cls(size=size, per_node=per_node)
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """Time of one collective and the bytes each node sends across the network for it."""
+
+    time_s: float = 0.0
+    node_egress_bytes: float = 0.0
+
+    def __add__(self, other: CollectiveCost) -> CollectiveCost:
+        return CollectiveCost(self.time_s + other.time_s, self.node_egress_bytes + other.node_egress_bytes)
+
+    def __mul__(self, factor: float) -> CollectiveCost:
+        return CollectiveCost(self.time_s * factor, self.node_egress_bytes * factor)
+
+
+def ring_cost(payload_bytes: float, ranks: int, alpha: float, edge_bandwidth: float) -> float:
+    """One ring pass (an all-gather or a reduce-scatter): ``(n-1) alpha + (n-1)/n * M / B``."""
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * alpha + (ranks - 1) / ranks * payload_bytes / edge_bandwidth
+
+
+def collective_cost(
+    kind: CollectiveKind, payload_bytes: float, group: GroupShape, cluster: ClusterSpec, hierarchical: bool = False
+) -> CollectiveCost:
+    """Time and node egress of one collective on ``group`` (formulas in the module docstring).
+
+    ``payload_bytes`` follows :class:`~lightning_mics.collectives.CollectiveRecorder`: the gathered
+    output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an all-reduce.
+    """
+    passes = (
+        2 if (kind == "reduce_scatter" and cluster.reduce_scatter_algorithm == "all_reduce") else _RING_PASSES[kind]
+    )
+    n, m, k = group.size, group.per_node, group.nodes
+    if n <= 1:
+        return CollectiveCost()
+    if k == 1:
+        return CollectiveCost(
+            passes * ring_cost(payload_bytes, n, cluster.intra_node_latency, cluster.intra_node_bandwidth)
+        )
+    concurrent_groups = cluster.gpus_per_node / m  # groups of this shape sharing one node's NIC
+    if hierarchical and m > 1:
+        inter = ring_cost(
+            payload_bytes / m, k, cluster.inter_node_latency, cluster.inter_node_bandwidth / cluster.gpus_per_node
+        )
+        intra = ring_cost(payload_bytes, m, cluster.intra_node_latency, cluster.intra_node_bandwidth)
+        egress = concurrent_groups * (k - 1) / k * payload_bytes
+        return CollectiveCost(passes * (inter + intra), passes * egress)
+    edge_bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / concurrent_groups)
+    ring = ring_cost(payload_bytes, n, cluster.inter_node_latency, edge_bandwidth)
+    egress = concurrent_groups * (n - 1) / n * payload_bytes
+    return CollectiveCost(passes * ring, passes * egress)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in the schedule, issued ``count`` times (once per FSDP unit)."""
+
+    phase: Literal["forward", "backward", "boundary", "post_step"]
+    what: str
+    kind: CollectiveKind
+    group: GroupShape
+    payload_bytes: float  #: total over the units (each call carries payload / count)
+    count: int
+    every_micro_step: bool
+
+    def cost(self, cluster: ClusterSpec, hierarchical: bool) -> CollectiveCost:
+        # Each unit is its own collective: latency is paid per call, bandwidth on the total.
+        one = collective_cost(self.kind, self.payload_bytes / self.count, self.group, cluster, hierarchical)
+        return one * self.count
+
+
+def layout_schedule(
+    layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, reduce_every_micro_step: bool = True
+) -> list[Collective]:
+    """The collectives one rank issues per micro-step and per optimizer step (see module docstring).
+
+    ``reduce_every_micro_step=False`` models FSDP1 under Lightning (``FSDPStrategy``): Lightning's
+    ``no_sync()`` on non-boundary micro-steps keeps gradients unsharded, and the reduce-scatter runs
+    once, at the boundary (still overlapped with that backward).
+    """
+    psi, units, b = float(model.params), model.num_units, training.bytes
+    p, g, os_, w, r = layout.params, layout.grads, layout.optim, layout.world_size, layout.ranks_per_node
+    resharded_units = max(1, units - 1)  # the root unit keeps its parameters from forward to backward
+    partition = GroupShape.strided(g, 1, r)
+    schedule: list[Collective] = []
+    if g > 1:
+        schedule.append(
+            Collective("forward", "param all-gather", "all_gather", partition, psi * b.gather_bytes, units, True)
+        )
+        if p > 1:  # P = 1 keeps the gathered parameters until backward: no re-gather
+            backward_group = partition if p == g else GroupShape.strided(p, 1, r)
+            schedule.append(
+                Collective(
+                    "backward",
+                    "param re-gather" + ("" if p == g else f" (hpZ, {p} ranks)"),
+                    "all_gather",
+                    backward_group,
+                    psi * b.gather_bytes * resharded_units / units,
+                    resharded_units,
+                    True,
+                )
+            )
+        schedule.append(
+            Collective(
+                "backward" if reduce_every_micro_step else "boundary",
+                "grad reduce-scatter",
+                "reduce_scatter",
+                partition,
+                psi * b.reduce_bytes,
+                units,
+                reduce_every_micro_step,
+            )
+        )
+    shard = psi / g
+    if os_ == g:
+        replicas = GroupShape.strided(w // g, g, r)
+        schedule.append(
+            Collective(
+                "boundary",
+                "grad all-reduce across replicas",
+                "all_reduce",
+                replicas,
+                shard * b.reduce_bytes,
+                units,
+                False,
+            )
+        )
+    else:
+        optim_group = GroupShape.strided(os_ // g, g, r)
+        schedule.append(
+            Collective(
+                "boundary",
+                "grad reduce-scatter across replicas",
+                "reduce_scatter",
+                optim_group,
+                shard * b.reduce_bytes,
+                units,
+                False,
+            )
+        )
+        if w > os_:
+            rest = GroupShape.strided(w // os_, os_, r)
+            schedule.append(
+                Collective(
+                    "boundary",
+                    "grad all-reduce across replicas",
+                    "all_reduce",
+                    rest,
+                    psi / os_ * b.reduce_bytes,
+                    units,
+                    False,
+                )
+            )
+        schedule.append(
+            Collective(
+                "post_step",
+                "updated param all-gather across replicas",
+                "all_gather",
+                optim_group,
+                shard * b.param_bytes,
+                units,
+                False,
+            )
+        )
+    return [c for c in schedule if c.group.size > 1]
+
+
+# ---------------------------------------------------------------------------------------------- estimates
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU at the peak of a step."""
+
+    params: float
+    grads: float
+    optimizer: float
+    held_params: float
+    buffers: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.held_params + self.buffers + self.activations
+
+
+def activation_bytes(model: ModelSpec, training: TrainingSpec) -> float:
+    """Activation memory per GPU for one micro-batch.
+
+    Without checkpointing each layer keeps ``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit (Korthikanti et al.,
+    "Reducing Activation Recomputation", 2022: 34 sbh for the matmul/GeLU/LayerNorm/dropout inputs,
+    5 a s^2 b for the attention scores, softmax and its dropout mask). With checkpointing only each
+    layer's input (``2 sbh`` at 16-bit) is kept, plus one layer's full activations while it is
+    recomputed. Other dtypes scale by ``bytes / 2``; known vocabularies add fp32 logits and their
+    gradient (``2 * 4 s b V``).
+    """
+    s, bsz, h, a = model.seq_len, training.micro_batch, model.hidden, model.num_heads
+    scale = training.bytes.activation_bytes / 2
+    per_layer = s * bsz * h * (34 + 5 * a * s / h) * scale
+    if training.activation_checkpointing:
+        body = model.layers * 2 * s * bsz * h * scale + per_layer
+    else:
+        body = model.layers * per_layer
+    logits = 2 * 4 * s * bsz * model.vocab
+    return body + logits
+
+
+def memory_breakdown(
+    layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, reduce_every_micro_step: bool = True
+) -> MemoryBreakdown:
+    """Peak bytes per GPU of ``layout`` (formulas in the module docstring). Without a reduction every
+    micro-step (FSDP1 under Lightning's ``no_sync``) the gradients accumulate unsharded."""
+    psi, units, b = float(model.params), model.num_units, training.bytes
+    p, g, os_ = layout.params, layout.grads, layout.optim
+    if g == 1:  # plain replication: parameters are whole already, nothing is gathered
+        held = buffers = 0.0
+    else:
+        root_share = psi / units  # the root unit is never resharded after forward
+        held = root_share * b.gather_bytes + (0.0 if p == g else (psi - root_share) * b.gather_bytes / p)
+        buffers = 2 * psi / units * (b.gather_bytes + b.reduce_bytes)
+    return MemoryBreakdown(
+        params=psi * b.param_bytes / g,
+        grads=psi * b.grad_bytes / (g if reduce_every_micro_step else 1),
+        optimizer=psi * b.optim_bytes / os_,
+        held_params=held,
+        buffers=buffers,
+        activations=activation_bytes(model, training),
+    )
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """Everything the planner predicts for one layout, per optimizer step."""
+
+    layout: ShardingDegrees
+    hierarchical: bool
+    compute_s: float
+    comm_s: dict[str, float]  #: total communication time by phase (forward/backward/boundary/post_step)
+    exposed_comm_s: float
+    optimizer_step_s: float
+    step_time_s: float
+    inter_node_bytes: float  #: bytes each node sends across the network per optimizer step
+    memory: MemoryBreakdown
+    usable_memory_bytes: float
+    tokens_per_step: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.usable_memory_bytes
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout.kind}: {self.layout.label}" + (" hier" if self.hierarchical else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.layout.kind,
+            "params_degree": self.layout.params,
+            "grads_degree": self.layout.grads,
+            "optim_degree": self.layout.optim,
+            "partition_size": self.layout.partition_size,
+            "reshard_after_forward": self.layout.reshard_after_forward,
+            "hierarchical": self.hierarchical,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "comm_s": dict(self.comm_s),
+            "optimizer_step_s": self.optimizer_step_s,
+            "inter_node_bytes_per_step": self.inter_node_bytes,
+            "memory_bytes": self.memory.total,
+            "memory_breakdown_bytes": asdict(self.memory),
+            "usable_memory_bytes": self.usable_memory_bytes,
+            "fits": self.fits,
+        }
+
+
+def _exposed(comm_s: float, compute_s: float, units: int, overlap: float) -> float:
+    """Communication of one phase left visible: the first (or last) unit's share cannot overlap;
+    the rest hides behind ``overlap * compute_s``."""
+    if comm_s <= 0:
+        return 0.0
+    lead = comm_s / units
+    return lead + max(0.0, comm_s - lead - overlap * compute_s)
+
+
+def estimate(
+    layout: Union[ShardingDegrees, ShardingSpec],
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    hierarchical: Union[bool, Literal["auto"]] = "auto",
+    reduce_every_micro_step: bool = True,
+) -> LayoutEstimate:
+    """Predict one layout. ``hierarchical="auto"`` does what the strategy does: two-stage
+    collectives whenever a group spans nodes (``False`` models flat rings, e.g. DeepSpeed ZeRO-3).
+    ``reduce_every_micro_step=False``: see :func:`layout_schedule` (FSDP1 peers)."""
+    if isinstance(layout, ShardingSpec):
+        layout = layout.resolve(cluster.world_size, cluster.gpus_per_node)
+    if (layout.world_size, layout.ranks_per_node) != (cluster.world_size, cluster.gpus_per_node):
+        raise ValueError(
+            f"Layout {layout.label} was resolved for world_size={layout.world_size} x ranks_per_node="
+            f"{layout.ranks_per_node}, but the cluster has {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs. "
+            f"Resolve the ShardingSpec with the cluster's shape."
+        )
+    spans = layout.grads > layout.ranks_per_node
+    use_hierarchical = spans if hierarchical == "auto" else bool(hierarchical)
+    units = model.num_units
+    tokens_micro = training.micro_batch * model.seq_len
+    recompute = 4 / 3 if training.activation_checkpointing else 1.0
+    compute_micro = model.training_flops_per_token * tokens_micro * recompute / cluster.compute_flops
+    forward_compute, backward_compute = compute_micro / 3, compute_micro * 2 / 3
+
+    comm = {
+        "forward": CollectiveCost(),
+        "backward": CollectiveCost(),
+        "boundary": CollectiveCost(),
+        "post_step": CollectiveCost(),
+    }
+    for collective in layout_schedule(layout, model, training, reduce_every_micro_step):
+        cost = collective.cost(cluster, use_hierarchical)
+        comm[collective.phase] = comm[collective.phase] + cost
+    fwd, bwd, boundary, post = (comm[k].time_s for k in ("forward", "backward", "boundary", "post_step"))
+    a = training.accumulation
+    exposed_micro = _exposed(fwd, forward_compute, units, cluster.overlap) + _exposed(
+        bwd, backward_compute, units, cluster.overlap
+    )
+    exposed_boundary_micro = _exposed(fwd, forward_compute, units, cluster.overlap) + _exposed(
+        bwd + boundary, backward_compute, units, cluster.overlap
+    )
+    b = training.bytes
+    optim_shard = model.params / layout.optim
+    # Adam reads param, grad, two moments and writes param and both moments.
+    optimizer_step = optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / cluster.memory_bandwidth
+    exposed = (a - 1) * exposed_micro + exposed_boundary_micro + post
+    step = a * compute_micro + exposed + optimizer_step
+    egress = a * (comm["forward"].node_egress_bytes + comm["backward"].node_egress_bytes)
+    egress += comm["boundary"].node_egress_bytes + comm["post_step"].node_egress_bytes
+    return LayoutEstimate(
+        layout=layout,
+        hierarchical=use_hierarchical and spans,
+        compute_s=a * compute_micro,
+        comm_s={"forward": a * fwd, "backward": a * bwd, "boundary": boundary, "post_step": post},
+        exposed_comm_s=exposed,
+        optimizer_step_s=optimizer_step,
+        step_time_s=step,
+        inter_node_bytes=egress,
+        memory=memory_breakdown(layout, model, training, reduce_every_micro_step),
+        usable_memory_bytes=cluster.gpu_memory_bytes * (1 - cluster.memory_reserve_fraction),
+        tokens_per_step=tokens_micro * a * cluster.world_size,
+    )

@@ -1,0 +1,140 @@
+"""Searching the layouts: rank every valid (P, G, OS) of a job, and the entry points that pick a
+partition size (``MiCSStrategy(partition_size="auto")``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Literal, Optional, Union
+
+from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
+from lightning_mics.planner.cost_model import estimate
+from lightning_mics.planner.report import Plan, gib_text, leanest
+from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+
+
+def plan(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec = TrainingSpec(),
+    uniform_only: bool = False,
+    hierarchical: Union[bool, Literal["auto"]] = "auto",
+    tie_tolerance: float = 0.02,
+) -> Plan:
+    """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``) and rank them.
+
+    Layouts that fit come first, fastest first -- except that the winner is chosen among all
+    fitting layouts within ``tie_tolerance`` of the fastest predicted time: the model cannot tell
+    those apart, so among them the layouts sending the fewest bytes across nodes (within 1 %) are
+    preferred -- the least exposed to a wrong network estimate -- and the fastest of those wins.
+    """
+    if not 0.0 <= tie_tolerance < 1.0:
+        raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
+    layouts = all_sharding_degrees(cluster.world_size, cluster.gpus_per_node, uniform_only=uniform_only)
+    estimates = [estimate(layout, cluster, model, training, hierarchical) for layout in layouts]
+    estimates.sort(key=lambda c: (not c.fits, c.step_time_s, c.memory.total))
+    if estimates[0].fits:
+        limit = estimates[0].step_time_s * (1 + tie_tolerance)
+        near_best = [c for c in estimates if c.fits and c.step_time_s <= limit]
+        fewest_bytes = min(c.inter_node_bytes for c in near_best)
+        frugal = [c for c in near_best if c.inter_node_bytes <= fewest_bytes * 1.01 + 1.0]
+        winner = min(frugal, key=lambda c: (c.step_time_s, c.memory.total))
+        estimates.remove(winner)
+        estimates.insert(0, winner)
+    return Plan(cluster, model, training, tuple(estimates))
+
+
+def choose_partition_size(
+    world_size: int,
+    ranks_per_node: int,
+    param_count: int,
+    device_memory_bytes: float,
+    cluster: Optional[ClusterSpec] = None,
+    model: Optional[ModelSpec] = None,
+    training: Optional[TrainingSpec] = None,
+) -> int:
+    """The MiCS partition size (``P = G = OS``) the planner predicts fastest among those that fit.
+
+    This is what ``MiCSStrategy(partition_size="auto")`` calls. Without a ``cluster`` it assumes
+    :meth:`ClusterSpec.generic` bandwidths (or pass one from :func:`calibrate_cluster`); without a
+    ``model`` it guesses a GPT shape from ``param_count`` (:meth:`ModelSpec.from_param_count`).
+
+    Raises:
+        ValueError: when no partition size fits, naming the memory needed and the ways out.
+    """
+    if world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}.")
+    if cluster is None:
+        cluster = ClusterSpec.generic(world_size // ranks_per_node, ranks_per_node, device_memory_bytes)
+    else:
+        cluster = replace(
+            cluster,
+            nodes=world_size // ranks_per_node,
+            gpus_per_node=ranks_per_node,
+            gpu_memory_bytes=device_memory_bytes,
+        )
+    model = model or ModelSpec.from_param_count(param_count)
+    if model.params != param_count:
+        model = replace(model, params=int(param_count))
+    result = plan(cluster, model, training or TrainingSpec(), uniform_only=True)
+    if not result.any_fits:
+        lean = leanest(result.ranked)
+        raise ValueError(
+            f"partition_size='auto': no partition size fits a {param_count:,}-parameter model in "
+            f"{gib_text(device_memory_bytes)} per device on {world_size} ranks; even {lean.layout.label} needs "
+            f"~{gib_text(lean.memory.total)}. Use more devices, a smaller micro-batch, activation checkpointing or "
+            f"bf16-true, or pass partition_size explicitly."
+        )
+    return result.winner.layout.partition_size
+
+
+def mics_speedup_over_zero3(
+    cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec, partition_size: Optional[int] = None
+) -> float:
+    """Predicted throughput of MiCS (``partition_size``, default one node, hierarchical where it
+    spans nodes) over ZeRO-3 with flat rings across the world (DeepSpeed's ZeRO-3, MiCS's baseline)."""
+    partition = partition_size or cluster.gpus_per_node
+    mics = estimate(ShardingSpec.uniform(partition), cluster, model, training, hierarchical="auto")
+    zero3 = estimate(ShardingSpec.uniform("world"), cluster, model, training, hierarchical=False)
+    return zero3.step_time_s / mics.step_time_s
+
+
+def device_memory_bytes(device: Any, ranks_per_node: int) -> float:
+    """Memory one rank may use: the GPU's total memory, or on CPU the host's memory shared by the
+    node's ranks."""
+    import os
+
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks_per_node
+
+
+def plan_partition_size_for(
+    module: Any,
+    world_size: int,
+    ranks_per_node: int,
+    device: Any,
+    precision: str = "bf16-mixed",
+    accumulation: int = 1,
+) -> int:
+    """:func:`choose_partition_size` for a live module on this device: what
+    ``MiCSStrategy(partition_size="auto")`` calls once the processes exist.
+
+    Raises:
+        ValueError: when the module has no parameters yet (built later, in ``configure_model``).
+    """
+    param_count = sum(p.numel() for p in module.parameters())
+    if param_count == 0:
+        raise ValueError(
+            "partition_size='auto' needs the model's parameters before the processes are set up, but the "
+            "LightningModule has none yet (built in configure_model?). Create the model in __init__ (inside "
+            "`trainer.init_module(empty_init=True)` for big models) or pass partition_size explicitly."
+        )
+    return choose_partition_size(
+        world_size,
+        ranks_per_node,
+        param_count,
+        device_memory_bytes(device, ranks_per_node),
+        training=TrainingSpec(accumulation=accumulation, precision=precision),
+    )

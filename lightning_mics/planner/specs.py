@@ -1,0 +1,251 @@
+"""What the planner takes in: the cluster, the model, the training setup and their presets.
+
+All sizes are bytes, bandwidths bytes/s, latencies seconds; presets describe real instance types
+so that ``lightning-mics plan --cluster p3dn`` needs no measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Optional
+
+
+GIB = 1024**3
+GB = 1e9
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class PrecisionProfile:
+    """Byte widths of everything the model counts, for one precision setting."""
+
+    gather_bytes: float  #: all-gather dtype (compute dtype of parameters)
+    reduce_bytes: float  #: gradient reduce-scatter / all-reduce dtype
+    param_bytes: float  #: sharded parameter storage (= master weights under FSDP2)
+    grad_bytes: float  #: sharded gradient storage
+    optim_bytes: float  #: optimizer state per parameter (Adam: exp_avg + exp_avg_sq; + master if separate)
+    activation_bytes: float  #: activation dtype
+
+
+#: ``"32-true"``, ``"bf16-mixed"``/``"16-mixed"``, ``"bf16-true"``: this repo's FSDP2 mapping (mixed
+#: modes gather in 16 bit, reduce in fp32, keep fp32 sharded params as master weights).
+#: ``"deepspeed-fp16"``: DeepSpeed ZeRO's fp16 recipe as in the MiCS paper (fp16 params and grads,
+#: fp16 reduction, fp32 master + Adam states in the optimizer shard: the classic 2 + 2 + 12 bytes).
+PRECISIONS: dict[str, PrecisionProfile] = {
+    "32-true": PrecisionProfile(4, 4, 4, 4, 8, 4),
+    "bf16-mixed": PrecisionProfile(2, 4, 4, 4, 8, 2),
+    "16-mixed": PrecisionProfile(2, 4, 4, 4, 8, 2),
+    "bf16-true": PrecisionProfile(2, 2, 2, 2, 4, 2),
+    "deepspeed-fp16": PrecisionProfile(2, 2, 2, 2, 12, 2),
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Hardware the job runs on. Bandwidths in bytes/s, latencies in seconds, memory in bytes.
+
+    ``intra_node_bandwidth`` is what one GPU's ring edge gets inside a node (NCCL "bus bandwidth"),
+    ``inter_node_bandwidth`` the node's total network bandwidth (all its NICs), shared by the
+    node's ranks. ``compute_flops`` is the *achieved* FLOP/s per GPU (peak x MFU), not the peak.
+    """
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_bytes: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    compute_flops: float
+    intra_node_latency: float = 10e-6
+    inter_node_latency: float = 30e-6
+    memory_bandwidth: float = 1.5e12  #: HBM bytes/s (the optimizer step is memory-bound)
+    #: Fraction of compute time that can hide communication. Not 1 even with separate streams: NCCL
+    #: kernels take SMs and HBM bandwidth from the compute they overlap.
+    overlap: float = 0.8
+    memory_reserve_fraction: float = 0.1
+    #: How reduce-scatters run: ``"ring"`` -- one ring pass (NCCL; MiCSStrategy on gloo, which uses
+    #: :func:`~lightning_mics.collectives.ring_reduce_scatter`) -- or ``"all_reduce"``: gloo's own
+    #: ``reduce_scatter_tensor`` (what FSDP1 gets) all-reduces the whole buffer and keeps its chunk,
+    #: two ring passes.
+    reduce_scatter_algorithm: Literal["ring", "all_reduce"] = "ring"
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterSpec.{name} must be a positive int, got {value!r}.")
+        for name in (
+            "gpu_memory_bytes",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+            "compute_flops",
+            "memory_bandwidth",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ClusterSpec.{name} must be positive, got {getattr(self, name)!r}.")
+        for name in ("intra_node_latency", "inter_node_latency"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)!r}.")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"ClusterSpec.overlap is a fraction in [0, 1], got {self.overlap!r}.")
+        if self.reduce_scatter_algorithm not in ("ring", "all_reduce"):
+            raise ValueError(
+                "ClusterSpec.reduce_scatter_algorithm must be 'ring' or 'all_reduce', "
+                f"got {self.reduce_scatter_algorithm!r}."
+            )
+        if not 0.0 <= self.memory_reserve_fraction < 1.0:
+            raise ValueError(
+                f"ClusterSpec.memory_reserve_fraction must lie in [0, 1), got {self.memory_reserve_fraction!r}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def with_nodes(self, nodes: int) -> ClusterSpec:
+        return replace(self, nodes=nodes)
+
+    @classmethod
+    def generic(cls, nodes: int, gpus_per_node: int, gpu_memory_bytes: float) -> ClusterSpec:
+        """A middle-of-the-road GPU cluster (A100-class, 200 Gbps per node) when nothing is known
+        but the shape and memory -- what ``partition_size="auto"`` assumes without calibration."""
+        return cls(
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            gpu_memory_bytes=gpu_memory_bytes,
+            intra_node_bandwidth=150 * GB,
+            inter_node_bandwidth=25 * GB,
+            compute_flops=120e12,
+            name="generic",
+        )
+
+
+#: Achieved NCCL bus bandwidth over the line rate of the network (EFA / InfiniBand): ~80 %.
+NETWORK_EFFICIENCY = 0.8
+
+
+def _cluster_preset(name: str, **fields: Any) -> ClusterSpec:
+    return ClusterSpec(nodes=1, name=name, **fields)
+
+
+#: Named clusters (one node; set ``nodes`` with :meth:`ClusterSpec.with_nodes` or ``--nodes``).
+#: ``p3dn`` and ``p4d`` are the MiCS paper's AWS instances: 8 x V100 32 GB with 100 Gbps, and
+#: 8 x A100 40 GB with 400 Gbps (4 x 100 Gbps EFA). Bandwidths are *achieved* bus bandwidths
+#: (:data:`NETWORK_EFFICIENCY` of the line rate; NVLink figures are NCCL's typical in-node bus
+#: bandwidth), compute is ~40-45 % of the 16-bit tensor-core peak.
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    "p3dn": _cluster_preset(
+        "p3dn",
+        gpus_per_node=8,
+        gpu_memory_bytes=32 * GIB,
+        intra_node_bandwidth=130 * GB,
+        inter_node_bandwidth=NETWORK_EFFICIENCY * 100e9 / 8,
+        compute_flops=0.4 * 125e12,
+        intra_node_latency=10e-6,
+        inter_node_latency=30e-6,
+        memory_bandwidth=900e9,
+    ),
+    "p4d": _cluster_preset(
+        "p4d",
+        gpus_per_node=8,
+        gpu_memory_bytes=40 * GIB,
+        intra_node_bandwidth=230 * GB,
+        inter_node_bandwidth=NETWORK_EFFICIENCY * 400e9 / 8,
+        compute_flops=0.45 * 312e12,
+        intra_node_latency=8e-6,
+        inter_node_latency=20e-6,
+        memory_bandwidth=1.55e12,
+    ),
+    "dgx-h100": _cluster_preset(
+        "dgx-h100",
+        gpus_per_node=8,
+        gpu_memory_bytes=80 * GIB,
+        intra_node_bandwidth=360 * GB,
+        inter_node_bandwidth=NETWORK_EFFICIENCY * 3200e9 / 8,
+        compute_flops=0.45 * 989e12,
+        intra_node_latency=6e-6,
+        inter_node_latency=15e-6,
+        memory_bandwidth=3.35e12,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model: parameter count and the transformer shape that sets activations and FLOPs."""
+
+    params: int
+    layers: int
+    hidden: int
+    seq_len: int
+    heads: Optional[int] = None  #: default: hidden / 128
+    vocab: int = 0  #: adds the logits to activation memory when known
+    flops_per_token: Optional[float] = None  #: default: PaLM's 6 * params + 12 * layers * hidden * seq_len
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("params", "layers", "hidden", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}.")
+        if self.heads is not None and self.heads < 1:
+            raise ValueError(f"ModelSpec.heads must be positive, got {self.heads!r}.")
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads or max(1, self.hidden // 128)
+
+    @property
+    def num_units(self) -> int:
+        """FSDP units: one per layer plus the root (embeddings, final norm, head)."""
+        return self.layers + 1
+
+    @property
+    def training_flops_per_token(self) -> float:
+        if self.flops_per_token is not None:
+            return self.flops_per_token
+        return 6.0 * self.params + 12.0 * self.layers * self.hidden * self.seq_len
+
+    @classmethod
+    def from_param_count(cls, params: int, seq_len: int = 2048) -> ModelSpec:
+        """A GPT-shaped guess when only the parameter count is known: ``params ~ 12 L h^2`` with the
+        GPT-3 family's aspect ratio ``h / L ~ 128``, hidden rounded to a multiple of 64."""
+        if params < 1:
+            raise ValueError(f"params must be positive, got {params!r}.")
+        hidden = max(64, int(round((128 * params / 12) ** (1 / 3) / 64)) * 64)
+        layers = max(1, int(round(params / (12 * hidden * hidden))))
+        return cls(params=int(params), layers=layers, hidden=hidden, seq_len=seq_len, name=f"gpt-like {params:.3g}")
+
+
+#: Models of the papers' experiments. ``bert-10b``: MiCS's BERT-10B (hidden 2560, 127 layers,
+#: 40 heads, sequence 512 -- 12 * 127 * 2560^2 = 10.0e9 parameters).
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "bert-10b": ModelSpec(params=10_000_000_000, layers=127, hidden=2560, seq_len=512, heads=40, name="bert-10b"),
+    "bert-20b": ModelSpec(params=20_000_000_000, layers=254, hidden=2560, seq_len=512, heads=40, name="bert-20b"),
+    "gpt-1.3b": ModelSpec(params=1_300_000_000, layers=24, hidden=2048, seq_len=2048, heads=16, name="gpt-1.3b"),
+    "gpt-13b": ModelSpec(params=13_000_000_000, layers=40, hidden=5120, seq_len=2048, heads=40, name="gpt-13b"),
+    "gpt-175b": ModelSpec(params=175_000_000_000, layers=96, hidden=12288, seq_len=2048, heads=96, name="gpt-175b"),
+}
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Batch and numerics: micro-batch per GPU, micro-steps per optimizer step, precision."""
+
+    micro_batch: int = 1
+    accumulation: int = 1
+    precision: str = "bf16-mixed"
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "accumulation"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainingSpec.{name} must be a positive int, got {value!r}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Unknown precision {self.precision!r}. Choose one of: {', '.join(PRECISIONS)}.")
+
+    @property
+    def bytes(self) -> PrecisionProfile:
+        return PRECISIONS[self.precision]
