@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from lightning_mics._compat import AllGather, ReduceScatter
 
 #: torch.distributed functions we account for, by the kind of collective they are. Old and new
 #: spellings are both listed (torch renamed ``all_gather_into_tensor`` to ``all_gather_single``);

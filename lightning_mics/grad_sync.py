@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_mics import _compat as compat
+
 #: Attribute naming the process groups over which a plain (non-DTensor) parameter's elements are
 #: disjoint across ranks; set by :mod:`lightning_mics.optim_sharding` on its slice parameters.
 DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
@@ -34,7 +36,7 @@ DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
 def local_shard(t: Tensor) -> Tensor:
     """The tensor holding this rank's elements: a DTensor's local shard (its storage, so in-place
     writes land in the parameter or gradient), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:

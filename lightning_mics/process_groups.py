@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_mics import _compat as compat
 from lightning_mics.topology import MiCSTopology
 
 #: Older torch builds have no per-dimension backend options; their mesh groups keep torch's default
@@ -37,25 +38,11 @@ def build_device_mesh(
     """
     if topology.replication_degree == 1:
         return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
-    options = _backend_options(backend, timeout)
+    options = compat.backend_options(backend, timeout)
     kwargs: dict[str, Any] = {}
     if options is not None and _SUPPORTS_BACKEND_OVERRIDE:
         kwargs["backend_override"] = {REPLICATE_DIM: (backend, options), SHARD_DIM: (backend, options)}
     return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
-
-
-def _backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
-    """Backend options carrying ``timeout``, or ``None`` where this backend has no options class."""
-    if timeout is None:
-        return None
-    if backend == "gloo" and hasattr(dist, "ProcessGroupGloo"):
-        options = dist.ProcessGroupGloo._Options()
-    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
-        options = dist.ProcessGroupNCCL.Options()
-    else:
-        return None
-    options._timeout = timeout
-    return options
 
 
 def create_optimizer_state_groups(

@@ -19,20 +19,12 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -44,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics.collectives import (
     HierarchicalGroups,
@@ -313,7 +306,9 @@ class MiCSStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = compat.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -326,18 +321,18 @@ class MiCSStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or compat.default_process_group_backend_for_device(
             self.root_device
         )
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self._process_group_backend == "nccl":
             kwargs["device_id"] = self.root_device  # eager NCCL init bound to this GPU (not for gloo on CUDA)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._topology is None:  # a later stage of the same trainer keeps the layout and groups
             self._create_layout()
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh  # visible in configure_model()
+        compat.expose_device_mesh(self.lightning_module, self._device_mesh)  # visible in configure_model()
 
     def _create_layout(self) -> None:
         """Resolve the layout (sharding spec or partition size, 'auto' via the planner) and create
@@ -424,7 +419,7 @@ class MiCSStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
             self._shard_optimizer_states()
         self._log_layout()
 
@@ -558,7 +553,7 @@ class MiCSStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
@@ -567,7 +562,7 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not compat.distributed_is_initialized():
             return obj
         container = [obj]
         dist.broadcast_object_list(container, src, group=_group.WORLD)
@@ -581,7 +576,7 @@ class MiCSStrategy(ParallelStrategy):
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override

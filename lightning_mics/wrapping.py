@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_mics import _compat as compat
+
 log = logging.getLogger(__name__)
 
 #: A callable ``(module_name, module) -> bool`` that says whether to wrap ``module``.
@@ -149,10 +151,8 @@ def apply_activation_checkpointing(modules: list[tuple[str, nn.Module]]) -> None
     Uses the composable (hook-based, non-reentrant) checkpoint, which leaves module names and
     state-dict keys unchanged and composes with ``fully_shard`` applied afterwards.
     """
-    from torch.distributed._composable.checkpoint_activation import checkpoint
-
     for _, module in modules:
-        checkpoint(module)
+        compat.composable_activation_checkpoint(module)
 
 
 def set_explicit_prefetch(blocks: list[FSDPModule], depth: int) -> None:
@@ -289,6 +289,6 @@ def broadcast_shards_across_replicas(module: nn.Module, replica_group: dist.Proc
     for tensor in _unique_states(module):
         if isinstance(tensor, DTensor):
             if replica_group is not None:
-                dist.broadcast(tensor._local_tensor, dist.get_global_rank(replica_group, 0), group=replica_group)
+                dist.broadcast(compat.local_tensor(tensor), dist.get_global_rank(replica_group, 0), group=replica_group)
         else:
             dist.broadcast(tensor.data, 0)

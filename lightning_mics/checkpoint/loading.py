@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
-from lightning_mics import _checkpoint_compat as compat
+from lightning_mics import _compat as compat
 from lightning_mics.checkpoint import coordination, integrity
 from lightning_mics.checkpoint.atomic import staging_leftovers
 from lightning_mics.checkpoint.format import (

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from lightning_mics import _checkpoint_compat as compat
+from lightning_mics import _compat as compat
 from lightning_mics.checkpoint.format import METADATA_FILE, CheckpointError
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
-from lightning_mics.planner.cost_model import CollectiveKind, _RING_PASSES
+from lightning_mics.planner.cost_model import _RING_PASSES, CollectiveKind
 from lightning_mics.planner.specs import ClusterSpec
 
 # ---------------------------------------------------------------------------------------------- calibration

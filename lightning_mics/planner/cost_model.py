@@ -80,8 +80,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Union
 
-from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
 
 # ---------------------------------------------------------------------------------------------- collectives
 

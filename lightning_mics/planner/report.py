@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from lightning_mics.planner.cost_model import LayoutEstimate
-from lightning_mics.planner.specs import ClusterSpec, GB, GIB, ModelSpec, TrainingSpec
+from lightning_mics.planner.specs import GB, GIB, ClusterSpec, ModelSpec, TrainingSpec
 
 # ---------------------------------------------------------------------------------------------- search
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal, Optional, Union
 
-from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
 from lightning_mics.planner.cost_model import estimate
 from lightning_mics.planner.report import Plan, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
 
 
 def plan(

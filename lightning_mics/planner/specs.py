@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
-
 GIB = 1024**3
 GB = 1e9
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from typing import Union
 
-
 # ---------------------------------------------------------------------------------------------- parsing helpers
 
 _UNIT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z/]*)\s*$")

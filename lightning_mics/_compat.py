@@ -1,0 +1,103 @@
+"""Every private torch and Lightning API lightning-mics relies on, in one place.
+
+Private APIs change without deprecation, so each entry says what it is for and the versions it was
+checked on (torch 2.11 and 2.13, lightning 2.6). When an upgrade breaks one, this file is the only
+one to change. Nothing here patches torch or Lightning: these are plain imports and accessors.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+# DCP internals used to load safely: the planner that rebuilds a whole state dict from metadata
+# (what ``format_utils.dcp_to_torch_save`` uses), the inner load that fills a dict in place, and
+# the helper that writes a value at a nested path. torch >= 2.2 (checked on 2.11, 2.13).
+from torch.distributed.checkpoint._traverse import set_element  # noqa: E402
+from torch.distributed.checkpoint.default_planner import (  # noqa: E402
+    _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into  # noqa: E402
+
+# --------------------------------------------------------------------------------------------------- torch
+# FSDP2's interfaces for custom collectives (``FSDPModule.set_custom_all_gather`` /
+# ``set_custom_reduce_scatter`` are public, the classes they take are not). torch >= 2.8.
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
+
+
+def composable_activation_checkpoint(module: Any) -> Any:
+    """Hook-based (non-reentrant) activation checkpointing that keeps module names and state-dict
+    keys and composes with ``fully_shard`` applied afterwards (torch >= 2.1)."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    return checkpoint(module)
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard as the very storage of the parameter or gradient, so in-place
+    writes (broadcasts, clipping, optimizer-state slices) land in it. ``DTensor.to_local()`` is an
+    autograd op returning a view; this is the attribute it reads (stable since torch 2.0)."""
+    return tensor._local_tensor  # type: ignore[attr-defined]
+
+
+def backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
+    """Process-group options carrying ``timeout`` (``new_group(pg_options=...)``), or ``None`` where
+    the backend has no options class. Gloo's options class and the timeout field are private
+    (torch 2.11, 2.13); NCCL's class is public, its timeout field is not."""
+    if timeout is None:
+        return None
+    if backend == "gloo" and hasattr(dist, "ProcessGroupGloo"):
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timeout
+    return options
+
+
+# ----------------------------------------------------------------------------------------------- Lightning
+# lightning 2.5 - 2.6: the helpers Lightning's own DDP/FSDP strategies use to start processes, move
+# optimizer state and reduce across ranks; a ParallelStrategy subclass needs the same.
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _distributed_is_initialized as distributed_is_initialized,
+)
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _get_default_process_group_backend_for_device as default_process_group_backend_for_device,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: E402
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: E402
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
+
+# The launcher that re-runs the script once per extra local rank (what DDPStrategy uses).
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
+
+
+def expose_device_mesh(module: Any, mesh: Any) -> None:
+    """Make ``LightningModule.device_mesh`` return ``mesh`` inside ``configure_model()``, as
+    Lightning's ModelParallelStrategy does (the property reads this private attribute; 2.4 - 2.6)."""
+    module._device_mesh = mesh
+
+
+__all__ = [
+    "AllGather",
+    "EmptyStateDictLoadPlanner",
+    "ReduceScatter",
+    "SubprocessScriptLauncher",
+    "backend_options",
+    "composable_activation_checkpoint",
+    "default_process_group_backend_for_device",
+    "distributed_is_initialized",
+    "expose_device_mesh",
+    "init_dist_connection",
+    "load_state_dict_into",
+    "local_tensor",
+    "optimizers_to_device",
+    "set_element",
+    "sync_ddp_if_available",
+]
