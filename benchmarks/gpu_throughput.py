@@ -59,9 +59,12 @@ from torch import Tensor, nn
 from torch.distributed._composable import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mics import MiCSStrategy
-from examples.models import GPTConfig, GPTLightningModule
-from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT
+if __package__ in (None, ""):  # run as a script: the demo model lives in the repository's `examples`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.models import GPTConfig, GPTLightningModule  # noqa: E402
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
 
