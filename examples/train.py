@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,6 +67,34 @@ def validate_layout(cfg: DictConfig) -> Optional[MiCSTopology]:
             f"ranks_per_node={ranks_per_node}: {error} Override strategy.partition_size (or cluster.ranks_per_node / "
             "trainer.devices) accordingly."
         ) from None
+
+
+#: Trainer options a command-line override could set to a non-number, and the type each needs.
+_TRAINER_NUMBERS: dict[str, tuple[type, ...]] = {
+    "max_steps": (int,),
+    "max_epochs": (int, type(None)),
+    "accumulate_grad_batches": (int,),
+    "num_nodes": (int,),
+    "log_every_n_steps": (int,),
+    "num_sanity_val_steps": (int,),
+    "check_val_every_n_epoch": (int, type(None)),
+    "gradient_clip_val": (int, float, type(None)),
+    "limit_train_batches": (int, float, type(None)),
+    "limit_val_batches": (int, float, type(None)),
+}
+
+
+def validate_trainer_numbers(cfg: DictConfig) -> None:
+    """A Hydra override such as ``trainer.max_steps=abc`` arrives as a string; refuse it here with
+    the fix instead of as a TypeError from deep inside Lightning's loops."""
+    for key, types in _TRAINER_NUMBERS.items():
+        value = cfg.trainer.get(key)
+        if key in cfg.trainer and (isinstance(value, bool) or not isinstance(value, types)):
+            kind = "an integer" if types[0] is int and float not in types else "a number"
+            raise ValueError(
+                f"trainer.{key}={value!r} is not {kind}" + (" (or null)" if type(None) in types else "")
+                + f": write e.g. trainer.{key}={'100' if kind == 'an integer' else '1.0'}."
+            )
 
 
 def build_loggers(cfg: DictConfig, output_dir: Path) -> list[Logger]:
@@ -152,6 +181,13 @@ def format_summary(
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and checkpoint.best_model_path:
         lines.append(f"checkpoint: {checkpoint.best_model_path}")
+    stalls = getattr(strategy, "checkpoint_stall_s", [])
+    if stalls:
+        how = "in the background" if strategy.async_save else "in the foreground"
+        lines.append(
+            f"checkpoint saves: {len(stalls)} {how}; training stalled "
+            f"{statistics.median(stalls) * 1e3:,.0f} ms per save (median), {sum(stalls):.2f} s in all"
+        )
     lines.append(f"logs: {output_dir}")
     return "\n".join(lines)
 
@@ -160,6 +196,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     """Run one job; return the final validation loss (what a Hydra sweeper would minimise)."""
     with _isolated_launch_environment():
         _route_rank_relaunch_to_this_job()
+        validate_trainer_numbers(cfg)
         validate_layout(cfg)
         output_dir = Path(HydraConfig.get().runtime.output_dir)
         pl.seed_everything(cfg.seed, workers=True)

@@ -17,6 +17,7 @@ for the cost model.
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,17 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     convert.__name__ = parse.__name__.replace("parse_", "")
     return convert
+
+
+def _non_negative_int(text: str) -> int:
+    """``--top``: a row count, 0 for all."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of rows >= 0 (0: all), got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     search = parser.add_argument_group("search and output")
     search.add_argument("--uniform-only", action="store_true", help="only MiCS layouts (P = G = OS)")
     search.add_argument("--flat", action="store_true", help="flat rings across nodes (no hierarchical collectives)")
-    search.add_argument("--top", type=int, default=15, help="rows to show (0: all)")
+    search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -215,6 +227,13 @@ def run_calibrate(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, help="default: LOCAL_WORLD_SIZE from the launcher")
     parser.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     args = parser.parse_args(argv)
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        parser.error(
+            f"calibration times collectives between the job's processes, so it must run under a launcher "
+            f"({', '.join(missing)} not set). Start it on every node with torchrun, e.g. "
+            "`torchrun --nnodes=N --nproc-per-node=GPUS --rdzv-endpoint=HOST:PORT -m lightning_mics.plan calibrate`."
+        )
 
     import torch
     import torch.distributed as dist
@@ -224,7 +243,7 @@ def run_calibrate(argv: Optional[Sequence[str]] = None) -> int:
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(__import__("os").environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
     try:
         ranks_per_node = args.ranks_per_node or detect_ranks_per_node() or dist.get_world_size()

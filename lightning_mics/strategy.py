@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
@@ -221,6 +222,9 @@ class MiCSStrategy(ParallelStrategy):
             )
         self.checkpoint_verify: ckpt.VerifyMode = checkpoint_verify
         self._async_saver = ckpt.AsyncCheckpointSaver(timeout) if async_save else None
+        #: Seconds the training loop spent in each checkpoint save (with ``async_save``: the copy of
+        #: the states to CPU memory), for logs and benchmarks.
+        self.checkpoint_stall_s: list[float] = []
         self._num_nodes = 1
         self._topology: Optional[MiCSTopology] = None
         self._device_mesh: Optional[DeviceMesh] = None
@@ -228,6 +232,11 @@ class MiCSStrategy(ParallelStrategy):
         self._root: Optional[_MiCSRoot] = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def async_save(self) -> bool:
+        """Whether sharded checkpoints are written in the background."""
+        return self._async_saver is not None
+
     @property
     def topology(self) -> MiCSTopology:
         if self._topology is None:
@@ -630,7 +639,9 @@ class MiCSStrategy(ParallelStrategy):
             raise TypeError("MiCSStrategy.save_checkpoint does not take storage_options: it writes with DCP.")
         topology = self.topology
         layout = ckpt.CheckpointLayout(topology.world_size, topology.partition_size, topology.ranks_per_node)
+        started = time.perf_counter()
         ckpt.save(filepath, checkpoint, layout, full=self.save_full_state_dict, saver=self._async_saver)
+        self.checkpoint_stall_s.append(time.perf_counter() - started)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -301,6 +301,19 @@ def test_cli_errors_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         plan_main(["--cluster", "p4d", "--params", "1B", "--inter-bandwidth", "fast"])
     assert "Cannot read bandwidth 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--cluster", "p4d", "--params", "1B", "--top", "-1"])
+    assert "--top: expected a number of rows >= 0" in capsys.readouterr().err
+
+
+def test_calibrate_outside_a_launcher_names_torchrun(capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        plan_main(["calibrate"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "must run under a launcher" in err and "torchrun" in err and "Traceback" not in err
 
 
 def test_unit_parsing():
