@@ -14,6 +14,7 @@ the library's own command: ``lightning-mics plan ...``.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -59,4 +60,9 @@ def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
 
 
 if __name__ == "__main__":
-    main()  # the CLI object is not an exit status: success exits 0, an exception non-zero
+    try:
+        main()  # the CLI object is not an exit status: success exits 0, an exception non-zero
+    except ValueError as error:  # configuration mistakes (e.g. an invalid layout): one line, the fix in it
+        if os.environ.get("MICS_FULL_ERROR"):
+            raise
+        sys.exit(f"error: {error} (set MICS_FULL_ERROR=1 for the traceback)")

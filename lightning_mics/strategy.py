@@ -315,9 +315,23 @@ class MiCSStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
+            self._check_layout_before_launch()
             self._launcher = compat.SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+
+    def _check_layout_before_launch(self) -> None:
+        """Lightning is about to start the processes, so the world size is known: refuse an invalid
+        layout now, once, instead of in every rank after the processes exist (pure layout math)."""
+        world_size = self.num_processes * self.num_nodes
+        ranks_per_node = self.ranks_per_node_override or self.num_processes
+        if world_size < 1 or self.partition_size_spec == "auto":
+            return  # "auto" needs the model; resolved at setup
+        if self.sharding is not None:
+            self.sharding.resolve(world_size, ranks_per_node)
+        else:
+            topology = MiCSTopology.create(world_size, ranks_per_node, self.partition_size_spec)
+            check_reshard_group(self.reshard_after_forward, topology.partition_size)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -69,6 +69,22 @@ def test_timeout_in_seconds_is_accepted():
         MiCSStrategy(async_save="yes")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"partition_size": 3}, r"partition_size=3 is invalid for world_size=4.*Valid choices"),
+        ({"partition_size": 2, "reshard_after_forward": 3}, r"reshard_after_forward=3 .* partition size 2"),
+    ],
+)
+def test_invalid_layout_is_refused_before_any_process_starts(kwargs, message, monkeypatch):
+    """Lightning knows the world size when it builds its launcher: the error comes once, from the
+    Trainer's constructor in this process, instead of from every rank after launch."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=message):
+        pl.Trainer(strategy=MiCSStrategy(**kwargs), accelerator="cpu", devices=4, logger=False)
+
+
 def test_reshard_group_must_divide_the_partition():
     check_reshard_group(2, 4)
     check_reshard_group(True, 4)
