@@ -51,8 +51,6 @@ class MiCSPrecision(FSDPPrecision):
         self.last_grad_norm: torch.Tensor | None = None
         #: Device type for autocast; the strategy sets it to its root device's type at setup.
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        #: Per optimizer (by id): work to run around its step (optimizer-state sharding).
-        self.step_hooks: dict[int, Any] = {}
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> "MiCSPrecision":
@@ -79,21 +77,6 @@ class MiCSPrecision(FSDPPrecision):
             dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
             return torch.autocast(self.device_type, dtype=dtype)
         return super().forward_context()
-
-    def _after_closure(self, model: Any, optimizer: Any) -> None:
-        # Runs after the boundary backward and before on_before_optimizer_step/clipping: the point
-        # where gradients of sharded optimizer states are reduced into their slices.
-        hook = self.step_hooks.get(id(optimizer))
-        if hook is not None:
-            hook.before_step()
-        super()._after_closure(model, optimizer)
-
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        hook = self.step_hooks.get(id(optimizer))
-        if hook is not None:
-            hook.after_step()
-        return output
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
         """Clip by the true global gradient norm over all shards; the norm is kept for logging."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -209,6 +209,8 @@ class MiCSStrategy(ParallelStrategy):
         self._optim_degree: Optional[int] = None
         self._keep_params_within_step = False
         self._optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+        #: Per optimizer (by id): its states sharded across replicas, run around each optimizer step.
+        self._optimizer_state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.save_full_state_dict = save_full_state_dict
@@ -485,8 +487,29 @@ class MiCSStrategy(ParallelStrategy):
             broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None)
         return root
 
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """With optimizer states sharded across replicas (AMSP ``optim > grads``), the step is
+        bracketed: once the boundary backward has produced the gradients -- inside the closure, so
+        before Lightning's ``on_before_optimizer_step`` and gradient clipping -- they are reduced
+        into this rank's slice; after the step the updated slices are gathered into the parameters."""
+        sharding = self._optimizer_state_sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        if sharding is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_reduce_into_slices() -> Any:
+            result = closure()
+            sharding.before_step()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_reduce_into_slices, model, **kwargs)
+        sharding.after_step()
+        return output
+
     def _shard_optimizer_states(self) -> None:
-        self.precision_plugin.step_hooks.clear()
+        self._optimizer_state_sharding.clear()
         if not self._shards_optimizer_beyond_partition:
             return
         if self.precision_plugin.scaler is not None:
@@ -501,7 +524,7 @@ class MiCSStrategy(ParallelStrategy):
             hook = ReplicaShardedOptimizerStates(
                 optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=self.topology.replication_degree
             )
-            self.precision_plugin.step_hooks[id(optimizer)] = hook
+            self._optimizer_state_sharding[id(optimizer)] = hook
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -634,7 +657,7 @@ class MiCSStrategy(ParallelStrategy):
         them at the partition degree, as plain MiCS holds them: one checkpoint format for every layout."""
         with ExitStack() as stack:
             for optimizer in optimizers:
-                hook = self.precision_plugin.step_hooks.get(id(optimizer))
+                hook = self._optimizer_state_sharding.get(id(optimizer))
                 if hook is not None:
                     stack.enter_context(hook.partition_form(write_back=write_back))
             yield
