@@ -19,8 +19,7 @@ import functools
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,18 +138,8 @@ class CollectiveRecorder:
                 totals[call.kind] += call.bytes
         return totals
 
-    def group_sizes(self, kind: str) -> set[int]:
-        return {len(c.ranks) for c in self.calls if c.kind == kind}
-
     def reset(self) -> None:
         self.calls.clear()
-
-
-@contextmanager
-def record_collectives() -> Iterator[CollectiveRecorder]:
-    """Functional spelling of :class:`CollectiveRecorder`."""
-    with CollectiveRecorder() as recorder:
-        yield recorder
 
 
 # ---------------------------------------------------------------------------------------------

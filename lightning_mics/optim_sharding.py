@@ -108,11 +108,6 @@ class ReplicaShardedOptimizerStates:
                 slices.append(slice_param)
             group["params"] = slices
 
-    @property
-    def slice_numel(self) -> int:
-        """Elements this rank optimizes (its optimizer states are this size per state tensor)."""
-        return sum(piece.hi - piece.lo for piece in self.pieces)
-
     @torch.no_grad()
     def before_step(self) -> None:
         """Reduce the accumulated gradient shards into this rank's slices; refresh slice values."""
@@ -155,10 +150,6 @@ class ReplicaShardedOptimizerStates:
             local = _local(p)
             local.view(-1).copy_(flat[offset : offset + local.numel()])
             offset += local.numel()
-
-    def zero_grad(self) -> None:
-        for piece in self.pieces:
-            piece.slice_param.grad = None
 
     # ------------------------------------------------------------------ checkpoints
     @contextmanager

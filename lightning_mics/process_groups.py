@@ -8,7 +8,6 @@ that time rather than torch's 30-minute default for new groups.
 
 from __future__ import annotations
 
-import inspect
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -17,10 +16,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_mics import _compat as compat
 from lightning_mics.topology import MiCSTopology
-
-#: Older torch builds have no per-dimension backend options; their mesh groups keep torch's default
-#: timeout (the default group still has the strategy's).
-_SUPPORTS_BACKEND_OVERRIDE = "backend_override" in inspect.signature(init_device_mesh).parameters
 
 #: Mesh dimension names: rows are partition groups, columns replication groups.
 REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
@@ -40,7 +35,7 @@ def build_device_mesh(
         return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
     options = compat.backend_options(backend, timeout)
     kwargs: dict[str, Any] = {}
-    if options is not None and _SUPPORTS_BACKEND_OVERRIDE:
+    if options is not None:
         kwargs["backend_override"] = {REPLICATE_DIM: (backend, options), SHARD_DIM: (backend, options)}
     return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from lightning_mics.topology import _check_world, valid_partition_sizes
+from lightning_mics.topology import _check_world, named_size, valid_partition_sizes, valid_sizes_text
 
 #: What a user may write for one degree: a positive int, ``-1`` / ``"world"`` (every rank) or
 #: ``"node"`` (one node's ranks).
@@ -168,33 +168,26 @@ class ShardingDegrees:
             return "hpZ"
         return "AMSP"
 
-    def spans_nodes(self, degree: int) -> bool:
-        return degree > self.ranks_per_node
-
 
 def _resolve_degree(name: str, value: DegreeSpec, world_size: int, ranks_per_node: int) -> int:
     title = _STATE_TITLES[name]
-    if value == "node":
-        return min(ranks_per_node, world_size)
-    if value == "world" or value == -1:
-        return world_size
+    named = named_size(value, world_size, ranks_per_node)
+    if named is not None:
+        return named
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(
             f"ShardingSpec.{name}={value!r} is not understood for the {title}. Use a positive int, 'node' or "
-            f"'world' (-1). {_choices_text(world_size, ranks_per_node)}"
+            f"'world' (-1). {valid_sizes_text(world_size, ranks_per_node, 'degree')}"
         )
     valid = valid_partition_sizes(world_size, ranks_per_node)
     if value not in valid:
         raise ValueError(
             f"ShardingSpec.{name}={value} is not a valid sharding degree for the {title} with world_size={world_size} "
             f"and ranks_per_node={ranks_per_node}: a degree must divide the world and fill a node before spanning "
-            f"nodes (a divisor of {ranks_per_node}, or whole nodes). {_choices_text(world_size, ranks_per_node)}"
+            f"nodes (a divisor of {ranks_per_node}, or whole nodes). "
+            + valid_sizes_text(world_size, ranks_per_node, "degree")
         )
     return value
-
-
-def _choices_text(world_size: int, ranks_per_node: int) -> str:
-    return f"Valid degrees: {', '.join(map(str, valid_partition_sizes(world_size, ranks_per_node)))}."
 
 
 def _chain_example(world_size: int, ranks_per_node: int) -> str:

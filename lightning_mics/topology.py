@@ -74,10 +74,9 @@ def resolve_partition_size(spec: PartitionSizeSpec, world_size: int, ranks_per_n
         ValueError: with one message naming the valid choices for this world and node size.
     """
     _check_world(world_size, ranks_per_node)
-    if spec is None or spec == "node":
-        size = min(ranks_per_node, world_size)
-    elif spec == "world" or spec == -1:
-        size = world_size
+    named = named_size("node" if spec is None else spec, world_size, ranks_per_node)
+    if named is not None:
+        size = named
     elif spec == "auto":
         raise ValueError(
             "partition_size='auto' is chosen by the planner from the model and device memory; use "
@@ -86,7 +85,7 @@ def resolve_partition_size(spec: PartitionSizeSpec, world_size: int, ranks_per_n
     elif isinstance(spec, bool) or not isinstance(spec, int):
         raise ValueError(
             f"partition_size={spec!r} is not understood. "
-            f"{_choices_text(world_size, ranks_per_node)}"
+            f"{valid_sizes_text(world_size, ranks_per_node)}"
         )
     else:
         size = spec
@@ -94,9 +93,30 @@ def resolve_partition_size(spec: PartitionSizeSpec, world_size: int, ranks_per_n
     if problem:
         raise ValueError(
             f"partition_size={spec!r} is invalid for world_size={world_size} with ranks_per_node={ranks_per_node}: "
-            f"{problem}. {_choices_text(world_size, ranks_per_node)}"
+            f"{problem}. {valid_sizes_text(world_size, ranks_per_node)}"
         )
     return size
+
+
+def named_size(spec: object, world_size: int, ranks_per_node: int) -> int | None:
+    """The size a name stands for -- ``"node"``: one node, ``"world"`` or ``-1``: every rank -- or
+    ``None`` when ``spec`` is not a name (partition sizes and AMSP degrees share these names)."""
+    if spec == "node":
+        return min(ranks_per_node, world_size)
+    if (spec == "world" or spec == -1) and not isinstance(spec, bool):
+        return world_size
+    return None
+
+
+def valid_sizes_text(world_size: int, ranks_per_node: int, what: str = "partition_size") -> str:
+    """The valid choices for a partition size or sharding degree, for error messages."""
+    sizes = ", ".join(str(s) for s in valid_partition_sizes(world_size, ranks_per_node))
+    if what != "partition_size":
+        return f"Valid degrees: {sizes} ('node' = {min(ranks_per_node, world_size)}, 'world' or -1 = {world_size})."
+    return (
+        f"Valid choices: None or 'node' (one node = {min(ranks_per_node, world_size)} ranks, the MiCS default), "
+        f"'world' or -1 (all {world_size} ranks, ZeRO-3), 1 (pure replication), or one of: {sizes}."
+    )
 
 
 def _check_world(world_size: int, ranks_per_node: int) -> None:
@@ -122,14 +142,6 @@ def _partition_problem(size: int, world_size: int, ranks_per_node: int) -> str |
     if size > ranks_per_node and size % ranks_per_node != 0:
         return f"a partition larger than a node must be whole nodes (a multiple of ranks_per_node={ranks_per_node})"
     return None
-
-
-def _choices_text(world_size: int, ranks_per_node: int) -> str:
-    sizes = ", ".join(str(s) for s in valid_partition_sizes(world_size, ranks_per_node))
-    return (
-        f"Valid choices: None or 'node' (one node = {min(ranks_per_node, world_size)} ranks, the MiCS default), "
-        f"'world' or -1 (all {world_size} ranks, ZeRO-3), 1 (pure replication), or one of: {sizes}."
-    )
 
 
 def _divisors(n: int) -> list[int]:
