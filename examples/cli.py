@@ -48,8 +48,22 @@ def _seq_len_of(config: Any) -> int:
     return GPTConfig.resolve(config).seq_len
 
 
+def check_strategy_arguments(argv: list[str]) -> None:
+    """A registered name (``--trainer.strategy=mics``) takes no options; jsonargparse would refuse
+    ``--trainer.strategy.partition_size=...`` after it with a type error that does not say why."""
+    named = [arg.split("=", 1)[1] for arg in argv if arg.startswith("--trainer.strategy=")]
+    options = [arg.split("=", 1)[0] for arg in argv if arg.startswith("--trainer.strategy.")]
+    if named and options and "." not in named[-1]:
+        raise ValueError(
+            f"--trainer.strategy={named[-1]} is a registered name, which takes no options ({', '.join(options)}). "
+            "Name the class to configure it: --trainer.strategy=lightning_mics.MiCSStrategy "
+            + " ".join(arg for arg in argv if arg.startswith("--trainer.strategy."))
+        )
+
+
 def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
     """Run LightningCLI on the demo model; ``args`` replaces ``sys.argv[1:]`` (tests)."""
+    check_strategy_arguments(list(sys.argv[1:] if args is None else args))
     return MiCSCLI(
         GPTLightningModule,
         ByteCorpusDataModule,

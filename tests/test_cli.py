@@ -11,13 +11,17 @@ from lm_jobs import CLI_CONFIG, SMALL_GPT
 from examples.cli import main
 from lightning_mics import MiCSStrategy
 
-pytestmark = pytest.mark.distributed  # every test here spawns rank processes
-
 WORLD = 2
 SMALL_MODEL_JSON = (
     f'{{"seq_len": {SMALL_GPT.seq_len}, "d_model": {SMALL_GPT.d_model}, '
     f'"n_layers": {SMALL_GPT.n_layers}, "n_heads": {SMALL_GPT.n_heads}}}'
 )
+
+
+def test_options_after_a_registered_strategy_name_get_the_fix() -> None:
+    fix = r"--trainer.strategy=lightning_mics.MiCSStrategy --trainer.strategy.partition_size=3"
+    with pytest.raises(ValueError, match=fix):
+        main(["fit", "--trainer.strategy=mics", "--trainer.strategy.partition_size=3"], run=False)
 
 
 def _quick_args(subcommand: str, root: str, *extra: str) -> list[str]:
@@ -64,6 +68,7 @@ def _run_cli(rank: int, world_size: int, root: str) -> dict:
     )
 
 
+@pytest.mark.distributed
 def test_cli_runs_both_strategy_spellings_and_every_stage(tmp_path: Path) -> None:
     results = run_ranks(_run_cli, WORLD, str(tmp_path))
     for result in results:

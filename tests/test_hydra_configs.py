@@ -131,7 +131,7 @@ def test_invalid_overrides_fail_with_a_clear_error() -> None:
         config("strategy.partition_sz=2")
     with pytest.raises(ValueError, match=r"Invalid MiCS layout.*Valid choices.*strategy.partition_size"):
         load_train_script().validate_layout(config("strategy.partition_size=3"))
-    with pytest.raises(ValueError, match=r"trainer.max_steps='abc' is not an integer: write e.g. trainer.max_steps=100"):
+    with pytest.raises(ValueError, match=r"trainer.max_steps='abc' is not an integer: write e.g. trainer.max_steps=1"):
         load_train_script().validate_trainer_numbers(config("trainer.max_steps=abc"))
     with pytest.raises(ValueError, match=r"trainer.gradient_clip_val='x' is not a number \(or null\)"):
         load_train_script().validate_trainer_numbers(config("trainer.gradient_clip_val=x"))
