@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import lightning.pytorch as pl
@@ -83,6 +84,23 @@ def test_invalid_layout_is_refused_before_any_process_starts(kwargs, message, mo
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=message):
         pl.Trainer(strategy=MiCSStrategy(**kwargs), accelerator="cpu", devices=4, logger=False)
+
+
+def test_ranks_started_by_lightning_get_a_share_of_the_cores(monkeypatch):
+    """The launcher's children inherit OMP_NUM_THREADS, so it must be set before they start."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "")  # recorded, so the strategy's setting is undone after the test
+        monkeypatch.delenv(name)
+    threads_before = torch.get_num_threads()
+    try:
+        pl.Trainer(strategy=MiCSStrategy(), accelerator="cpu", devices=4, logger=False)
+        expected = max(1, len(os.sched_getaffinity(0)) // 4)
+        assert os.environ["OMP_NUM_THREADS"] == str(expected) and torch.get_num_threads() == expected
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is kept
+        pl.Trainer(strategy=MiCSStrategy(), accelerator="cpu", devices=4, logger=False)
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def test_reshard_group_must_divide_the_partition():
