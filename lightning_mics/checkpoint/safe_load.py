@@ -16,7 +16,7 @@ import pickle
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -202,17 +202,6 @@ def read_torch_file(path: Path, mmap: bool = True) -> Any:
     except Exception as err:  # noqa: BLE001 - damaged zips and pickles fail in many ways
         raise CheckpointError(
             f"{path} is not a readable PyTorch checkpoint file ({type(err).__name__}: {err}); it is damaged."
-        ) from err
-
-
-def read_torch_bytes(data: BinaryIO, name: str) -> Any:
-    """:func:`read_torch_file` for an already opened stream (``name`` is for messages)."""
-    try:
-        return torch.load(data, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{name} holds objects that torch.load(weights_only=True) refuses to unpickle; {_REFUSED}. "
-            f"{unpickler_reason(err)}"
         ) from err
 
 
