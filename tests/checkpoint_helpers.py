@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # when run as a script
 
-from distributed import free_port  # noqa: E402
+from distributed import exit_after_distributed_work, free_port  # noqa: E402
 from toy import RunConfig, ToyModule, full_parameters, lm_loss, trainer_kwargs  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
@@ -355,3 +355,4 @@ def _scenario_rank(scenario: str, root: Path) -> None:
 
 if __name__ == "__main__":
     _scenario_rank(sys.argv[1], Path(sys.argv[2]))
+    exit_after_distributed_work()
