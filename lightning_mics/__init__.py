@@ -1,12 +1,15 @@
 """lightning-mics: MiCS (and AMSP-style) sharded training as a PyTorch Lightning strategy.
 
 Importing the package registers the strategy names ``"mics"``, ``"mics_zero3"`` and
-``"mics_replicate"`` with Lightning, so ``Trainer(strategy="mics")`` works after ``import lightning_mics``.
+``"mics_replicate"`` with Lightning's Trainer and with Fabric (each has its own registry), so
+``Trainer(strategy="mics")`` and ``Fabric(strategy="mics")`` work after ``import lightning_mics``.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mics.collectives import CollectiveRecorder
+from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.grad_sync import clip_grad_norm_, defer_cross_replica_sync
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
@@ -17,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveRecorder",
+    "MiCSFabricStrategy",
     "MiCSPrecision",
     "MiCSStrategy",
     "MiCSTopology",
@@ -27,3 +31,5 @@ __all__ = [
 
 if "mics" not in StrategyRegistry:
     MiCSStrategy.register_strategies(StrategyRegistry)
+if "mics" not in FABRIC_STRATEGY_REGISTRY:
+    MiCSFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)

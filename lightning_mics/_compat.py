@@ -78,6 +78,18 @@ from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: 
 )
 
 
+# Fabric (lightning 2.6): the launcher that re-runs the script once per extra local rank (what Fabric's
+# DDP/FSDP strategies use), the interface ``fabric.no_backward_sync`` asks a strategy for, and the
+# protocol Fabric uses to tell objects with ``state_dict``/``load_state_dict`` in ``fabric.save``
+# states. Fabric's connector also sets ``strategy._num_nodes`` and calls ``strategy._set_world_ranks()``
+# when present (what its FSDP strategy defines); lightning_mics.fabric provides both.
+from lightning.fabric.strategies.launchers.subprocess_script import (  # noqa: E402
+    _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl  # noqa: E402
+from lightning.fabric.utilities.types import _Stateful as Stateful  # noqa: E402
+
+
 def expose_device_mesh(module: Any, mesh: Any) -> None:
     """Make ``LightningModule.device_mesh`` return ``mesh`` inside ``configure_model()``, as
     Lightning's ModelParallelStrategy does (the property reads this private attribute; 2.4 - 2.6)."""
@@ -86,8 +98,11 @@ def expose_device_mesh(module: Any, mesh: Any) -> None:
 
 __all__ = [
     "AllGather",
+    "BackwardSyncControl",
     "EmptyStateDictLoadPlanner",
+    "FabricSubprocessScriptLauncher",
     "ReduceScatter",
+    "Stateful",
     "SubprocessScriptLauncher",
     "backend_options",
     "composable_activation_checkpoint",

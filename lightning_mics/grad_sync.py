@@ -82,14 +82,17 @@ def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """Clip gradients by their *global* norm, computed from the shards each rank holds.
 
     Each rank sums ``|g|^p`` over its local shard; the sums are all-reduced over the groups across
     which the shards are disjoint (the partition group). Replicas hold identical shards after the
     boundary sync, so reducing over the replication group as well would count them twice. Gradients
     are scaled in place exactly like :func:`torch.nn.utils.clip_grad_norm_` does, and the global
-    norm (identical on every rank) is returned.
+    norm (identical on every rank) is returned. ``error_if_nonfinite``: as in torch, raise instead of
+    scaling by a NaN/inf norm -- on every rank alike, since every rank holds the same norm.
     """
     with_grads = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grads]
@@ -121,6 +124,12 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
             dist.all_reduce(acc, op=op, group=group)
         total = torch.maximum(total, acc) if math.isinf(norm_type) else total + acc
     total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`."
+        )
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for grad in grads:
         local = local_shard(grad)

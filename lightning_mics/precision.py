@@ -21,9 +21,13 @@ keeps numerically sensitive ops such as softmax/cross-entropy in fp32.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
@@ -31,6 +35,32 @@ from torch.optim import Optimizer
 from lightning_mics.grad_sync import clip_grad_norm_
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"precision={precision!r} is not supported by MiCSStrategy. "
+            f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
+        )
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for a precision flag (the table above)."""
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision == "16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    # "32-true" and "bf16-true": the module is already in its compute dtype.
+    return MixedPrecisionPolicy()
+
+
+def autocast_context(precision: str, device_type: str) -> Optional[AbstractContextManager]:
+    """``torch.autocast`` on the training device for the mixed modes (see module docstring), else ``None``.
+    Lightning's FSDP plugins autocast on CUDA only, which would leave CPU ranks without it."""
+    if "mixed" not in precision:
+        return None
+    return torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
 
 
 class MiCSPrecision(FSDPPrecision):
@@ -42,11 +72,7 @@ class MiCSPrecision(FSDPPrecision):
     """
 
     def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
-        if precision not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"precision={precision!r} is not supported by MiCSStrategy. "
-                f"Choose one of: {', '.join(SUPPORTED_PRECISION)}."
-            )
+        check_precision(precision)
         super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
         self.last_grad_norm: torch.Tensor | None = None
         #: Device type for autocast; the strategy sets it to its root device's type at setup.
@@ -65,18 +91,10 @@ class MiCSPrecision(FSDPPrecision):
         return cls(plugin.precision)
 
     def mixed_precision_policy(self) -> MixedPrecisionPolicy:
-        if self.precision == "bf16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if self.precision == "16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        # "32-true" and "bf16-true": the module is already in its compute dtype.
-        return MixedPrecisionPolicy()
+        return mixed_precision_policy(self.precision)
 
     def forward_context(self) -> AbstractContextManager:
-        if "mixed" in self.precision:
-            dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-            return torch.autocast(self.device_type, dtype=dtype)
-        return super().forward_context()
+        return autocast_context(self.precision, self.device_type) or super().forward_context()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
         """Clip by the true global gradient norm over all shards; the norm is kept for logging."""
@@ -85,3 +103,43 @@ class MiCSPrecision(FSDPPrecision):
 
 #: Plugins Lightning builds from ``Trainer(precision=...)`` that carry nothing but the flag.
 _CONVERTIBLE = (Precision, HalfPrecision, MixedPrecision, FSDPPrecision)
+
+
+class MiCSFabricPrecision(FabricFSDPPrecision):
+    """Precision plugin for the Fabric strategy (:class:`lightning_mics.fabric.MiCSStrategy`).
+
+    Fabric's own FSDP plugin supplies the dtype contexts, input/output casts and fp16 loss scaling
+    (``ShardedGradScaler``); this adds what FSDP2 needs instead of FSDP1's ``MixedPrecision``
+    config -- the same FSDP2 policy and device-aware autocast as the Trainer's :class:`MiCSPrecision`.
+    Gradient clipping is the strategy's (:meth:`~lightning_mics.fabric.MiCSStrategy.clip_gradients_norm`).
+    """
+
+    def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
+        check_precision(precision)
+        super().__init__(precision, scaler=scaler)  # type: ignore[arg-type]
+        #: Device type for autocast; the strategy sets it to its root device's type at setup.
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def from_plugin(cls, plugin: FabricPrecision) -> "MiCSFabricPrecision":
+        """Convert the generic plugin Fabric built from ``Fabric(precision=...)``."""
+        if isinstance(plugin, cls):
+            return plugin
+        if isinstance(getattr(plugin, "precision", None), str):
+            check_precision(plugin.precision)  # e.g. "64-true", "16-true": name the flags that work
+        if type(plugin) not in _FABRIC_CONVERTIBLE:
+            raise ValueError(
+                f"MiCSStrategy cannot use the precision plugin {type(plugin).__name__}; pass "
+                f"Fabric(precision=...) as one of {', '.join(SUPPORTED_PRECISION)} or a MiCSFabricPrecision instance."
+            )
+        return cls(getattr(plugin, "precision", "32-true"))
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        return mixed_precision_policy(self.precision)
+
+    def forward_context(self) -> AbstractContextManager:
+        return autocast_context(self.precision, self.device_type) or super().forward_context()
+
+
+#: Plugins Fabric builds from ``Fabric(precision=...)`` that carry nothing but the flag.
+_FABRIC_CONVERTIBLE = (FabricPrecision, FabricHalfPrecision, FabricMixedPrecision, FabricFSDPPrecision)

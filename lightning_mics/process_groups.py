@@ -3,7 +3,8 @@
 :mod:`lightning_mics.topology` says *which* ranks belong together; this module creates the
 corresponding process groups (a collective operation: every rank must call these functions in the
 same order). Every group gets the strategy's collective timeout, so a hung peer is detected in
-that time rather than torch's 30-minute default for new groups.
+that time rather than torch's 30-minute default for new groups. It also holds the few steps
+both strategies (Trainer and Fabric) take to join the world and talk across it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -49,3 +51,56 @@ def create_optimizer_state_groups(
     shard_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in shard_groups], timeout=timeout)
     replica_pg, _ = dist.new_subgroups_by_enumeration([list(g) for g in replica_groups], timeout=timeout)
     return shard_pg, replica_pg
+
+
+# ---------------------------------------------------------------------------------------------
+# The world: what the Trainer and the Fabric strategy do alike to join it and talk across it
+# ---------------------------------------------------------------------------------------------
+
+
+def assign_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment this process's global rank and the world size, and make
+    ``rank_zero_only`` agree (the launcher may have set neither). ``strategy`` is a Lightning
+    ``ParallelStrategy`` (Trainer or Fabric): it has ``cluster_environment``, ``node_rank``,
+    ``num_processes``, ``local_rank``, ``num_nodes`` and ``global_rank``."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    environment = strategy.cluster_environment
+    if environment is not None:
+        environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = strategy.global_rank
+
+
+def join_world(
+    cluster_environment: Any, device: torch.device, backend: Optional[str], timeout: Optional[timedelta]
+) -> str:
+    """Initialise the default process group (a no-op when it exists); return the backend used --
+    ``backend``, or NCCL on CUDA and gloo on CPU."""
+    backend = backend or compat.default_process_group_backend_for_device(device)
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if backend == "nccl":
+        kwargs["device_id"] = device  # eager NCCL init bound to this GPU (not for gloo on CUDA)
+    compat.init_dist_connection(cluster_environment, backend, **kwargs)
+    return backend
+
+
+def barrier(device: torch.device) -> None:
+    """A barrier over the world (NCCL's needs the device so it does not guess one)."""
+    if not compat.distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Global rank ``src``'s ``obj`` on every rank (``obj`` itself without ``torch.distributed``)."""
+    if not compat.distributed_is_initialized():
+        return obj
+    container = [obj]
+    dist.broadcast_object_list(container, src)
+    return container[0]

@@ -133,32 +133,42 @@ class ManualAccumulationModule(ToyModule):
             optimizer.zero_grad()
 
 
-@lru_cache(maxsize=None)
-def reference_training(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Single-process training on the same global batches; returns parameters and the gradient
-    norm before clipping at each step.
+def global_batches(cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dataset in the order the ranks together consume it: global micro-batch ``i`` is slice
+    ``i`` (size ``world_size * micro_batch``).
 
     Lightning gives every rank ``DistributedSampler(shuffle=True, seed=0)`` for training, which
     permutes the dataset with ``randperm(n, seed + epoch)`` and deals it out round-robin, so the
-    union of the ranks' micro-batch ``i`` is slice ``i`` (size ``world_size * micro_batch``) of that
-    permutation."""
-    torch.manual_seed(cfg.seed)
-    model = ToyLM()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    union of the ranks' micro-batch ``i`` is slice ``i`` of that permutation."""
     tokens, targets = make_dataset(cfg.num_samples).tensors
     if cfg.world_size > 1:
         order = torch.randperm(cfg.num_samples, generator=torch.Generator().manual_seed(0))
         tokens, targets = tokens[order], targets[order]
+    return tokens, targets
+
+
+@lru_cache(maxsize=None)
+def reference_training(
+    cfg: RunConfig, micro_batches: tuple[int, ...] | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training on the same global batches; returns parameters and the gradient
+    norm before clipping at each step. ``micro_batches``: which global micro-batches (see
+    :func:`global_batches`) to train on, in order, ``accumulate`` per step (default: the first
+    ``steps * accumulate``) -- a run resumed on other batches than it stopped at is another order."""
+    torch.manual_seed(cfg.seed)
+    model = ToyLM()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    tokens, targets = global_batches(cfg)
     global_batch = cfg.world_size * cfg.micro_batch
+    order = iter(micro_batches if micro_batches is not None else range(cfg.steps * cfg.accumulate))
     norms = []
-    micro = 0
-    for _ in range(cfg.steps):
+    for _ in range(len(micro_batches) // cfg.accumulate if micro_batches is not None else cfg.steps):
         optimizer.zero_grad()
         for _ in range(cfg.accumulate):
+            micro = next(order)
             sl = slice(micro * global_batch, (micro + 1) * global_batch)
             (lm_loss(model, (tokens[sl], targets[sl])) / cfg.accumulate).backward()
-            micro += 1
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip else float("inf"))
         norms.append(float(norm))
         optimizer.step()
@@ -180,9 +190,14 @@ def strip_prefix(params: dict[str, torch.Tensor], prefix: str = "model.") -> dic
     return {name.removeprefix(prefix): value for name, value in params.items()}
 
 
-def assert_matches_reference(per_rank: list[dict[str, torch.Tensor]], cfg: RunConfig, rtol: float = 1e-5) -> None:
+def assert_matches_reference(
+    per_rank: list[dict[str, torch.Tensor]],
+    cfg: RunConfig,
+    rtol: float = 1e-5,
+    micro_batches: tuple[int, ...] | None = None,
+) -> None:
     """Every rank's unsharded parameters equal single-process training's (relative error per tensor)."""
-    reference, _ = reference_training(cfg)
+    reference, _ = reference_training(cfg, micro_batches)
     for rank, params in enumerate(per_rank):
         params = strip_prefix(params)
         assert sorted(params) == sorted(reference), f"rank {rank}: parameter names differ"

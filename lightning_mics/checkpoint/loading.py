@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -243,6 +243,7 @@ def load(
     restore_rng: bool = False,
     for_trainer: bool = False,
     verify: integrity.VerifyMode = "checksum",
+    check_state: Optional[Callable[[Mapping[str, Any]], None]] = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``module`` (and ``optimizers``) in place; return the rest of Lightning's dict.
 
@@ -253,7 +254,9 @@ def load(
     against its integrity record first: ``"checksum"`` (default), ``"size"`` (no reading: for very
     large checkpoints) or ``"none"``. ``restore_rng`` restores this rank's RNG states when the world
     size is the one that saved them. ``for_trainer``: the caller resumes Lightning's loops, so a
-    file with bare model weights is rejected with the fix."""
+    file with bare model weights is rejected with the fix. ``check_state`` is called with the
+    checkpoint's other (non-tensor) state once it is read and before anything is loaded: an exception
+    from it refuses the load with nothing changed (the Fabric strategy checks requested keys there)."""
     integrity.check_verify_mode(verify)
     info, raw = open_checkpoint(Path(path))
     if for_trainer and info.kind == "weights":
@@ -285,6 +288,8 @@ def load(
         rng_state = (
             _read_rng_file(info.data_dir / RNG_DIR / integrity.rng_file_name(coordination.rank())) if want_rng else None
         )
+        if check_state is not None:
+            check_state(trainer_state)
         verified = verify == "checksum" and info.record.files is not None
         _load_sharded(info, module, optimizers, strict, fresh_buffers=not verified)
     else:
@@ -293,6 +298,8 @@ def load(
         rng_state = rng_states[coordination.rank()] if want_rng and len(rng_states) > coordination.rank() else None
         if rng_state is not None and not check_rng_state(rng_state):
             raise CheckpointError(f"{info.path} holds damaged RNG states; nothing was loaded.")
+        if check_state is not None:
+            check_state(_other_state(info, raw))
         trainer_state = _load_full(info, raw, module, optimizers, strict)
     if want_rng and rng_state is not None:
         restore_rng_state(rng_state)
@@ -411,6 +418,11 @@ def _load_full(
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=strict))
     for optimizer, state in zip(optimizers, optimizer_states):
         set_optimizer_state_dict(module, optimizer, state)
+    return _other_state(info, raw)
+
+
+def _other_state(info: CheckpointInfo, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A full file's state other than the model, the optimizers and our metadata (none for bare weights)."""
     if info.kind == "weights":
         return {}
     return {key: value for key, value in raw.items() if key not in ("state_dict", "optimizer_states", FULL_META_KEY)}

@@ -1,0 +1,426 @@
+"""A MiCS run's layout, and sharding modules and optimizers onto it: what both Lightning front ends share.
+
+The Trainer strategy (:mod:`lightning_mics.strategy`) and the Fabric strategy
+(:mod:`lightning_mics.fabric`) differ only in *when* Lightning calls them; *what* they do is here,
+once, so that the two cannot drift apart:
+
+* :func:`validate_options` / :func:`check_layout` -- the constructor's and the pre-launch checks,
+  one clear error each;
+* :func:`create_layout` -> :class:`MiCSLayout` -- the topology, the (replicate, shard) device mesh,
+  AMSP's optimizer-state groups and the hierarchical sub-groups, created collectively;
+* :func:`shard_module` -- one model onto the layout: every rank starts from rank 0's states,
+  FSDP2 units on the mesh, the collectives gloo or multi-node partitions need, meta-device models
+  materialised shard by shard;
+* :func:`shard_optimizer_states`, :func:`accumulation_context`, :func:`optimizers_in_partition_form`
+  -- the optimizer and gradient-accumulation pieces that depend on the layout;
+* :func:`limit_intra_op_threads` -- CPU ranks started by Lightning's launchers share the cores.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from lightning_mics import checkpoint as ckpt
+from lightning_mics.collectives import (
+    HierarchicalGroups,
+    create_hierarchical_groups,
+    install_hierarchical_collectives,
+    install_ring_reduce_scatter,
+)
+from lightning_mics.grad_sync import defer_cross_replica_sync
+from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
+from lightning_mics.sharding_spec import ShardingSpec
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
+from lightning_mics.wrapping import (
+    AutoWrapPolicy,
+    broadcast_module_states,
+    broadcast_shards_across_replicas,
+    check_reshard_group,
+    has_meta_tensors,
+    make_wrap_predicate,
+    materialize_meta_module,
+    shard_model,
+)
+
+Hierarchical = Union[bool, Literal["auto"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+# ---------------------------------------------------------------------------------------------
+
+
+def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
+    """Collective timeouts are ``timedelta``s in torch; a plain number is taken as seconds."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ValueError(
+        f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds, e.g. timeout=1800."
+    )
+
+
+def validate_options(
+    *,
+    partition_size: PartitionSizeSpec,
+    ranks_per_node: Optional[int],
+    auto_wrap_policy: AutoWrapPolicy,
+    reshard_after_forward: Union[bool, int],
+    sharding: Optional[ShardingSpec],
+    activation_checkpointing_policy: AutoWrapPolicy,
+    prefetch_depth: int,
+    hierarchical: Hierarchical,
+    timeout: Union[timedelta, float, None],
+    checkpoint_verify: str,
+) -> Optional[timedelta]:
+    """Refuse malformed strategy options when the strategy is built -- not in every rank after launch.
+
+    Layout rules that need the world size (a partition size that does not divide it, ...) are
+    checked by :func:`check_layout` once the launcher knows it. Returns the timeout as a ``timedelta``.
+    """
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+    ):
+        raise ValueError(
+            f"ranks_per_node must be a positive int or None (detect from the launcher), got {ranks_per_node!r}"
+            + (f"; write ranks_per_node={int(ranks_per_node)}." if str(ranks_per_node).isdigit() else ".")
+        )
+    if not isinstance(reshard_after_forward, (bool, int)) or (
+        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
+    ):
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True, False or a positive group size."
+        )
+    make_wrap_predicate(auto_wrap_policy)  # a malformed policy fails here, not at setup
+    if activation_checkpointing_policy is not True:
+        make_wrap_predicate(activation_checkpointing_policy)
+    timeout = as_timedelta(timeout)
+    if sharding is not None and (partition_size is not None or reshard_after_forward is not True):
+        raise ValueError(
+            "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
+            "grads degree is the partition size and its params degree sets the reshard group."
+        )
+    if sharding is not None and not isinstance(sharding, ShardingSpec):
+        raise TypeError(f"sharding must be a lightning_mics.ShardingSpec, got {type(sharding).__name__}.")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
+    if hierarchical not in (True, False, "auto"):
+        raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
+    if checkpoint_verify not in ckpt.VERIFY_MODES:
+        raise ValueError(
+            f"checkpoint_verify={checkpoint_verify!r} is not one of {list(ckpt.VERIFY_MODES)}: 'checksum' checks "
+            "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
+        )
+    return timeout
+
+
+def check_layout(
+    world_size: int,
+    ranks_per_node: int,
+    partition_size: PartitionSizeSpec,
+    sharding: Optional[ShardingSpec],
+    reshard_after_forward: Union[bool, int],
+) -> None:
+    """Pure layout math, run when a launcher is about to start the processes (the world size is known):
+    an invalid layout is refused once, in the launching process, instead of in every rank."""
+    if world_size < 1 or partition_size == "auto":
+        return  # "auto" needs the model; resolved at setup
+    if sharding is not None:
+        sharding.resolve(world_size, ranks_per_node)
+    else:
+        topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
+        check_reshard_group(reshard_after_forward, topology.partition_size)
+
+
+def uses_hierarchical_collectives(topology: MiCSTopology, hierarchical: Hierarchical) -> bool:
+    """Two-stage collectives run exactly when a partition spans nodes (``"auto"``); ``True`` insists."""
+    if hierarchical is True and not topology.spans_nodes:
+        raise ValueError(
+            f"hierarchical=True needs a partition that spans nodes, but partition_size={topology.partition_size} "
+            f"fits in one node of {topology.ranks_per_node} ranks. Use hierarchical='auto' (or False)."
+        )
+    return topology.spans_nodes and hierarchical in (True, "auto")
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MiCSLayout:
+    """Everything a rank knows about the layout once its process groups exist. Build it with
+    :func:`create_layout`."""
+
+    topology: MiCSTopology
+    device_mesh: DeviceMesh
+    #: the ``reshard_after_forward`` FSDP2 gets: the user's, or what a ShardingSpec's params degree means
+    reshard_after_forward: Union[bool, int]
+    backend: str
+    #: AMSP optimizer-state degree (``None``: no ShardingSpec, i.e. the partition size)
+    optim_degree: Optional[int] = None
+    #: AMSP ``params=1``: keep gathered parameters through the micro-steps of one optimizer step
+    keep_params_within_step: bool = False
+    #: AMSP ``optim > grads``: this rank's (optimizer-shard, optimizer-replica) groups
+    optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
+    hierarchical_groups: Optional[HierarchicalGroups] = None
+
+    @property
+    def shards_optimizer_beyond_partition(self) -> bool:
+        return self.optim_groups is not None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards on. With optimizer states sharded across replicas, the
+        cross-replica hop is ours (reduce-scatter + all-gather), so FSDP gets the partition alone."""
+        if self.shards_optimizer_beyond_partition and self.device_mesh.ndim == 2:
+            return self.device_mesh[SHARD_DIM]
+        return self.device_mesh
+
+    @property
+    def checkpoint_layout(self) -> ckpt.CheckpointLayout:
+        """What a checkpoint records about the layout that wrote it (informational)."""
+        t = self.topology
+        return ckpt.CheckpointLayout(t.world_size, t.partition_size, t.ranks_per_node)
+
+    def describe(self, module: nn.Module, num_units: int) -> str:
+        """Log lines: the groups, and what each rank holds of ``module``."""
+        topology = self.topology
+        total = sum(p.numel() for p in module.parameters())
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        optim_degree = self.optim_degree or topology.partition_size
+        return "\n".join(
+            [
+                topology.describe(),
+                f"  model states per rank: 1/{topology.partition_size} of {total:,} parameters ({trainable:,} "
+                f"trainable) -> ~{total // topology.partition_size:,} params and grads, optimizer states for "
+                f"~{trainable // optim_degree:,} (1/{optim_degree}); {num_units} FSDP units",
+                f"  hierarchical collectives: {'on' if self.hierarchical_groups is not None else 'off'}; "
+                f"reshard after forward: {self.reshard_after_forward}"
+                + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
+            ]
+        )
+
+
+def create_layout(
+    *,
+    world_size: int,
+    rank: int,
+    ranks_per_node: int,
+    partition_size: PartitionSizeSpec,
+    reshard_after_forward: Union[bool, int],
+    sharding: Optional[ShardingSpec],
+    hierarchical: Hierarchical,
+    device_type: str,
+    backend: str,
+    timeout: Optional[timedelta],
+    plan_partition_size: Optional[Callable[[int], int]] = None,
+) -> MiCSLayout:
+    """Resolve the layout (a ShardingSpec, or a partition size -- ``"auto"`` through
+    ``plan_partition_size(ranks_per_node)``) and create its mesh and extra process groups.
+
+    A collective: every rank calls it, in the same order relative to other group creations."""
+    optim_degree: Optional[int] = None
+    keep_params_within_step = False
+    if sharding is not None:
+        degrees = sharding.resolve(world_size, ranks_per_node)
+        partition_size = degrees.partition_size
+        reshard_after_forward = degrees.reshard_after_forward
+        optim_degree = degrees.optim
+        keep_params_within_step = degrees.params == 1 and degrees.grads > 1
+    if partition_size == "auto":
+        if plan_partition_size is None:
+            raise ValueError("partition_size='auto' needs the model: it is resolved when the model is set up.")
+        partition_size = plan_partition_size(ranks_per_node)
+    topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
+    check_reshard_group(reshard_after_forward, topology.partition_size)
+    mesh = build_device_mesh(topology, device_type, backend, timeout)
+    optim_groups = None
+    if optim_degree is not None and optim_degree > topology.partition_size:
+        optim_groups = create_optimizer_state_groups(topology, optim_degree, timeout)
+    hierarchical_groups = None
+    if uses_hierarchical_collectives(topology, hierarchical):
+        hierarchical_groups = create_hierarchical_groups(topology, rank, timeout=timeout)
+    return MiCSLayout(
+        topology=topology,
+        device_mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        backend=backend,
+        optim_degree=optim_degree,
+        keep_params_within_step=keep_params_within_step,
+        optim_groups=optim_groups,
+        hierarchical_groups=hierarchical_groups,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding a module and its optimizers
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_module(
+    module: nn.Module,
+    layout: MiCSLayout,
+    device: torch.device,
+    *,
+    root: Optional[nn.Module] = None,
+    mp_policy: Optional[MixedPrecisionPolicy] = None,
+    auto_wrap_policy: AutoWrapPolicy = None,
+    activation_checkpointing: AutoWrapPolicy = None,
+    compile_blocks: bool = False,
+    prefetch_depth: int = 0,
+    sync_module_states: bool = True,
+) -> list[FSDPModule]:
+    """Shard ``module`` onto ``layout`` in place and return its FSDP units (blocks, then the root).
+
+    ``root`` is the module that becomes the FSDP root unit (default: ``module`` itself; the Trainer
+    passes a thin wrapper whose ``forward`` Lightning calls). In order:
+
+    1. every rank takes global rank 0's parameters and buffers (``sync_module_states``), as DDP
+       does, so that all replicas of a shard hold the same values;
+    2. :func:`~lightning_mics.wrapping.shard_model` on the layout's mesh;
+    3. the collectives the layout needs: hierarchical ones for partitions that span nodes, else on
+       gloo a ring reduce-scatter (gloo's own is an all-reduce: twice the bytes);
+    4. a meta-device model is materialised shard by shard (``reset_parameters()``), and the
+       replicas of each shard take the first replica's values.
+
+    A collective: call it on every rank.
+    """
+    root = module if root is None else root
+    if any(isinstance(m, FSDPModule) for m in root.modules()):
+        raise TypeError(
+            "MiCS applies `fully_shard` itself, but the model already contains FSDP2 modules (it called "
+            "`fully_shard`, or it was set up by a MiCS strategy before). Remove the `fully_shard` calls, choose the "
+            "units with `MiCSStrategy(auto_wrap_policy=...)`, and set each model up only once."
+        )
+    on_meta = has_meta_tensors(root)
+    if sync_module_states and not on_meta:
+        broadcast_module_states(root, src=0, device=device if layout.backend == "nccl" else None)
+    units = shard_model(
+        root,
+        layout.fsdp_mesh,
+        policy=auto_wrap_policy,
+        reshard_after_forward=layout.reshard_after_forward,
+        mp_policy=mp_policy,
+        force_sum_reduction=layout.backend == "gloo",
+        activation_checkpointing=activation_checkpointing,
+        compile_blocks=compile_blocks,
+        prefetch_depth=prefetch_depth,
+    )
+    if layout.hierarchical_groups is not None:
+        install_hierarchical_collectives(units, layout.hierarchical_groups)
+    elif layout.backend == "gloo":
+        install_ring_reduce_scatter(units)
+    if on_meta:
+        materialize_meta_module(module, device)
+    root.to(device)  # buffers and anything FSDP did not own
+    if on_meta and sync_module_states:
+        mesh = layout.device_mesh
+        broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None)
+    return units
+
+
+def shard_optimizer_states(
+    optimizers: Iterable[Optimizer], layout: MiCSLayout, loss_scaling: bool
+) -> dict[int, ReplicaShardedOptimizerStates]:
+    """AMSP ``optim > grads``: each optimizer steps on this rank's slice of its partition shard;
+    returns the hook that brackets its steps, by ``id(optimizer)``. Empty in every other layout."""
+    if not layout.shards_optimizer_beyond_partition:
+        return {}
+    if loss_scaling:
+        raise ValueError(
+            "Optimizer-state sharding across replicas does not support precision='16-mixed' (loss scaling); "
+            "use 'bf16-mixed' or keep the optimizer states at the partition degree."
+        )
+    assert layout.optim_groups is not None
+    shard_pg, replica_pg = layout.optim_groups
+    partition_pg = layout.fsdp_mesh.get_group()  # 1-D in this mode: the partition
+    return {
+        id(optimizer): ReplicaShardedOptimizerStates(
+            optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=layout.topology.replication_degree
+        )
+        for optimizer in optimizers
+    }
+
+
+@contextmanager
+def optimizers_in_partition_form(
+    hooks: Mapping[int, ReplicaShardedOptimizerStates], optimizers: Iterable[Optimizer], write_back: bool
+) -> Generator[None, None, None]:
+    """With optimizer states sharded across replicas (AMSP ``optim > grads``), checkpoints see them at
+    the partition degree, as plain MiCS holds them: one checkpoint format for every layout."""
+    with ExitStack() as stack:
+        for optimizer in optimizers:
+            hook = hooks.get(id(optimizer))
+            if hook is not None:
+                stack.enter_context(hook.partition_form(write_back=write_back))
+        yield
+
+
+@contextmanager
+def params_kept_gathered(units: Sequence[FSDPModule], enabled: bool) -> Generator[None, None, None]:
+    """ZeRO-2-like mode (AMSP ``params=1``): keep gathered parameters through non-boundary backwards,
+    so they are all-gathered once per optimizer step instead of once per micro-step. The boundary
+    backward reshards, so the optimizer step updates the shards and the next forward gathers fresh values."""
+    if not enabled:
+        yield
+        return
+    for unit in units:
+        unit.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_backward(True, recurse=False)
+
+
+@contextmanager
+def accumulation_context(units: Sequence[FSDPModule], layout: MiCSLayout) -> Generator[None, None, None]:
+    """The backward of a non-boundary micro-step: reduce-scatter inside the partition only; the
+    cross-replica all-reduce runs once, on the boundary backward (outside this context)."""
+    with defer_cross_replica_sync(units), params_kept_gathered(units, layout.keep_params_within_step):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_ranks_per_node(override: Optional[int], num_processes: int, world_size: int) -> int:
+    """The user's ``ranks_per_node``, else the launcher's announcement, else the devices per node."""
+    if override is not None:
+        return override
+    return detect_ranks_per_node() or num_processes or world_size
+
+
+def limit_intra_op_threads(local_ranks: int) -> None:
+    """Give each rank of this machine an equal share of its cores, before the ranks start.
+
+    Lightning sets ``OMP_NUM_THREADS`` in its launchers only *after* starting the other ranks, so
+    they start with OpenMP's default (every core each): several ranks on few cores then thrash --
+    measured on the main job with partition size 1 (4 ranks, 2 cores): 2,258 ms per step instead of
+    614 ms. A value the user set is kept."""
+    if "OMP_NUM_THREADS" in os.environ or local_ranks < 1:
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # platforms without affinity masks
+        cores = os.cpu_count() or 1
+    threads = max(1, cores // local_ranks)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
