@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import lightning_mics
-from lightning_mics import CollectiveRecorder, MiCSFabricStrategy, MiCSStrategy
+from lightning_mics import CollectiveRecorder, MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.precision import MiCSFabricPrecision
 from lightning_mics.topology import MiCSTopology
 
@@ -51,8 +51,10 @@ UNITS_WITH_GRADS = LAYERS + 1  # one per block, plus the root (embedding/head)
 # ---------------------------------------------------------------------------------------------
 
 
-def launch() -> Fabric:
-    strategy = MiCSFabricStrategy(partition_size=PARTITION, ranks_per_node=RANKS_PER_NODE)
+def launch(**layout: Any) -> Fabric:
+    """A Fabric on the ranks ``run_ranks`` started (default layout: partition 2 of 2 replicas)."""
+    layout = layout or {"partition_size": PARTITION}
+    strategy = MiCSFabricStrategy(ranks_per_node=RANKS_PER_NODE, **layout)
     fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
     fabric.launch()
     return fabric
@@ -87,7 +89,8 @@ def train(
             if recorder is not None:
                 recorder.step = index
             first = (index * cfg.world_size + fabric.global_rank) * cfg.micro_batch
-            batch_tokens, batch_targets = tokens[first : first + cfg.micro_batch], targets[first : first + cfg.micro_batch]
+            mine = slice(first, first + cfg.micro_batch)
+            batch_tokens, batch_targets = tokens[mine], targets[mine]
             if noisy:
                 batch_tokens = batch_tokens.masked_fill(torch.rand(batch_tokens.shape) < 0.3, 0)
             with fabric.no_backward_sync(model, enabled=j < len(window) - 1):
@@ -125,6 +128,20 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     out["full_numel"] = sum(p.numel() for p in model.parameters())
 
+    # 1b. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
+    # replicas (OS=4): clipping and the step run on slices; its checkpoint is plain MiCS's format
+    amsp = launch(sharding=ShardingSpec(params=1, grads=PARTITION, optim=WORLD))
+    model, optimizer = set_up(amsp, ACCUMULATING)
+    out["amsp_optimizer_slices"] = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    train(amsp, model, optimizer, ACCUMULATING, range(3))
+    amsp.save(root / "amsp.ckpt", {"model": model, "optimizer": optimizer})
+    out["amsp_norms"] = train(amsp, model, optimizer, ACCUMULATING, range(3, 6))
+    out["amsp"] = full_parameters(model.module)
+    model, optimizer = set_up(fabric, ACCUMULATING, seed=7)  # plain MiCS resumes the AMSP checkpoint
+    fabric.load(root / "amsp.ckpt", {"model": model, "optimizer": optimizer})
+    train(fabric, model, optimizer, ACCUMULATING, range(3, 6))
+    out["amsp_resumed_by_mics"] = full_parameters(model.module)
+
     # 2. save -> load resumes exactly: model, optimizer (momentum), RNG, the user's entries
     model, optimizer = set_up(fabric, PLAIN)
     train(fabric, model, optimizer, PLAIN, [0, 1], noisy=True)
@@ -135,8 +152,14 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     state = {"model": resumed_model, "optimizer": resumed_optimizer, "step": 0}
     out["remainder"] = fabric.load(root / "fabric.ckpt", state)
     out["restored_step"] = state["step"]
+    out["loaded"] = full_parameters(resumed_model.module)
     train(fabric, resumed_model, resumed_optimizer, PLAIN, [2, 3], noisy=True)
     out["resumed"] = full_parameters(resumed_model.module)
+
+    # fabric.load_raw(path, model): the model's weights alone, from the same checkpoint
+    raw_model, _ = set_up(fabric, PLAIN, seed=9)
+    fabric.load_raw(root / "fabric.ckpt", raw_model)
+    out["raw_loaded"] = full_parameters(raw_model.module)
 
     # a refused load changes nothing: a requested key the checkpoint lacks (strict)
     before = full_parameters(resumed_model.module)
@@ -222,6 +245,19 @@ def test_accumulation_and_clipping_match_single_process_training(runs):
 
 
 @pytest.mark.distributed
+def test_amsp_sharding_spec_matches_single_process_training_and_checkpoints_as_mics(runs):
+    """ShardingSpec(params=1, grads=2, optim=4): each rank steps the optimizer on a quarter of the
+    model; training equals single-process training, clipping sees the global norm, and the
+    checkpoint it wrote mid-run resumes under plain MiCS to the same parameters."""
+    assert_matches_reference([run["amsp"] for run in runs], ACCUMULATING)
+    assert_matches_reference([run["amsp_resumed_by_mics"] for run in runs], ACCUMULATING)
+    _, reference_norms = reference_training(ACCUMULATING)
+    assert runs[0]["amsp_norms"] == pytest.approx(reference_norms[1:], rel=1e-5)
+    trainable = sum(value.numel() for name, value in runs[0]["amsp"].items() if "blocks.1.gate" not in name)
+    assert sum(run["amsp_optimizer_slices"] for run in runs) == trainable
+
+
+@pytest.mark.distributed
 def test_optimizer_created_before_setup_steps_on_the_shards(runs):
     assert all(run["optimizer_holds_shards"] for run in runs)
     for partition in TOPOLOGY.partition_groups:  # the ranks of a partition hold one copy between them
@@ -274,6 +310,7 @@ def test_save_then_load_resumes_exactly(runs):
         assert run["restored_step"] == 2
         assert run["remainder"] == {"note": "hello"}  # the entries not asked for; nothing of the bookkeeping
         assert_same_tensors(run["resumed"], run["uninterrupted"])
+        assert_same_tensors(run["raw_loaded"], run["loaded"])  # fabric.load_raw: the weights alone
 
 
 @pytest.mark.distributed
