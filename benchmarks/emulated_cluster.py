@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightni
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.comm_model import (  # noqa: E402
-    Collective,
+    RingCollective,
     expected_step_bytes,
     fsdp2_unit_numel,
     gloo_wire_bytes,
@@ -194,7 +194,7 @@ def measure_gloo_loopback(cluster: EmulatedCluster, shape: ClusterShape, setup: 
                 )
             result = json.loads(out.decode().strip().splitlines()[-1])
             node_ranks = tuple(range(result["ranks"]))  # node-local ring: every edge is loopback
-            per_call = gloo_wire_bytes(Collective("all_reduce", node_ranks, result["payload_bytes"]),
+            per_call = gloo_wire_bytes(RingCollective("all_reduce", node_ranks, result["payload_bytes"]),
                                        ClusterShape(2, result["ranks"])).intra_node
             rates.append(per_call * result["iterations"] / result["seconds"])
         return sum(rates) / len(rates)

@@ -45,7 +45,7 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import defer_cross_replica_sync
+from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.process_groups import (
@@ -113,6 +113,13 @@ class MiCSStrategy(ParallelStrategy):
             computes (forward and backward), so communication overlaps compute; 0 leaves FSDP's
             implicit prefetching. Assumes blocks run in module order, as transformer layers do.
         compile_blocks: ``torch.compile`` each wrapped block (in place) before sharding.
+        grad_accumulation: how gradients accumulate over ``accumulate_grad_batches`` micro-steps.
+            ``"sharded"`` (MiCS's default): reduce-scatter inside the partition every micro-step,
+            each rank keeps 1/partition of the gradients -- least memory. ``"unsharded"``: keep
+            the full gradients until the boundary, then reduce-scatter once -- one reduce-scatter
+            per optimizer step instead of one per micro-step, for the memory of a full gradient.
+            Both all-reduce across replicas once per optimizer step. ``"auto"``: the planner picks
+            the faster mode that fits memory (with ``partition_size="auto"``: both together).
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -144,6 +151,7 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Optional[ShardingSpec] = None,
+        grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -203,6 +211,12 @@ class MiCSStrategy(ParallelStrategy):
         if hierarchical not in (True, False, "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
         self.hierarchical = hierarchical
+        check_grad_accumulation(grad_accumulation, allow_auto=True)
+        self.grad_accumulation_spec = grad_accumulation
+        #: the mode in use: ``grad_accumulation``, or the planner's choice for ``"auto"`` (after setup)
+        self.grad_accumulation: Optional[GradAccumulation] = None if grad_accumulation == "auto" else grad_accumulation
+        #: why the planner chose the layout, for the layout log (``"auto"`` settings only)
+        self._planner_reason: Optional[str] = None
         self._hierarchical_groups: Optional[HierarchicalGroups] = None
         # AMSP per-state sharding (see `sharding`): optimizer-state degree beyond the partition,
         # and whether gathered parameters stay unsharded across the micro-steps of one step.
@@ -370,8 +384,8 @@ class MiCSStrategy(ParallelStrategy):
             self.reshard_after_forward = degrees.reshard_after_forward
             self._optim_degree = degrees.optim
             self._keep_params_within_step = degrees.params == 1 and degrees.grads > 1
-        if self.partition_size_spec == "auto":
-            self.partition_size_spec = self._plan_partition_size(ranks_per_node)
+        if self.partition_size_spec == "auto" or self.grad_accumulation_spec == "auto":
+            self._plan_layout(ranks_per_node)
         self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
         check_reshard_group(self.reshard_after_forward, self._topology.partition_size)
         self._device_mesh = self._build_mesh(self._topology)
@@ -382,23 +396,36 @@ class MiCSStrategy(ParallelStrategy):
                 self._topology, self.global_rank, timeout=self._timeout
             )
 
-    def _plan_partition_size(self, ranks_per_node: int) -> int:
-        """``partition_size="auto"``: the planner's fastest layout that fits this model in memory."""
-        from lightning_mics.planner import plan_partition_size_for
+    def _plan_layout(self, ranks_per_node: int) -> None:
+        """``partition_size="auto"`` and/or ``grad_accumulation="auto"``: the planner's fastest layout
+        that fits this model in memory (an explicit setting of either stays as given)."""
+        from lightning_mics.planner import plan_layout_for
 
         assert self.lightning_module is not None
         trainer = getattr(self.lightning_module, "_trainer", None)
-        size = plan_partition_size_for(
+        fixed_size = None
+        if self.partition_size_spec != "auto":
+            fixed_size = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec).partition_size
+        choice = plan_layout_for(
             self.lightning_module,
             self.world_size,
             ranks_per_node,
             self.root_device,
             precision=self.precision_plugin.precision,
             accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+            partition_size=fixed_size,
+            grad_accumulation=self.grad_accumulation_spec,
         )
+        self.partition_size_spec = choice.partition_size
+        self.grad_accumulation = choice.grad_accumulation
+        self._planner_reason = choice.reason
         if self.is_global_zero:
-            log.info("partition_size='auto': the planner chose %d", size)
-        return size
+            log.info(
+                "planner chose partition_size=%d, grad_accumulation=%s (%s)",
+                choice.partition_size,
+                choice.grad_accumulation,
+                choice.reason,
+            )
 
     def _ranks_per_node(self) -> int:
         if self.ranks_per_node_override is not None:
@@ -564,6 +591,8 @@ class MiCSStrategy(ParallelStrategy):
             f"  hierarchical collectives: {'on' if self._hierarchical_groups is not None else 'off'}; "
             f"reshard after forward: {self.reshard_after_forward}"
             + ("; params kept gathered within a step" if self._keep_params_within_step else ""),
+            f"  grad accumulation: {self.grad_accumulation}"
+            + (f" -- {self._planner_reason}" if self._planner_reason else ""),
         ]
         log.info("\n".join(lines))
 
@@ -571,9 +600,11 @@ class MiCSStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-boundary micro-steps: reduce-scatter inside the partition only; the cross-replica
+        """Non-boundary micro-steps: ``grad_accumulation="sharded"`` reduce-scatters inside the
+        partition only, ``"unsharded"`` keeps full gradients; either way the cross-replica
         all-reduce runs once, on the boundary backward."""
-        with defer_cross_replica_sync(self._fsdp_units), self._params_kept_gathered():
+        assert self.grad_accumulation is not None
+        with defer_gradient_sync(self._fsdp_units, self.grad_accumulation), self._params_kept_gathered():
             yield None
 
     @contextmanager

@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not
 
 from benchmarks import emulated_cluster  # noqa: E402
 from benchmarks.comm_model import (  # noqa: E402
-    Collective,
+    RingCollective,
     expected_step_bytes,
     fsdp1_unit_numel,
     fsdp2_unit_numel,
@@ -39,7 +39,7 @@ def spec(name: str):
 
 # ------------------------------------------------------------------------------------ wire bytes
 def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
-    wire = gloo_wire_bytes(Collective("all_reduce", tuple(range(8)), MB), CLUSTER)
+    wire = gloo_wire_bytes(RingCollective("all_reduce", tuple(range(8)), MB), CLUSTER)
     per_edge = 2 * 7 / 8 * MB
     assert wire.inter_node == pytest.approx(2 * per_edge)  # edges 3-4 and 7-0
     assert wire.intra_node == pytest.approx(6 * per_edge)
@@ -47,14 +47,14 @@ def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
 
 def test_all_gather_and_reduce_scatter_shares() -> None:
     pair = (0, 4)  # same local index on both nodes: both ring edges cross
-    assert gloo_wire_bytes(Collective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
+    assert gloo_wire_bytes(RingCollective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
     # our ring reduce-scatter moves what an all-gather does; gloo's own all-reduces the whole input
-    ring = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3), CLUSTER)
+    ring = gloo_wire_bytes(RingCollective("reduce_scatter", pair, MB, count=3), CLUSTER)
     assert ring.inter_node == pytest.approx(3 * MB)
-    native = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3, via_all_reduce=True), CLUSTER)
+    native = gloo_wire_bytes(RingCollective("reduce_scatter", pair, MB, count=3, via_all_reduce=True), CLUSTER)
     assert native.inter_node == pytest.approx(3 * 2 * MB)
-    assert gloo_wire_bytes(Collective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
-    assert gloo_wire_bytes(Collective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
+    assert gloo_wire_bytes(RingCollective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
+    assert gloo_wire_bytes(RingCollective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
 
 
 # ------------------------------------------------------------------------------------ schedules
@@ -84,6 +84,19 @@ def test_gradients_held_during_accumulation() -> None:
     full = gradient_bytes_held_during_accumulation(spec("replicate"), CLUSTER, SETUP)
     assert gradient_bytes_held_during_accumulation(spec("mics"), CLUSTER, SETUP) == pytest.approx(full / 4, rel=0.1)
     assert gradient_bytes_held_during_accumulation(spec("fsdp-hybrid"), CLUSTER, SETUP) == pytest.approx(full, rel=0.1)
+    assert gradient_bytes_held_during_accumulation(spec("mics-unsharded"), CLUSTER, SETUP) == pytest.approx(full, rel=0.1)
+
+
+def test_unsharded_accumulation_reduce_scatters_once_per_step() -> None:
+    sharded = expected_step_bytes(spec("mics"), CLUSTER, SETUP)
+    unsharded = expected_step_bytes(spec("mics-unsharded"), CLUSTER, SETUP)
+    assert unsharded.inter_node == pytest.approx(sharded.inter_node)  # the same boundary all-reduce
+    scatters = {
+        name: sum(c.count for c in step_collectives(spec(name), CLUSTER, SETUP) if c.kind == "reduce_scatter")
+        for name in ("mics", "mics-unsharded")
+    }
+    assert scatters["mics"] == SETUP.accumulate * scatters["mics-unsharded"]
+    assert unsharded.intra_node < sharded.intra_node
 
 
 def test_strategy_selection() -> None:
