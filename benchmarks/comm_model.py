@@ -11,6 +11,9 @@ Two layers, both pure arithmetic:
    non-boundary micro-steps (``block_backward_sync`` treats any model with a ``no_sync`` method like
    DDP), so gradients accumulate *unsharded* and the reduce-scatter runs once, at the boundary --
    MiCS's ``grad_accumulation="unsharded"`` -- only its units are flat parameters, padded its way.
+   DDP is partition size 1 (nothing gathered or scattered; one all-reduce of every gradient across
+   the world per optimizer step under ``no_sync``); its gradient buckets change the number of
+   calls, not the bytes.
 
 2. **Wire bytes** -- how gloo moves each collective over TCP (``ProcessGroupGloo`` in torch 2.x):
 
@@ -204,6 +207,8 @@ def gradient_bytes_held_during_accumulation(spec: StrategySpec, cluster: Cluster
     FSDP1 under Lightning's ``no_sync`` -- keeps the full gradient (FSDP1: padded flat parameters)."""
     if spec.family == "fsdp1":
         return sum(fsdp1_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) * 4
+    if spec.family == "ddp":
+        return sum(fsdp2_unit_numel(u, 1) for u in gpt_fsdp_units(setup.model)) * 4
     if spec.grad_accumulation == "unsharded" and spec.partition_size > 1:
         return sum(fsdp2_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) * 4
     return sum(fsdp2_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) // spec.partition_size * 4

@@ -40,7 +40,7 @@ torch.set_num_interop_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.strategies import FSDPStrategy, Strategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: E402
@@ -110,6 +110,8 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
             process_group_backend="gloo",
             grad_accumulation=spec.grad_accumulation,
         )
+    if spec.family == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
     common: dict[str, Any] = dict(auto_wrap_policy={Block}, process_group_backend="gloo")
     if spec.sharding_strategy == "HYBRID_SHARD":
         mesh = (spec.replication_degree(cluster), spec.partition_size)

@@ -11,8 +11,9 @@ from typing import Any, Literal, Optional
 from examples.models import GPTConfig
 from lightning_mics.topology import MiCSTopology
 
-#: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``.
-Family = Literal["mics", "fsdp1"]
+#: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``;
+#: ``ddp``: Lightning's ``DDPStrategy`` (torch DDP: gradient buckets, ``no_sync`` while accumulating).
+Family = Literal["mics", "fsdp1", "ddp"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                      description="Lightning FSDPStrategy HYBRID_SHARD, shard group = one node"),
         StrategySpec("fsdp-full", "fsdp1", world, sharding_strategy="FULL_SHARD",
                      description="Lightning FSDPStrategy FULL_SHARD (shard over all ranks)"),
+        StrategySpec("ddp", "ddp", 1, description="Lightning DDPStrategy (gradient buckets, no_sync while accumulating)"),
     ]
     for spec in specs:  # the same layout rules as the strategy itself
         MiCSTopology.create(world, m, spec.partition_size)

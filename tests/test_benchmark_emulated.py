@@ -119,7 +119,7 @@ def test_quick_defaults_and_overrides() -> None:
     [
         (["--nodes", "1"], "--nodes must be an int >= 2"),
         (["--accumulate", "0"], "accumulate must be a positive int"),
-        (["--strategies", "mics,ddp"], "Unknown strategy name"),
+        (["--strategies", "mics,horovod"], "Unknown strategy name"),
         (["--bandwidth-ratio", "0"], "--bandwidth-ratio must be positive"),
         (["--heads", "5"], "divisible by n_heads"),
         (["--steps", "100000"], "Use fewer steps"),
