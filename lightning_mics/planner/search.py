@@ -80,8 +80,10 @@ class LayoutChoice:
     reason: str
 
 
-def _accumulation_reason(result: Plan, winner: LayoutEstimate) -> str:
+def _accumulation_reason(result: Plan, winner: LayoutEstimate, requested: str) -> str:
     """Why the winner's accumulation mode beats the other mode of the same layout."""
+    if requested != "auto":
+        return f"grad_accumulation={winner.grad_accumulation} as configured"
     other_mode = "unsharded" if winner.grad_accumulation == "sharded" else "sharded"
     other = next(
         (
@@ -162,7 +164,7 @@ def choose_layout(
         partition_size=winner.layout.partition_size,
         grad_accumulation=winner.grad_accumulation,
         estimate=winner,
-        reason=_accumulation_reason(result, winner),
+        reason=_accumulation_reason(result, winner, grad_accumulation),
     )
 
 
