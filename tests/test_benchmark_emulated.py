@@ -173,3 +173,36 @@ def test_tables_show_failures_with_their_reason() -> None:
     text = emulated_cluster.format_table([ok, failed])
     assert "+1.0%" in text and "failed*" in text and "* fsdp-full: failed: timed out" in text
     assert "| fsdp-full | 8 | - | failed: timed out |" in emulated_cluster.format_markdown([ok, failed])
+
+
+# ------------------------------------------------------------------------------------ profile breakdown
+def test_profile_breakdown_puts_each_sample_under_the_frame_nearest_the_leaf(tmp_path: Path) -> None:
+    from benchmarks import profile_breakdown
+
+    raw = tmp_path / "mics.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                "fit (trainer.py:1);training_step (gpt.py:5);forward (gpt.py:9) 6",
+                "fit (trainer.py:1);backward (tensor.py:2);_engine_run_backward (graph.py:3) 3",
+                # a collective inside FSDP's copy-out is the collective's time
+                "fit (trainer.py:1);foreach_all_gather_copy_out (c.py:4);all_gather_into_tensor (d.py:5) 5",
+                "fit (trainer.py:1);backward (tensor.py:2);__call__ (collectives.py:7);ring_reduce_scatter (collectives.py:9) 4",
+                "<module> (worker.py:1) 2",
+            ]
+        )
+    )
+    table = profile_breakdown.breakdown(profile_breakdown.read_samples(raw))
+    assert table == pytest.approx(
+        {
+            "forward compute": 0.3,
+            "all-gather": 0.25,
+            "ring reduce-scatter (ours, gloo send/recv)": 0.2,
+            "backward compute (autograd)": 0.15,
+            "other (Lightning loop, data, start-up)": 0.1,
+        }
+    )
+    assert "| forward compute | 30% |" in profile_breakdown.markdown({"mics": table})
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert profile_breakdown.main([str(empty)]) == 2
