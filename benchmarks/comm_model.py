@@ -3,20 +3,17 @@ cross node links (what the emulated NICs' counters see) and the bytes that stay 
 
 Two layers, both pure arithmetic:
 
-1. **Schedule** -- which collectives one optimizer step issues, on which group, with which payload,
-   derived from the model's FSDP units (parameter shapes from a meta-device :class:`GPT`) and the
-   strategy's layout. It follows what FSDP2 (MiCS) and FSDP1 (Lightning's ``FSDPStrategy``) do:
-
-   * FSDP2 / MiCS, per micro-step: one all-gather per unit for forward and one more for backward
-     for units that reshard after forward (all but the root), one reduce-scatter per unit, all on
-     the partition group; at the accumulation boundary only, one all-reduce of each unit's gradient
-     shard across the replication group. With ``partition_size == 1`` FSDP2 issues no all-gather or
-     reduce-scatter. Hierarchical mode replaces each partition all-gather / reduce-scatter by the
-     two stages of :mod:`lightning_mics.collectives`.
-   * FSDP1 under Lightning's Trainer: the same all-gathers, but Lightning enters FSDP1's
-     ``no_sync()`` on non-boundary micro-steps (``block_backward_sync`` treats any model with a
-     ``no_sync`` method like DDP). Gradients then accumulate *unsharded* -- full size on every
-     rank -- and the reduce-scatter (and ``HYBRID_SHARD``'s all-reduce) run once, at the boundary.
+1. **Schedule** -- which collectives one optimizer step issues, on which group, with which payload:
+   the library's own :func:`lightning_mics.schedule.step_schedule` (the one the planner prices and
+   telemetry checks), fed the model's FSDP units (parameter shapes from a meta-device :class:`GPT`),
+   with each group role mapped to the concrete ranks of every group of that role. FSDP1 under
+   Lightning's Trainer fits the same schedule: Lightning enters FSDP1's ``no_sync()`` on
+   non-boundary micro-steps (``block_backward_sync`` treats any model with a ``no_sync`` method like
+   DDP), so gradients accumulate *unsharded* and the reduce-scatter runs once, at the boundary --
+   MiCS's ``grad_accumulation="unsharded"`` -- only its units are flat parameters, padded its way.
+   DDP is partition size 1 (nothing gathered or scattered; one all-reduce of every gradient across
+   the world per optimizer step under ``no_sync``); its gradient buckets change the number of
+   calls, not the bytes.
 
 2. **Wire bytes** -- how gloo moves each collective over TCP (``ProcessGroupGloo`` in torch 2.x):
 
@@ -40,26 +37,24 @@ sit slightly above these numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
 from examples.models import GPT, GPTConfig
+from lightning_mics.schedule import CollectiveKind, StepLayout, UnitSize, step_schedule
 from lightning_mics.telemetry import UnitShapes, padded_numel
 from lightning_mics.topology import MiCSTopology
-
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 #: FSDP1 with ``use_orig_params=True`` (Lightning's default) starts every parameter at a 16-byte boundary.
 FSDP1_ALIGNMENT_BYTES = 16
 
 
 @dataclass(frozen=True)
-class Collective:
-    """``count`` identical collectives on the group ``ranks`` (in ring order), each carrying
+class RingCollective:
+    """``count`` identical collectives on the concrete group ``ranks`` (in ring order), each carrying
     ``payload_bytes``: the gathered output, the pre-scatter input, or the all-reduced buffer."""
 
     kind: CollectiveKind
@@ -93,7 +88,7 @@ _RING_EDGE_SHARE = {
 }
 
 
-def gloo_wire_bytes(collective: Collective, cluster: ClusterShape) -> WireBytes:
+def gloo_wire_bytes(collective: RingCollective, cluster: ClusterShape) -> WireBytes:
     """Bytes that gloo's ring algorithm for ``collective`` puts on node links and on loopback."""
     ranks = collective.ranks
     n = len(ranks)
@@ -106,7 +101,7 @@ def gloo_wire_bytes(collective: Collective, cluster: ClusterShape) -> WireBytes:
     return WireBytes(crossing * per_edge, (n - crossing) * per_edge).scaled(collective.count)
 
 
-def total_wire_bytes(collectives: Iterable[Collective], cluster: ClusterShape) -> WireBytes:
+def total_wire_bytes(collectives: Iterable[RingCollective], cluster: ClusterShape) -> WireBytes:
     total = WireBytes()
     for collective in collectives:
         total = total + gloo_wire_bytes(collective, cluster)
@@ -153,57 +148,51 @@ def fsdp1_unit_numel(unit: UnitShapes, shard_size: int, element_bytes: int = 4) 
 
 
 # ------------------------------------------------------------------------------------ schedules
-def _partition_collective(
-    kind: Literal["all_gather", "reduce_scatter"],
-    partition: Sequence[int],
-    payload_bytes: int,
-    count: int,
-    topology: MiCSTopology,
-    hierarchical: bool,
-    via_all_reduce: bool = False,
-) -> list[Collective]:
-    """One all-gather / reduce-scatter over ``partition``, flat or in MiCS's two stages
-    (:class:`~lightning_mics.collectives.HierarchicalAllGather` / ``HierarchicalReduceScatter``).
-    ``via_all_reduce``: a flat reduce-scatter by gloo's own algorithm (FSDP1)."""
-    if not hierarchical:
-        return [Collective(kind, tuple(partition), payload_bytes, count, via_all_reduce and kind == "reduce_scatter")]
+def _groups_of_role(role: str, topology: MiCSTopology) -> list[tuple[int, ...]]:
+    """Every group of a :data:`~lightning_mics.schedule.GroupRole`, as concrete ranks in ring order."""
     m = topology.ranks_per_node
-    per_local_index = payload_bytes // m  # the k shards of one local index: k * shard bytes
-    node_groups = [tuple(partition[i : i + m]) for i in range(0, len(partition), m)]
-    peer_groups = [tuple(partition[local::m]) for local in range(m)]
-    # All-gather: across nodes first (k * n per peer group), then inside each node (the whole buffer).
-    # Reduce-scatter: inside each node on the whole buffer first, then across nodes on k * n.
-    across = [Collective(kind, g, per_local_index, count) for g in peer_groups]
-    within = [Collective(kind, g, payload_bytes, count) for g in node_groups]
-    return across + within if kind == "all_gather" else within + across
+    if role == "partition":
+        return [tuple(g) for g in topology.partition_groups]
+    if role == "partition_across_nodes":  # same-local-rank peers of each partition
+        return [tuple(g[local::m]) for g in topology.partition_groups for local in range(m)]
+    if role == "partition_within_node":
+        return [tuple(g[i : i + m]) for g in topology.partition_groups for i in range(0, len(g), m)]
+    if role == "replication":
+        return [tuple(g) for g in topology.replication_groups]
+    raise ValueError(f"The benchmark runs no layout with {role!r} collectives (hpZ / AMSP optimizer sharding).")
 
 
 def step_collectives(
     spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, element_bytes: int = 4
-) -> list[Collective]:
+) -> list[RingCollective]:
     """Every collective (on every group) of one optimizer step of ``spec``; fp32 throughout."""
     topology = MiCSTopology.create(cluster.world_size, cluster.ranks_per_node, spec.partition_size)
-    p, accumulate = topology.partition_size, setup.accumulate
-    hierarchical = bool(spec.hierarchical) and topology.spans_nodes
-    # MiCS reduce-scatters every micro-step (sharded gradients); FSDP1 under no_sync only at the boundary.
-    reduce_scatters = accumulate if spec.family == "mics" else 1
-    numel = fsdp1_unit_numel if spec.family == "fsdp1" else fsdp2_unit_numel
-    collectives: list[Collective] = []
-    for unit in gpt_fsdp_units(setup.model):
-        unit_bytes = numel(unit, p) * element_bytes
-        gathers = 2 if unit.reshard_after_forward else 1
-        if p > 1:
-            for partition in topology.partition_groups:
-                collectives += _partition_collective(
-                    "all_gather", partition, unit_bytes, gathers * accumulate, topology, hierarchical
+    p, fsdp1 = topology.partition_size, spec.family == "fsdp1"
+    numel = fsdp1_unit_numel if fsdp1 else fsdp2_unit_numel
+    units = [
+        UnitSize(numel(unit, p), numel(unit, p), unit.reshard_after_forward) for unit in gpt_fsdp_units(setup.model)
+    ]
+    layout = StepLayout(
+        partition_size=p,
+        world_size=cluster.world_size,
+        accumulation=setup.accumulate,
+        grad_accumulation="unsharded" if fsdp1 else spec.grad_accumulation,
+        hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
+        gather_bytes=element_bytes,
+        reduce_bytes=element_bytes,
+    )
+    collectives: list[RingCollective] = []
+    for entry in step_schedule(units, layout):
+        for ranks in _groups_of_role(entry.group, topology):
+            collectives.append(
+                RingCollective(
+                    entry.kind,
+                    ranks,
+                    int(entry.payload_bytes),
+                    entry.calls_per_step(setup.accumulate),
+                    via_all_reduce=fsdp1 and entry.kind == "reduce_scatter",  # gloo's own: an all-reduce
                 )
-                collectives += _partition_collective(
-                    "reduce_scatter", partition, unit_bytes, reduce_scatters, topology, hierarchical,
-                    via_all_reduce=spec.family == "fsdp1",
-                )
-        if topology.replication_degree > 1:  # once per optimizer step, at the boundary
-            for group in topology.replication_groups:
-                collectives.append(Collective("all_reduce", group, unit_bytes // p))
+            )
     return collectives
 
 
@@ -213,9 +202,13 @@ def expected_step_bytes(spec: StrategySpec, cluster: ClusterShape, setup: Traini
 
 
 def gradient_bytes_held_during_accumulation(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup) -> int:
-    """Gradient bytes one rank keeps between micro-steps: MiCS (FSDP2) keeps its reduce-scattered
-    shard, ``1 / partition_size`` of the model; FSDP1 under Lightning's ``no_sync`` keeps the full,
-    unsharded gradient (padded flat parameters) whatever its sharding."""
+    """Gradient bytes one rank keeps between micro-steps: MiCS (FSDP2) with sharded accumulation keeps
+    its reduce-scattered shard, ``1 / partition_size`` of the model; unsharded accumulation -- and
+    FSDP1 under Lightning's ``no_sync`` -- keeps the full gradient (FSDP1: padded flat parameters)."""
     if spec.family == "fsdp1":
         return sum(fsdp1_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) * 4
+    if spec.family == "ddp":
+        return sum(fsdp2_unit_numel(u, 1) for u in gpt_fsdp_units(setup.model)) * 4
+    if spec.grad_accumulation == "unsharded" and spec.partition_size > 1:
+        return sum(fsdp2_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) * 4
     return sum(fsdp2_unit_numel(u, spec.partition_size) for u in gpt_fsdp_units(setup.model)) // spec.partition_size * 4

@@ -131,7 +131,7 @@ def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, trai
         model,
         training,
         hierarchical=bool(record.get("hierarchical")),
-        reduce_every_micro_step=not fsdp1,
+        grad_accumulation="unsharded" if fsdp1 else record.get("grad_accumulation", "sharded"),
     )
 
 

@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `lightni
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.comm_model import (  # noqa: E402
-    Collective,
+    RingCollective,
     expected_step_bytes,
     fsdp2_unit_numel,
     gloo_wire_bytes,
@@ -93,6 +93,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000, cloud jumbo frames)")
     parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="sample rank 0 of every strategy with py-spy (pip install py-spy) into DIR/<strategy>.txt "
+        "(collapsed stacks, with idle time); summarise with benchmarks/profile_breakdown.py",
+    )
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
@@ -194,7 +200,7 @@ def measure_gloo_loopback(cluster: EmulatedCluster, shape: ClusterShape, setup: 
                 )
             result = json.loads(out.decode().strip().splitlines()[-1])
             node_ranks = tuple(range(result["ranks"]))  # node-local ring: every edge is loopback
-            per_call = gloo_wire_bytes(Collective("all_reduce", node_ranks, result["payload_bytes"]),
+            per_call = gloo_wire_bytes(RingCollective("all_reduce", node_ranks, result["payload_bytes"]),
                                        ClusterShape(2, result["ranks"])).intra_node
             rates.append(per_call * result["iterations"] / result["seconds"])
         return sum(rates) / len(rates)
@@ -238,6 +244,11 @@ def run_strategy(
             argv = [sys.executable, "-m", "benchmarks.emulated_worker", "--job", str(job)]
             if rank == 0:
                 argv += ["--output", str(output)]
+                if args.profile_dir is not None:
+                    args.profile_dir.mkdir(parents=True, exist_ok=True)
+                    profile = args.profile_dir / f"{spec.name}.txt"
+                    argv = ["py-spy", "record", "--idle", "--rate", "100", "--format", "raw", "-o", str(profile),
+                            "--", *argv]
             with log.open("wb") as log_file:
                 procs.append((rank, cluster.spawn(node, argv, env=env, stdout=log_file, stderr=subprocess.STDOUT), log))
         failure = _wait_all(procs, started + args.run_timeout)

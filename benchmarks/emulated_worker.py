@@ -40,7 +40,7 @@ torch.set_num_interop_threads(1)
 import lightning.pytorch as pl  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.strategies import FSDPStrategy, Strategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: E402
@@ -108,7 +108,10 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
             ranks_per_node=cluster.ranks_per_node,
             hierarchical=bool(spec.hierarchical),
             process_group_backend="gloo",
+            grad_accumulation=spec.grad_accumulation,
         )
+    if spec.family == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
     common: dict[str, Any] = dict(auto_wrap_policy={Block}, process_group_backend="gloo")
     if spec.sharding_strategy == "HYBRID_SHARD":
         mesh = (spec.replication_degree(cluster), spec.partition_size)
@@ -139,6 +142,11 @@ def held_gradient_bytes(module: nn.Module) -> int:
             partial = getattr(group, "_partial_reduce_output", None)
             if isinstance(partial, torch.Tensor):
                 storages[partial.untyped_storage().data_ptr()] = partial.untyped_storage().nbytes()
+            for fsdp_param in getattr(group, "fsdp_params", ()):  # unsharded accumulation's full gradients
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                for grad in (getattr(unsharded, "grad", None), getattr(fsdp_param, "unsharded_accumulated_grad", None)):
+                    if isinstance(grad, torch.Tensor):
+                        storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
     return sum(storages.values())
 
 
@@ -207,6 +215,7 @@ def summarize(
         "partition_size": spec.partition_size,
         "hierarchical": spec.hierarchical,
         "sharding_strategy": spec.sharding_strategy,
+        "grad_accumulation": spec.grad_accumulation,
         "status": "ok",
         "step_time_s": step_time,
         "step_times_s": step_times,

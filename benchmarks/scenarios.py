@@ -11,8 +11,9 @@ from typing import Any, Literal, Optional
 from examples.models import GPTConfig
 from lightning_mics.topology import MiCSTopology
 
-#: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``.
-Family = Literal["mics", "fsdp1"]
+#: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``;
+#: ``ddp``: Lightning's ``DDPStrategy`` (torch DDP: gradient buckets, ``no_sync`` while accumulating).
+Family = Literal["mics", "fsdp1", "ddp"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class StrategySpec:
         partition_size: ranks sharding one copy of the model states (FSDP1: the shard-group size).
         hierarchical: MiCS two-stage collectives for partitions spanning nodes (``None`` for FSDP1).
         sharding_strategy: FSDP1's ``ShardingStrategy`` name (``None`` for MiCS).
+        grad_accumulation: MiCS's accumulation mode (``"sharded"`` / ``"unsharded"``); FSDP1 rows
+            accumulate unsharded under Lightning's ``no_sync`` whatever this says.
     """
 
     name: str
@@ -56,6 +59,7 @@ class StrategySpec:
     hierarchical: Optional[bool] = None
     sharding_strategy: Optional[str] = None
     description: str = ""
+    grad_accumulation: str = "sharded"
 
     def replication_degree(self, cluster: ClusterShape) -> int:
         return cluster.world_size // self.partition_size
@@ -78,7 +82,11 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
     partition does not divide the world and those two rows are left out.
     """
     m, world = cluster.ranks_per_node, cluster.world_size
-    specs = [StrategySpec("mics", "mics", m, hierarchical=False, description="MiCS, partition = one node")]
+    specs = [
+        StrategySpec("mics", "mics", m, hierarchical=False, description="MiCS, partition = one node"),
+        StrategySpec("mics-unsharded", "mics", m, hierarchical=False, grad_accumulation="unsharded",
+                     description="MiCS, partition = one node, gradients accumulated unsharded"),
+    ]
     if cluster.num_nodes % 2 == 0:
         specs += [
             StrategySpec("mics-2node-hier", "mics", 2 * m, hierarchical=True,
@@ -93,6 +101,7 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                      description="Lightning FSDPStrategy HYBRID_SHARD, shard group = one node"),
         StrategySpec("fsdp-full", "fsdp1", world, sharding_strategy="FULL_SHARD",
                      description="Lightning FSDPStrategy FULL_SHARD (shard over all ranks)"),
+        StrategySpec("ddp", "ddp", 1, description="Lightning DDPStrategy (gradient buckets, no_sync while accumulating)"),
     ]
     for spec in specs:  # the same layout rules as the strategy itself
         MiCSTopology.create(world, m, spec.partition_size)

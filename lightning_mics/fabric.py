@@ -12,6 +12,7 @@ Fabric                                        MiCS
 ``fabric.setup(model, optimizer)``            ``shard_module``; the optimizer is pointed at the shards
 ``fabric.no_backward_sync(model, enabled)``   hop 1 only: reduce-scatter in the partition, the
                                               cross-replica all-reduce waits for the boundary backward
+                                              (``grad_accumulation="unsharded"``: neither hop)
 ``fabric.clip_gradients(..., max_norm=)``     the global norm of the sharded gradients
 ``fabric.save`` / ``fabric.load``             the sharded checkpoint directory the Trainer writes/reads
 ============================================  ==========================================================
@@ -51,12 +52,13 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
-from lightning_mics.grad_sync import clip_grad_norm_, fsdp_units
+from lightning_mics.grad_sync import GradAccumulation, clip_grad_norm_, fsdp_units
 from lightning_mics.layout import (
     MiCSLayout,
     accumulation_context,
     check_layout,
     create_layout,
+    layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
     resolve_ranks_per_node,
@@ -89,7 +91,9 @@ class MiCSStrategy(ParallelStrategy):
     Options are the Trainer strategy's (:class:`lightning_mics.MiCSStrategy`), minus what Fabric has
     no place for (``async_save``: Fabric ends a script without a teardown that could wait for a
     background save). ``partition_size="auto"`` is planned when the first model is set up, for an
-    accumulation of 1 (Fabric does not know yours).
+    accumulation of 1 (Fabric does not know yours); for the same reason ``grad_accumulation`` is
+    ``"sharded"`` or ``"unsharded"``, not ``"auto"``. It applies to the backwards run inside
+    ``fabric.no_backward_sync(model, enabled=True)``.
 
     Usage::
 
@@ -111,8 +115,8 @@ class MiCSStrategy(ParallelStrategy):
 
     Args:
         partition_size, ranks_per_node, auto_wrap_policy, reshard_after_forward, hierarchical, sharding,
-        activation_checkpointing_policy, prefetch_depth, compile_blocks, process_group_backend, timeout,
-        save_full_state_dict, sync_module_states, checkpoint_verify: as for the Trainer strategy.
+        grad_accumulation, activation_checkpointing_policy, prefetch_depth, compile_blocks, process_group_backend,
+        timeout, save_full_state_dict, sync_module_states, checkpoint_verify: as for the Trainer strategy.
         accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
     """
 
@@ -126,6 +130,7 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Optional[ShardingSpec] = None,
+        grad_accumulation: GradAccumulation = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -151,12 +156,21 @@ class MiCSStrategy(ParallelStrategy):
             auto_wrap_policy=auto_wrap_policy,
             reshard_after_forward=reshard_after_forward,
             sharding=sharding,
+            grad_accumulation=grad_accumulation,
             activation_checkpointing_policy=activation_checkpointing_policy,
             prefetch_depth=prefetch_depth,
             hierarchical=hierarchical,
             timeout=timeout,
             checkpoint_verify=checkpoint_verify,
         )
+        if grad_accumulation == "auto":
+            raise ValueError(
+                "grad_accumulation='auto' needs the number of micro-steps per optimizer step, which Fabric does not "
+                "know: choose 'sharded' (reduce-scatter every micro-step, least memory) or 'unsharded' (one "
+                "reduce-scatter per optimizer step); lightning_mics.planner.choose_layout(..., training=TrainingSpec("
+                "accumulation=...), grad_accumulation='auto') compares them for yours."
+            )
+        self.grad_accumulation: GradAccumulation = grad_accumulation
         self.partition_size_spec = partition_size
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
@@ -290,20 +304,19 @@ class MiCSStrategy(ParallelStrategy):
             self._layout = self._create_layout(None)
 
     def _create_layout(self, module: Optional[nn.Module]) -> MiCSLayout:
-        """The layout, collectively; ``module`` is what ``partition_size="auto"`` plans for."""
-
-        def plan(ranks_per_node: int) -> int:
-            from lightning_mics.planner import plan_partition_size_for
-
-            assert module is not None
-            size = plan_partition_size_for(
-                module, self.world_size, ranks_per_node, self.root_device, precision=self.precision.precision
-            )
-            if self.is_global_zero:
-                log.info("partition_size='auto': the planner chose %d", size)
-            return size
-
+        """The layout, collectively; ``module`` is what ``partition_size="auto"`` plans for (for an
+        accumulation of 1: Fabric does not know the user's)."""
         assert self._process_group_backend is not None, "setup_environment() runs first"
+        plan = None
+        if module is not None:
+            plan = layout_planner(
+                module,
+                world_size=self.world_size,
+                device=self.root_device,
+                precision=self.precision.precision,
+                accumulation=1,
+                log=log if self.is_global_zero else None,
+            )
         return create_layout(
             world_size=self.world_size,
             rank=self.global_rank,
@@ -315,7 +328,8 @@ class MiCSStrategy(ParallelStrategy):
             device_type=self.root_device.type,
             backend=self._process_group_backend,
             timeout=self._timeout,
-            plan_partition_size=plan if module is not None else None,
+            grad_accumulation=self.grad_accumulation,
+            plan_layout=plan,
         )
 
     # ------------------------------------------------------------------ models and optimizers

@@ -12,6 +12,14 @@ The sum is the same as plain data parallel training, so results match single-pro
 FSDP2 implements both hops for a 2-D (replicate, shard) mesh; what it needs from us is to turn the
 second hop off on non-boundary micro-steps (``set_requires_all_reduce(False)``), in which case it
 keeps the reduce-scattered partial sum internally and adds it in at the boundary.
+
+**Accumulation modes.** The above is ``grad_accumulation="sharded"``, MiCS's default: gradients
+are sharded from the first micro-step, the least memory. ``"unsharded"`` trades memory for
+communication: non-boundary micro-steps skip *both* hops (``set_requires_gradient_sync(False)``),
+every rank accumulates the full, unsharded gradient of each unit, and the boundary backward
+reduce-scatters once inside the partition and all-reduces once across replicas -- one
+reduce-scatter per optimizer step instead of one per micro-step (what FSDP1 does under
+``no_sync()``). Both give the same sum.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -31,6 +40,23 @@ from lightning_mics import _compat as compat
 #: Attribute naming the process groups over which a plain (non-DTensor) parameter's elements are
 #: disjoint across ranks; set by :mod:`lightning_mics.optim_sharding` on its slice parameters.
 DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
+
+
+#: How gradients accumulate between optimizer steps (module docstring).
+GradAccumulation = Literal["sharded", "unsharded"]
+GRAD_ACCUMULATION_MODES: tuple[str, ...] = get_args(GradAccumulation)
+
+
+def check_grad_accumulation(mode: object, allow_auto: bool = False) -> None:
+    """One clear error for an unknown accumulation mode, naming the valid ones and what they cost."""
+    valid = GRAD_ACCUMULATION_MODES + (("auto",) if allow_auto else ())
+    if mode not in valid:
+        raise ValueError(
+            f"grad_accumulation={mode!r} is not one of {list(valid)}: 'sharded' reduce-scatters every micro-step "
+            "and keeps 1/partition of the gradients (least memory), 'unsharded' keeps full gradients until the "
+            "accumulation boundary and reduce-scatters once per optimizer step (least communication)"
+            + (", 'auto' lets the planner choose." if allow_auto else ".")
+        )
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -50,8 +76,34 @@ def set_cross_replica_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
         unit.set_requires_all_reduce(enabled, recurse=False)
 
 
+def set_gradient_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
+    """Turn both hops (reduce-scatter and cross-replica all-reduce) on or off for every unit; while
+    off, each unit accumulates its full, unsharded gradient (``grad_accumulation="unsharded"``)."""
+    for unit in units:
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def _as_units(module_or_units: nn.Module | Sequence[FSDPModule]) -> list[FSDPModule]:
+    return fsdp_units(module_or_units) if isinstance(module_or_units, nn.Module) else list(module_or_units)
+
+
 @contextmanager
-def defer_cross_replica_sync(module_or_units: nn.Module | Sequence[FSDPModule]) -> Iterator[None]:
+def defer_gradient_sync(
+    module_or_units: nn.Module | Sequence[FSDPModule], grad_accumulation: GradAccumulation = "sharded"
+) -> Iterator[None]:
+    """Run the backward passes inside this block as non-boundary micro-steps of ``grad_accumulation``
+    (module docstring): ``"sharded"`` defers only the cross-replica hop, ``"unsharded"`` both."""
+    check_grad_accumulation(grad_accumulation)
+    units = _as_units(module_or_units)
+    toggle = set_cross_replica_sync if grad_accumulation == "sharded" else set_gradient_sync
+    toggle(units, False)
+    try:
+        yield
+    finally:
+        toggle(units, True)
+
+
+def defer_cross_replica_sync(module_or_units: nn.Module | Sequence[FSDPModule]) -> Any:
     """Run the backward passes inside this block with hop 1 only (see module docstring).
 
     Use it for manual optimization with gradient accumulation::
@@ -65,14 +117,10 @@ def defer_cross_replica_sync(module_or_units: nn.Module | Sequence[FSDPModule]) 
 
     The boundary backward (outside the block) adds the accumulated partial sums and all-reduces
     them once across the replication group. ``MiCSStrategy.block_backward_sync()`` -- which Lightning
-    enters on non-boundary micro-steps of automatic optimization -- is this same context.
+    enters on non-boundary micro-steps of automatic optimization -- is this same context (or, with
+    ``grad_accumulation="unsharded"``, :func:`defer_gradient_sync` in that mode).
     """
-    units = fsdp_units(module_or_units) if isinstance(module_or_units, nn.Module) else list(module_or_units)
-    set_cross_replica_sync(units, False)
-    try:
-        yield
-    finally:
-        set_cross_replica_sync(units, True)
+    return defer_gradient_sync(module_or_units, "sharded")
 
 
 def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:

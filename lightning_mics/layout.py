@@ -18,12 +18,13 @@ once, so that the two cannot drift apart:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import defer_cross_replica_sync
+from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
@@ -56,6 +57,9 @@ from lightning_mics.wrapping import (
 )
 
 Hierarchical = Union[bool, Literal["auto"]]
+#: ``plan_layout(ranks_per_node, partition_size or None, grad_accumulation spec)`` -> the planner's
+#: :class:`~lightning_mics.planner.LayoutChoice` (``partition_size``, ``grad_accumulation``, ``reason``).
+LayoutPlanner = Callable[[int, Optional[int], str], Any]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,6 +85,7 @@ def validate_options(
     auto_wrap_policy: AutoWrapPolicy,
     reshard_after_forward: Union[bool, int],
     sharding: Optional[ShardingSpec],
+    grad_accumulation: str,
     activation_checkpointing_policy: AutoWrapPolicy,
     prefetch_depth: int,
     hierarchical: Hierarchical,
@@ -120,6 +125,7 @@ def validate_options(
         raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
     if hierarchical not in (True, False, "auto"):
         raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
+    check_grad_accumulation(grad_accumulation, allow_auto=True)
     if checkpoint_verify not in ckpt.VERIFY_MODES:
         raise ValueError(
             f"checkpoint_verify={checkpoint_verify!r} is not one of {list(ckpt.VERIFY_MODES)}: 'checksum' checks "
@@ -171,6 +177,10 @@ class MiCSLayout:
     #: the ``reshard_after_forward`` FSDP2 gets: the user's, or what a ShardingSpec's params degree means
     reshard_after_forward: Union[bool, int]
     backend: str
+    #: how gradients accumulate between optimizer steps (the user's mode, or the planner's for "auto")
+    grad_accumulation: GradAccumulation = "sharded"
+    #: why the planner chose the layout (``"auto"`` settings only), for the layout log
+    planner_reason: Optional[str] = None
     #: AMSP optimizer-state degree (``None``: no ShardingSpec, i.e. the partition size)
     optim_degree: Optional[int] = None
     #: AMSP ``params=1``: keep gathered parameters through the micro-steps of one optimizer step
@@ -212,6 +222,8 @@ class MiCSLayout:
                 f"  hierarchical collectives: {'on' if self.hierarchical_groups is not None else 'off'}; "
                 f"reshard after forward: {self.reshard_after_forward}"
                 + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
+                f"  grad accumulation: {self.grad_accumulation}"
+                + (f" -- {self.planner_reason}" if self.planner_reason else ""),
             ]
         )
 
@@ -228,10 +240,12 @@ def create_layout(
     device_type: str,
     backend: str,
     timeout: Optional[timedelta],
-    plan_partition_size: Optional[Callable[[int], int]] = None,
+    grad_accumulation: str = "sharded",
+    plan_layout: Optional[LayoutPlanner] = None,
 ) -> MiCSLayout:
-    """Resolve the layout (a ShardingSpec, or a partition size -- ``"auto"`` through
-    ``plan_partition_size(ranks_per_node)``) and create its mesh and extra process groups.
+    """Resolve the layout (a ShardingSpec, or a partition size; ``"auto"`` partition size and/or
+    accumulation mode through ``plan_layout``, an explicit setting of either staying as given) and
+    create its mesh and extra process groups.
 
     A collective: every rank calls it, in the same order relative to other group creations."""
     optim_degree: Optional[int] = None
@@ -242,10 +256,20 @@ def create_layout(
         reshard_after_forward = degrees.reshard_after_forward
         optim_degree = degrees.optim
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
-    if partition_size == "auto":
-        if plan_partition_size is None:
-            raise ValueError("partition_size='auto' needs the model: it is resolved when the model is set up.")
-        partition_size = plan_partition_size(ranks_per_node)
+    planner_reason = None
+    if partition_size == "auto" or grad_accumulation == "auto":
+        if plan_layout is None:
+            raise ValueError("'auto' layouts need the model: they are planned when the model is set up.")
+        fixed = None
+        if partition_size != "auto":
+            fixed = MiCSTopology.create(world_size, ranks_per_node, partition_size).partition_size
+        choice = plan_layout(ranks_per_node, fixed, grad_accumulation)
+        partition_size, grad_accumulation, planner_reason = (
+            choice.partition_size,
+            choice.grad_accumulation,
+            choice.reason,
+        )
+    check_grad_accumulation(grad_accumulation)
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
     mesh = build_device_mesh(topology, device_type, backend, timeout)
@@ -260,11 +284,50 @@ def create_layout(
         device_mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         backend=backend,
+        grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
+        planner_reason=planner_reason,
         optim_degree=optim_degree,
         keep_params_within_step=keep_params_within_step,
         optim_groups=optim_groups,
         hierarchical_groups=hierarchical_groups,
     )
+
+
+def layout_planner(
+    module: nn.Module,
+    *,
+    world_size: int,
+    device: torch.device,
+    precision: str,
+    accumulation: int,
+    log: Optional[logging.Logger] = None,
+) -> LayoutPlanner:
+    """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
+    :func:`create_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``."""
+
+    def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str) -> Any:
+        from lightning_mics.planner import plan_layout_for
+
+        choice = plan_layout_for(
+            module,
+            world_size,
+            ranks_per_node,
+            device,
+            precision=precision,
+            accumulation=accumulation,
+            partition_size=partition_size,
+            grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
+        )
+        if log is not None:
+            log.info(
+                "planner chose partition_size=%d, grad_accumulation=%s (%s)",
+                choice.partition_size,
+                choice.grad_accumulation,
+                choice.reason,
+            )
+        return choice
+
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,9 +453,12 @@ def params_kept_gathered(units: Sequence[FSDPModule], enabled: bool) -> Generato
 
 @contextmanager
 def accumulation_context(units: Sequence[FSDPModule], layout: MiCSLayout) -> Generator[None, None, None]:
-    """The backward of a non-boundary micro-step: reduce-scatter inside the partition only; the
-    cross-replica all-reduce runs once, on the boundary backward (outside this context)."""
-    with defer_cross_replica_sync(units), params_kept_gathered(units, layout.keep_params_within_step):
+    """The backward of a non-boundary micro-step: ``grad_accumulation="sharded"`` reduce-scatters
+    inside the partition only, ``"unsharded"`` keeps full gradients; either way the cross-replica
+    all-reduce runs once, on the boundary backward (outside this context)."""
+    with defer_gradient_sync(units, layout.grad_accumulation), params_kept_gathered(
+        units, layout.keep_params_within_step
+    ):
         yield
 
 

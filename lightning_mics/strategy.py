@@ -43,6 +43,7 @@ from lightning_mics.layout import (
     accumulation_context,
     check_layout,
     create_layout,
+    layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
     resolve_ranks_per_node,
@@ -51,6 +52,7 @@ from lightning_mics.layout import (
     uses_hierarchical_collectives,
     validate_options,
 )
+from lightning_mics.grad_sync import GradAccumulation
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
@@ -106,6 +108,13 @@ class MiCSStrategy(ParallelStrategy):
             computes (forward and backward), so communication overlaps compute; 0 leaves FSDP's
             implicit prefetching. Assumes blocks run in module order, as transformer layers do.
         compile_blocks: ``torch.compile`` each wrapped block (in place) before sharding.
+        grad_accumulation: how gradients accumulate over ``accumulate_grad_batches`` micro-steps.
+            ``"sharded"`` (MiCS's default): reduce-scatter inside the partition every micro-step,
+            each rank keeps 1/partition of the gradients -- least memory. ``"unsharded"``: keep
+            the full gradients until the boundary, then reduce-scatter once -- one reduce-scatter
+            per optimizer step instead of one per micro-step, for the memory of a full gradient.
+            Both all-reduce across replicas once per optimizer step. ``"auto"``: the planner picks
+            the faster mode that fits memory (with ``partition_size="auto"``: both together).
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -137,6 +146,7 @@ class MiCSStrategy(ParallelStrategy):
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Optional[ShardingSpec] = None,
+        grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -165,6 +175,7 @@ class MiCSStrategy(ParallelStrategy):
             auto_wrap_policy=auto_wrap_policy,
             reshard_after_forward=reshard_after_forward,
             sharding=sharding,
+            grad_accumulation=grad_accumulation,
             activation_checkpointing_policy=activation_checkpointing_policy,
             prefetch_depth=prefetch_depth,
             hierarchical=hierarchical,
@@ -180,6 +191,11 @@ class MiCSStrategy(ParallelStrategy):
         self.auto_wrap_policy = auto_wrap_policy
         self.reshard_after_forward = reshard_after_forward
         self.hierarchical = hierarchical
+        self.grad_accumulation_spec = grad_accumulation
+        #: the mode in use: ``grad_accumulation``, or the planner's choice for ``"auto"`` (after setup)
+        self.grad_accumulation: Optional[GradAccumulation] = None if grad_accumulation == "auto" else grad_accumulation
+        #: why the planner chose the layout, for the layout log (``"auto"`` settings only)
+        self._planner_reason: Optional[str] = None
         #: Per optimizer (by id): its states sharded across replicas, run around each optimizer step.
         self._optimizer_state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
         self._process_group_backend = process_group_backend
@@ -326,7 +342,8 @@ class MiCSStrategy(ParallelStrategy):
     def _create_layout(self) -> None:
         """Resolve the layout (sharding spec or partition size, 'auto' via the planner) and create
         its mesh and extra process groups -- collectively, on every rank."""
-        assert self._process_group_backend is not None
+        assert self._process_group_backend is not None and self.lightning_module is not None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         layout = self._layout = create_layout(
             world_size=self.world_size,
             rank=self.global_rank,
@@ -338,30 +355,22 @@ class MiCSStrategy(ParallelStrategy):
             device_type=self.root_device.type,
             backend=self._process_group_backend,
             timeout=self._timeout,
-            plan_partition_size=self._plan_partition_size,
+            grad_accumulation=self.grad_accumulation_spec,
+            plan_layout=layout_planner(
+                self.lightning_module,
+                world_size=self.world_size,
+                device=self.root_device,
+                precision=self.precision_plugin.precision,
+                accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                log=log if self.is_global_zero else None,
+            ),
         )
         # the resolved values, as this strategy always exposed them
-        if self.sharding is not None or self.partition_size_spec == "auto":
+        if self.sharding is not None or "auto" in (self.partition_size_spec, self.grad_accumulation_spec):
             self.partition_size_spec = layout.topology.partition_size
         self.reshard_after_forward = layout.reshard_after_forward
-
-    def _plan_partition_size(self, ranks_per_node: int) -> int:
-        """``partition_size="auto"``: the planner's fastest layout that fits this model in memory."""
-        from lightning_mics.planner import plan_partition_size_for
-
-        assert self.lightning_module is not None
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        size = plan_partition_size_for(
-            self.lightning_module,
-            self.world_size,
-            ranks_per_node,
-            self.root_device,
-            precision=self.precision_plugin.precision,
-            accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-        )
-        if self.is_global_zero:
-            log.info("partition_size='auto': the planner chose %d", size)
-        return size
+        self.grad_accumulation = layout.grad_accumulation
+        self._planner_reason = layout.planner_reason
 
     def _uses_hierarchical_collectives(self, topology: MiCSTopology) -> bool:
         return uses_hierarchical_collectives(topology, self.hierarchical)
@@ -462,7 +471,8 @@ class MiCSStrategy(ParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-boundary micro-steps: reduce-scatter inside the partition only; the cross-replica
+        """Non-boundary micro-steps: ``grad_accumulation="sharded"`` reduce-scatters inside the
+        partition only, ``"unsharded"`` keeps full gradients; either way the cross-replica
         all-reduce runs once, on the boundary backward."""
         with accumulation_context(self._fsdp_units, self.layout):
             yield None

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
-from lightning_mics.grad_sync import local_shard
+from lightning_mics.grad_sync import GradAccumulation, local_shard
+from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,17 @@ def padded_numel(shape: Sequence[int], shard_size: int) -> int:
     return rows * math.prod(shape[1:])
 
 
+def unit_sizes(units: Sequence[UnitShapes], partition_size: int) -> list[UnitSize]:
+    """What each unit moves under FSDP2 on a partition of ``partition_size``: every parameter padded
+    to a multiple of it in dim 0 (all are gathered, only trainable ones reduced)."""
+    sizes = []
+    for unit in units:
+        padded = [padded_numel(s, partition_size) for s in unit.shapes]
+        trainable = sum(n for n, t in zip(padded, unit.trainable) if t)
+        sizes.append(UnitSize(sum(padded), trainable, unit.reshard_after_forward))
+    return sizes
+
+
 def analytic_comm_bytes(
     units: Sequence[UnitShapes],
     partition_size: int,
@@ -172,56 +184,48 @@ def analytic_comm_bytes(
     param_bytes: int = 4,
     reduce_bytes: int = 4,
     hierarchical_ranks_per_node: Optional[int] = None,
+    grad_accumulation: GradAccumulation = "sharded",
 ) -> CommBytes:
-    """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2.
+    """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2: the sum of
+    :func:`lightning_mics.schedule.step_schedule` for these units (its docstring derives it).
 
-    Payload convention (the one :class:`~lightning_mics.collectives.CollectiveRecorder` records):
-    the largest tensor argument of each call -- the *gathered output* of an all-gather, the
-    *pre-scatter input* of a reduce-scatter and the buffer of an all-reduce. With ``p`` the
-    partition size, ``R`` the replication degree, ``A`` the micro-steps per optimizer step, and for
-    each unit ``u`` its padded size ``S_u = sum over its params of ceil(dim0 / p) * p * rest``
-    (``S'_u``: trainable params only)::
+    With ``p`` the partition size, ``R`` the replication degree, ``A`` the micro-steps per optimizer
+    step, and for each unit ``u`` its padded size ``S_u = sum over its params of ceil(dim0 / p) * p *
+    rest`` (``S'_u``: trainable params only)::
 
         all_gather     = A * sum_u g_u * S_u * param_bytes      g_u = 2 if u reshards after forward
                                                                   (gathered again for backward), else 1
-        reduce_scatter = A * sum_u S'_u * reduce_bytes           every micro-step, inside the partition
+        reduce_scatter = A' * sum_u S'_u * reduce_bytes          A' = A (sharded accumulation) or 1 (unsharded)
         all_reduce     = [R > 1] * sum_u S'_u / p * reduce_bytes once, at the boundary, across replicas
 
-    With ``p = 1`` (pure replication) FSDP2 skips the all-gather and reduce-scatter altogether.
-
-    A partition spanning nodes of ``m`` ranks uses MiCSStrategy's two-stage (hierarchical)
-    collectives by default; pass ``hierarchical_ranks_per_node=m`` then. Each all-gather of ``F``
-    bytes becomes an inter-node stage of ``F / m`` and an intra-node stage of ``F`` (the
-    reduce-scatter mirrors it), so both kinds are multiplied by ``1 + 1/m``; all of it stays inside
-    the partition.
+    With ``p = 1`` (pure replication) FSDP2 skips the all-gather and reduce-scatter altogether. A
+    partition spanning nodes of ``m`` ranks uses two-stage collectives by default; pass
+    ``hierarchical_ranks_per_node=m`` then: each all-gather and reduce-scatter adds a stage on
+    ``1/m`` of its buffer, all of it inside the partition.
 
     Also observed but not modelled: after a validation pass the root unit stays gathered, so the next
-    step skips the root's first all-gather.
-
-    ``param_bytes`` is the all-gather dtype (2 for bf16 mixed precision), ``reduce_bytes`` the
-    gradient-reduction dtype (4 for the mixed modes). Not included: the scalar all-reduce of
-    gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
+    step skips the root's first all-gather. ``param_bytes`` is the all-gather dtype (2 for bf16 mixed
+    precision), ``reduce_bytes`` the gradient-reduction dtype (4 for the mixed modes). Not included:
+    the scalar all-reduce of gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
     """
     if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
         raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
-    all_gather = reduce_scatter = all_reduce = 0
-    for unit in units:
-        padded = [padded_numel(s, partition_size) for s in unit.shapes]
-        total = sum(padded)
-        trainable = sum(n for n, t in zip(padded, unit.trainable) if t)
-        gathers = 2 if unit.reshard_after_forward else 1
-        if partition_size > 1:  # FSDP2 issues no all-gather / reduce-scatter on a one-rank shard group
-            all_gather += accumulate_grad_batches * gathers * total * param_bytes
-            reduce_scatter += accumulate_grad_batches * trainable * reduce_bytes
-        if replication_degree > 1:
-            all_reduce += trainable // partition_size * reduce_bytes
-    if hierarchical_ranks_per_node and partition_size > hierarchical_ranks_per_node:
-        m = hierarchical_ranks_per_node
-        all_gather += all_gather // m
-        reduce_scatter += reduce_scatter // m
-    by_kind = {"all_gather": all_gather, "reduce_scatter": reduce_scatter, "all_reduce": all_reduce, "broadcast": 0}
-    by_group = {INTRA_PARTITION: all_gather + reduce_scatter, CROSS_REPLICA: all_reduce, OTHER: 0}
-    return CommBytes(by_kind, by_group)
+    layout = StepLayout(
+        partition_size=partition_size,
+        world_size=partition_size * replication_degree,
+        accumulation=accumulate_grad_batches,
+        grad_accumulation=grad_accumulation,
+        hierarchical_ranks_per_node=hierarchical_ranks_per_node,
+        gather_bytes=param_bytes,
+        reduce_bytes=reduce_bytes,
+    )
+    by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
+    by_group: Counter[str] = Counter({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})
+    for entry in step_schedule(unit_sizes(units, partition_size), layout):
+        moved = int(entry.bytes_per_step(accumulate_grad_batches))
+        by_kind[entry.kind] += moved
+        by_group[INTRA_PARTITION if entry.group in PARTITION_ROLES else CROSS_REPLICA] += moved
+    return CommBytes(dict(by_kind), dict(by_group))
 
 
 # ---------------------------------------------------------------------------------- memory
@@ -331,7 +335,7 @@ class TrainingTelemetry(Callback):
         self.steps.clear()
         self._world_size, self._rank = trainer.world_size, trainer.global_rank
         self._device = pl_module.device
-        self.topology = getattr(trainer.strategy, "_topology", None)
+        self.topology = _mics_topology(trainer.strategy)
         self.peak_flops = self._resolve_peak_flops(trainer)
         self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
         self._last_global_step = trainer.global_step
@@ -501,3 +505,11 @@ def _fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _mics_topology(strategy: Any) -> Optional[MiCSTopology]:
+    """The layout of a MiCS strategy (Trainer or Fabric), else ``None`` (a baseline strategy)."""
+    from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
+    from lightning_mics.strategy import MiCSStrategy
+
+    return strategy.topology if isinstance(strategy, (MiCSStrategy, MiCSFabricStrategy)) else None

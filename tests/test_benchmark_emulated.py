@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not
 
 from benchmarks import emulated_cluster  # noqa: E402
 from benchmarks.comm_model import (  # noqa: E402
-    Collective,
+    RingCollective,
     expected_step_bytes,
     fsdp1_unit_numel,
     fsdp2_unit_numel,
@@ -39,7 +39,7 @@ def spec(name: str):
 
 # ------------------------------------------------------------------------------------ wire bytes
 def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
-    wire = gloo_wire_bytes(Collective("all_reduce", tuple(range(8)), MB), CLUSTER)
+    wire = gloo_wire_bytes(RingCollective("all_reduce", tuple(range(8)), MB), CLUSTER)
     per_edge = 2 * 7 / 8 * MB
     assert wire.inter_node == pytest.approx(2 * per_edge)  # edges 3-4 and 7-0
     assert wire.intra_node == pytest.approx(6 * per_edge)
@@ -47,14 +47,14 @@ def test_ring_all_reduce_over_two_nodes_crosses_two_edges() -> None:
 
 def test_all_gather_and_reduce_scatter_shares() -> None:
     pair = (0, 4)  # same local index on both nodes: both ring edges cross
-    assert gloo_wire_bytes(Collective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
+    assert gloo_wire_bytes(RingCollective("all_gather", pair, MB), CLUSTER).inter_node == pytest.approx(MB)
     # our ring reduce-scatter moves what an all-gather does; gloo's own all-reduces the whole input
-    ring = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3), CLUSTER)
+    ring = gloo_wire_bytes(RingCollective("reduce_scatter", pair, MB, count=3), CLUSTER)
     assert ring.inter_node == pytest.approx(3 * MB)
-    native = gloo_wire_bytes(Collective("reduce_scatter", pair, MB, count=3, via_all_reduce=True), CLUSTER)
+    native = gloo_wire_bytes(RingCollective("reduce_scatter", pair, MB, count=3, via_all_reduce=True), CLUSTER)
     assert native.inter_node == pytest.approx(3 * 2 * MB)
-    assert gloo_wire_bytes(Collective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
-    assert gloo_wire_bytes(Collective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
+    assert gloo_wire_bytes(RingCollective("all_reduce", (0, 1, 2, 3), MB), CLUSTER).inter_node == 0
+    assert gloo_wire_bytes(RingCollective("all_reduce", (5,), MB), CLUSTER).inter_node == 0
 
 
 # ------------------------------------------------------------------------------------ schedules
@@ -84,6 +84,19 @@ def test_gradients_held_during_accumulation() -> None:
     full = gradient_bytes_held_during_accumulation(spec("replicate"), CLUSTER, SETUP)
     assert gradient_bytes_held_during_accumulation(spec("mics"), CLUSTER, SETUP) == pytest.approx(full / 4, rel=0.1)
     assert gradient_bytes_held_during_accumulation(spec("fsdp-hybrid"), CLUSTER, SETUP) == pytest.approx(full, rel=0.1)
+    assert gradient_bytes_held_during_accumulation(spec("mics-unsharded"), CLUSTER, SETUP) == pytest.approx(full, rel=0.1)
+
+
+def test_unsharded_accumulation_reduce_scatters_once_per_step() -> None:
+    sharded = expected_step_bytes(spec("mics"), CLUSTER, SETUP)
+    unsharded = expected_step_bytes(spec("mics-unsharded"), CLUSTER, SETUP)
+    assert unsharded.inter_node == pytest.approx(sharded.inter_node)  # the same boundary all-reduce
+    scatters = {
+        name: sum(c.count for c in step_collectives(spec(name), CLUSTER, SETUP) if c.kind == "reduce_scatter")
+        for name in ("mics", "mics-unsharded")
+    }
+    assert scatters["mics"] == SETUP.accumulate * scatters["mics-unsharded"]
+    assert unsharded.intra_node < sharded.intra_node
 
 
 def test_strategy_selection() -> None:
@@ -106,7 +119,7 @@ def test_quick_defaults_and_overrides() -> None:
     [
         (["--nodes", "1"], "--nodes must be an int >= 2"),
         (["--accumulate", "0"], "accumulate must be a positive int"),
-        (["--strategies", "mics,ddp"], "Unknown strategy name"),
+        (["--strategies", "mics,horovod"], "Unknown strategy name"),
         (["--bandwidth-ratio", "0"], "--bandwidth-ratio must be positive"),
         (["--heads", "5"], "divisible by n_heads"),
         (["--steps", "100000"], "Use fewer steps"),
@@ -160,3 +173,36 @@ def test_tables_show_failures_with_their_reason() -> None:
     text = emulated_cluster.format_table([ok, failed])
     assert "+1.0%" in text and "failed*" in text and "* fsdp-full: failed: timed out" in text
     assert "| fsdp-full | 8 | - | failed: timed out |" in emulated_cluster.format_markdown([ok, failed])
+
+
+# ------------------------------------------------------------------------------------ profile breakdown
+def test_profile_breakdown_puts_each_sample_under_the_frame_nearest_the_leaf(tmp_path: Path) -> None:
+    from benchmarks import profile_breakdown
+
+    raw = tmp_path / "mics.txt"
+    raw.write_text(
+        "\n".join(
+            [
+                "fit (trainer.py:1);training_step (gpt.py:5);forward (gpt.py:9) 6",
+                "fit (trainer.py:1);backward (tensor.py:2);_engine_run_backward (graph.py:3) 3",
+                # a collective inside FSDP's copy-out is the collective's time
+                "fit (trainer.py:1);foreach_all_gather_copy_out (c.py:4);all_gather_into_tensor (d.py:5) 5",
+                "fit (trainer.py:1);backward (tensor.py:2);__call__ (collectives.py:7);ring_reduce_scatter (collectives.py:9) 4",
+                "<module> (worker.py:1) 2",
+            ]
+        )
+    )
+    table = profile_breakdown.breakdown(profile_breakdown.read_samples(raw))
+    assert table == pytest.approx(
+        {
+            "forward compute": 0.3,
+            "all-gather": 0.25,
+            "ring reduce-scatter (ours, gloo send/recv)": 0.2,
+            "backward compute (autograd)": 0.15,
+            "other (Lightning loop, data, start-up)": 0.1,
+        }
+    )
+    assert "| forward compute | 30% |" in profile_breakdown.markdown({"mics": table})
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert profile_breakdown.main([str(empty)]) == 2

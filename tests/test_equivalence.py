@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ranks
+from lightning_mics import ShardingSpec
 from toy import (
     ManualAccumulationModule,
     RunConfig,
@@ -32,6 +33,10 @@ def config(world: int, accumulate: int, clip: float | None = None) -> RunConfig:
 
 WORLD4_LAYOUTS = [(p, a) for p in (1, 2, 4) for a in (1, 3)]
 WORLD8_LAYOUTS = [(p, a) for p in (2, 4, 8) for a in (1, 3)]
+#: grad_accumulation="unsharded" (one reduce-scatter per optimizer step): partitions inside a node
+#: and, at world 8, one spanning both nodes (hierarchical stages).
+WORLD4_UNSHARDED = [2, 4]
+WORLD8_UNSHARDED = [8]
 
 
 def _clip_for(accumulate: int) -> float | None:
@@ -48,8 +53,30 @@ def _train_layouts(rank: int, world: int, layouts, ranks_per_node: int | None) -
     return results
 
 
+def _train_unsharded(world: int, partitions: list[int], ranks_per_node: int | None) -> dict:
+    results = {}
+    for partition in partitions:
+        cfg = config(world, 3, CLIP)
+        module = ToyModule(cfg)
+        fit_with_mics(
+            module, cfg, partition_size=partition, ranks_per_node=ranks_per_node, grad_accumulation="unsharded"
+        )
+        results[("unsharded", partition)] = full_parameters(module)
+    return results
+
+
 def _train_world4_variants(rank: int, world: int) -> dict:
     results = _train_layouts(rank, world, WORLD4_LAYOUTS, None)
+    results.update(_train_unsharded(world, WORLD4_UNSHARDED, None))
+
+    cfg = config(world, 3, CLIP)
+    module = ManualAccumulationModule(cfg)
+    fit_with_mics(module, cfg, partition_size=2, grad_accumulation="unsharded")
+    results["manual-unsharded"] = full_parameters(module)
+
+    module = ToyModule(cfg)  # AMSP: optimizer states sharded across both replicas
+    fit_with_mics(module, cfg, sharding=ShardingSpec(params=2, grads=2, optim=4), grad_accumulation="unsharded")
+    results["amsp-optim-world-unsharded"] = full_parameters(module)
 
     cfg = config(world, 3, CLIP)
     module = ToyModule(cfg, in_configure_model=True)
@@ -92,9 +119,15 @@ def world4():
     return run_ranks(_train_world4_variants, 4)
 
 
+def _train_world8(rank: int, world: int) -> dict:
+    results = _train_layouts(rank, world, WORLD8_LAYOUTS, 4)
+    results.update(_train_unsharded(world, WORLD8_UNSHARDED, 4))
+    return results
+
+
 @pytest.fixture(scope="module")
 def world8():
-    return run_ranks(_train_layouts, 8, WORLD8_LAYOUTS, 4)
+    return run_ranks(_train_world8, 8)
 
 
 @pytest.mark.distributed
@@ -109,6 +142,28 @@ def test_world4_matches_single_process(world4, partition, accumulate):
 def test_world8_two_nodes_matches_single_process(world8, partition, accumulate):
     cfg = config(8, accumulate, _clip_for(accumulate))
     assert_matches_reference([rank[(partition, accumulate)] for rank in world8], cfg)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("partition", WORLD4_UNSHARDED)
+def test_world4_unsharded_accumulation_matches_single_process(world4, partition):
+    assert_matches_reference([rank[("unsharded", partition)] for rank in world4], config(4, 3, CLIP))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("partition", WORLD8_UNSHARDED)
+def test_world8_unsharded_accumulation_matches_single_process(world8, partition):
+    assert_matches_reference([rank[("unsharded", partition)] for rank in world8], config(8, 3, CLIP))
+
+
+@pytest.mark.distributed
+def test_manual_optimization_with_unsharded_accumulation(world4):
+    assert_matches_reference([rank["manual-unsharded"] for rank in world4], config(4, 3, CLIP))
+
+
+@pytest.mark.distributed
+def test_unsharded_accumulation_with_optimizer_states_sharded_across_replicas(world4):
+    assert_matches_reference([rank["amsp-optim-world-unsharded"] for rank in world4], config(4, 3, CLIP))
 
 
 def test_clipping_was_active():

@@ -123,12 +123,21 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     with CollectiveRecorder() as recorder:
         recorder.step = -1
         out["norms"] = train(fabric, model, optimizer, ACCUMULATING, range(6), recorder)
-    out["calls"] = [call for call in recorder.calls if call.step >= 0]
+    out["calls"] = {"sharded": [call for call in recorder.calls if call.step >= 0]}
     out["accumulating"] = full_parameters(model.module)
     out["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     out["full_numel"] = sum(p.numel() for p in model.parameters())
 
-    # 1b. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
+    # 1b. grad_accumulation="unsharded": full gradients until the boundary, one reduce-scatter per step
+    unsharded = launch(partition_size=PARTITION, grad_accumulation="unsharded")
+    model, optimizer = set_up(unsharded, ACCUMULATING)
+    with CollectiveRecorder() as recorder:
+        recorder.step = -1
+        train(unsharded, model, optimizer, ACCUMULATING, range(6), recorder)
+    out["calls"]["unsharded"] = [call for call in recorder.calls if call.step >= 0]
+    out["unsharded"] = full_parameters(model.module)
+
+    # 1c. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
     # replicas (OS=4): clipping and the step run on slices; its checkpoint is plain MiCS's format
     amsp = launch(sharding=ShardingSpec(params=1, grads=PARTITION, optim=WORLD))
     model, optimizer = set_up(amsp, ACCUMULATING)
@@ -266,18 +275,28 @@ def test_optimizer_created_before_setup_steps_on_the_shards(runs):
 
 
 @pytest.mark.distributed
-def test_no_backward_sync_defers_the_cross_replica_all_reduce_to_the_boundary(runs):
-    """Every micro-step reduce-scatters inside the partition; only the boundary micro-step
-    all-reduces across replicas (once per unit with gradients); clipping's norm is one all-reduce
-    over the partition, on the boundary."""
+def test_unsharded_accumulation_matches_single_process_training(runs):
+    assert_matches_reference([run["unsharded"] for run in runs], ACCUMULATING)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["sharded", "unsharded"])
+def test_no_backward_sync_defers_the_cross_replica_all_reduce_to_the_boundary(runs, mode):
+    """Only the boundary micro-step all-reduces across replicas (once per unit with gradients);
+    clipping's norm is one all-reduce over the partition, on the boundary. Reduce-scatters run inside
+    the partition: every micro-step when accumulating sharded, only on the boundary when unsharded."""
     for rank, run in enumerate(runs):
         partition, replicas = TOPOLOGY.partition_group_of(rank), TOPOLOGY.replication_group_of(rank)
         for step in range(ACCUMULATING.steps * ACCUMULATING.accumulate):
-            calls = [c for c in run["calls"] if c.step == step]
+            calls = [c for c in run["calls"][mode] if c.step == step]
             boundary = (step + 1) % ACCUMULATING.accumulate == 0
             scattered = [c.ranks for c in calls if c.kind == "reduce_scatter"]
             reduced = [c.ranks for c in calls if c.kind == "all_reduce"]
-            assert scattered and set(scattered) == {partition}, (rank, step, scattered)
+            assert set(scattered) <= {partition}, (rank, step, scattered)
+            if mode == "sharded" or boundary:
+                assert len(scattered) == UNITS_WITH_GRADS, (rank, step, scattered)
+            else:
+                assert not scattered, (rank, step, scattered)
             assert reduced.count(replicas) == (UNITS_WITH_GRADS if boundary else 0), (rank, step, reduced)
             assert reduced.count(partition) == (1 if boundary else 0), (rank, step, reduced)
             assert len(reduced) == reduced.count(replicas) + reduced.count(partition), (rank, step, reduced)
@@ -394,6 +413,8 @@ def test_unsupported_precision_is_refused_naming_the_supported_ones(precision):
         ({"timeout": "30"}, ValueError, "timedelta or a positive number of seconds"),
         ({"hierarchical": "yes"}, ValueError, "hierarchical must be True, False or 'auto'"),
         ({"checkpoint_verify": "sha"}, ValueError, "checkpoint_verify='sha' is not one of"),
+        ({"grad_accumulation": "full"}, ValueError, "grad_accumulation='full' is not one of"),
+        ({"grad_accumulation": "auto"}, ValueError, "needs the number of micro-steps .* choose 'sharded'"),
         ({"auto_wrap_policy": lambda module: True}, TypeError, r"cannot be called as policy\(name, module\)"),
         (
             {"partition_size": 2, "sharding": lightning_mics.ShardingSpec()},

@@ -64,12 +64,14 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
             "strategy.activation_checkpointing_policy=true",
             "strategy.async_save=true",
             "strategy.checkpoint_verify=size",
+            "strategy.grad_accumulation=unsharded",
         ).strategy,
         _convert_="all",
     )
     assert strategy.sharding == ShardingSpec("node", "node", "world")
     assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
     assert strategy._async_saver is not None and strategy.checkpoint_verify == "size"
+    assert strategy.grad_accumulation == "unsharded"
 
 
 def test_fsdp_hybrid_baseline_builds_lightnings_strategy_on_gpu_and_refuses_cpu() -> None:

@@ -19,6 +19,7 @@ from lightning_mics.planner import (
     ModelSpec,
     ProbeTiming,
     TrainingSpec,
+    choose_layout,
     choose_partition_size,
     collective_cost,
     estimate,
@@ -236,6 +237,45 @@ def test_choose_partition_size_grows_as_memory_shrinks_and_errors_when_hopeless(
         choose_partition_size(16, 8, 100_000_000_000, 8 * GIB)
 
 
+def test_unsharded_accumulation_trades_gradient_memory_for_fewer_reduce_scatters():
+    layout = ShardingSpec.uniform("node").resolve(CLUSTER.world_size, CLUSTER.gpus_per_node)
+    sharded = estimate(layout, CLUSTER, MODEL, TRAINING)
+    unsharded = estimate(layout, CLUSTER, MODEL, TRAINING, grad_accumulation="unsharded")
+    # one reduce-scatter per optimizer step instead of one per micro-step (A = 4), now at the boundary
+    assert sharded.comm_s["boundary"] < unsharded.comm_s["boundary"]
+    assert unsharded.comm_s["backward"] < sharded.comm_s["backward"]
+    assert unsharded.step_time_s < sharded.step_time_s
+    assert unsharded.memory.grads == pytest.approx(MODEL.params * TRAINING.bytes.reduce_bytes)
+    assert sharded.memory.grads == pytest.approx(MODEL.params * TRAINING.bytes.grad_bytes / layout.grads)
+    assert unsharded.inter_node_bytes == pytest.approx(sharded.inter_node_bytes)  # same boundary all-reduce
+    single = replace(TRAINING, accumulation=1)
+    assert estimate(layout, CLUSTER, MODEL, single, grad_accumulation="unsharded").step_time_s == pytest.approx(
+        estimate(layout, CLUSTER, MODEL, single).step_time_s
+    )
+
+
+def test_auto_accumulation_picks_unsharded_when_it_fits_and_sharded_when_it_does_not():
+    roomy = choose_layout(32, 8, MODEL.params, 80 * GIB, CLUSTER, MODEL, TRAINING, grad_accumulation="auto")
+    assert roomy.grad_accumulation == "unsharded" and "s per optimizer step vs" in roomy.reason
+    # a tight device: the full gradient accumulator (4 GB) does not fit beside the sharded states
+    tight = choose_layout(
+        32, 8, MODEL.params, 9 * GIB, CLUSTER, MODEL, TRAINING, partition_size=8, grad_accumulation="auto"
+    )
+    assert (tight.partition_size, tight.grad_accumulation) == (8, "sharded")
+    assert "unsharded would need" in tight.reason
+    fixed = choose_layout(32, 8, MODEL.params, 80 * GIB, CLUSTER, MODEL, TRAINING, partition_size=16)
+    assert (fixed.partition_size, fixed.grad_accumulation) == (16, "sharded")
+    single = choose_layout(
+        32, 8, MODEL.params, 80 * GIB, CLUSTER, MODEL, replace(TRAINING, accumulation=1), grad_accumulation="auto"
+    )
+    assert single.grad_accumulation == "sharded" and "coincide" in single.reason
+    ranked = plan(CLUSTER, MODEL, TRAINING, uniform_only=True, grad_accumulation="auto").ranked
+    assert {c.grad_accumulation for c in ranked} == {"sharded", "unsharded"}
+    assert sum(c.layout.grads == 1 for c in ranked) == 1  # replication has one mode only
+    with pytest.raises(ValueError, match="grad_accumulation='lazy' is not one of"):
+        plan(CLUSTER, MODEL, TRAINING, grad_accumulation="lazy")
+
+
 # ------------------------------------------------------------------------------------ the papers' settings
 def _paper_cluster(preset: str, nodes: int, gbps: float | None = None) -> ClusterSpec:
     cluster = CLUSTER_PRESETS[preset].with_nodes(nodes)
@@ -335,7 +375,7 @@ def test_gloos_own_reduce_scatter_costs_an_all_reduce_ours_half_and_fsdp1_reduce
     with pytest.raises(ValueError, match="reduce_scatter_algorithm must be 'ring' or 'all_reduce'"):
         replace(CLUSTER, reduce_scatter_algorithm="tree")
     fsdp2 = estimate(ShardingSpec.uniform("world"), CLUSTER, MODEL, TRAINING)
-    fsdp1 = estimate(ShardingSpec.uniform("world"), CLUSTER, MODEL, TRAINING, reduce_every_micro_step=False)
+    fsdp1 = estimate(ShardingSpec.uniform("world"), CLUSTER, MODEL, TRAINING, grad_accumulation="unsharded")
     assert fsdp1.comm_s["backward"] < fsdp2.comm_s["backward"] and fsdp1.comm_s["boundary"] > 0
     assert fsdp1.memory.grads == pytest.approx(fsdp2.memory.grads * CLUSTER.world_size)  # unsharded accumulation
 

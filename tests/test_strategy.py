@@ -49,6 +49,7 @@ def test_unsupported_precision_is_rejected_at_construction():
         ({"timeout": "30"}, "timedelta or a positive number of seconds"),
         ({"timeout": -5}, "timedelta or a positive number of seconds"),
         ({"checkpoint_verify": "sha"}, "checkpoint_verify='sha' is not one of \\['checksum', 'size', 'none'\\]"),
+        ({"grad_accumulation": "full"}, "grad_accumulation='full' is not one of .*'unsharded' keeps full gradients"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, message):

@@ -27,7 +27,8 @@ from lightning_mics.telemetry import (
 )
 
 WORLD, RANKS_PER_NODE, ACCUMULATE, STEPS = 4, 2, 2, 3
-LAYOUTS = (2, 1, "world")  # MiCS 2x2, pure replication, ZeRO-3
+#: (partition size, grad_accumulation): MiCS 2x2, pure replication, ZeRO-3, MiCS 2x2 accumulating unsharded
+LAYOUTS = ((2, "sharded"), (1, "sharded"), ("world", "sharded"), (2, "unsharded"))
 
 
 def test_padding_rounds_dim0_up_to_the_partition_size() -> None:
@@ -53,6 +54,12 @@ def test_analytic_formula_for_one_unit_by_hand() -> None:
     two_stage = analytic_comm_bytes([unit], partition_size=4, replication_degree=1, hierarchical_ranks_per_node=2)
     assert two_stage.by_kind["all_gather"] == single.by_kind["all_gather"] * 3 // 2
     assert two_stage.by_kind["reduce_scatter"] == single.by_kind["reduce_scatter"] * 3 // 2
+    unsharded = analytic_comm_bytes(
+        [unit], partition_size=2, replication_degree=2, accumulate_grad_batches=3, grad_accumulation="unsharded"
+    )
+    assert unsharded.by_kind["reduce_scatter"] == padded_trainable * 4  # once, at the boundary
+    assert unsharded.by_kind["all_gather"] == got.by_kind["all_gather"]
+    assert unsharded.by_kind["all_reduce"] == got.by_kind["all_reduce"]
     with pytest.raises(ValueError, match="positive"):
         analytic_comm_bytes([unit], partition_size=2, replication_degree=2, accumulate_grad_batches=0)
 
@@ -81,10 +88,12 @@ def test_bad_peak_flops_is_rejected_with_the_accepted_forms() -> None:
 
 def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
     results = []
-    for partition_size in LAYOUTS:
+    for partition_size, grad_accumulation in LAYOUTS:
         telemetry = TrainingTelemetry(peak_flops=1e12)
-        strategy = MiCSStrategy(partition_size=partition_size, ranks_per_node=RANKS_PER_NODE)
-        logger = CSVLogger(log_dir, name=f"p{partition_size}", version="")
+        strategy = MiCSStrategy(
+            partition_size=partition_size, ranks_per_node=RANKS_PER_NODE, grad_accumulation=grad_accumulation
+        )
+        logger = CSVLogger(log_dir, name=f"p{partition_size}-{grad_accumulation}", version="")
         trainer = quick_trainer(
             world_size, strategy, STEPS, ACCUMULATE, callbacks=[telemetry], logger=logger, log_every_n_steps=1
         )
@@ -96,6 +105,7 @@ def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
             topology.replication_degree,
             ACCUMULATE,
             hierarchical_ranks_per_node=topology.ranks_per_node,  # ZeRO-3 here spans both emulated nodes
+            grad_accumulation=grad_accumulation,
         )
         results.append(
             dict(
@@ -132,10 +142,13 @@ def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, 
 
 @pytest.mark.distributed
 def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
-    mics, replicate, zero3 = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
+    mics, replicate, zero3, unsharded = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
     assert mics.intra_partition > 0 and mics.cross_replica > 0
     assert replicate.intra_partition == 0 and replicate.cross_replica > mics.cross_replica  # full gradients
     assert zero3.cross_replica == 0 and zero3.intra_partition > 0
+    # unsharded accumulation: one reduce-scatter per optimizer step instead of one per micro-step
+    assert unsharded.by_kind["reduce_scatter"] * ACCUMULATE == mics.by_kind["reduce_scatter"]
+    assert (unsharded.by_kind["all_gather"], unsharded.cross_replica) == (mics.by_kind["all_gather"], mics.cross_replica)
 
 
 @pytest.mark.distributed

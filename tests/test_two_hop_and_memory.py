@@ -24,28 +24,38 @@ RANKS_PER_NODE = 4
 UNITS_WITH_GRADS = LAYERS + 1  # one per transformer-like block, plus the root (embedding/head)
 
 
-def _collect(rank: int, world: int, partition: int, manual: bool) -> dict:
+def _collect(rank: int, world: int, partition: int, manual: bool, grad_accumulation: str) -> dict:
     cfg = RunConfig(world_size=world, accumulate=ACCUMULATE, steps=2)
     module = ManualAccumulationModule(cfg) if manual else ToyModule(cfg)
     recorder_cb, memory_cb = RecordPerMicroStep(), CountLocalStateElements()
-    fit_with_mics(module, cfg, callbacks=[recorder_cb, memory_cb], partition_size=partition, ranks_per_node=RANKS_PER_NODE)
+    fit_with_mics(
+        module,
+        cfg,
+        callbacks=[recorder_cb, memory_cb],
+        partition_size=partition,
+        ranks_per_node=RANKS_PER_NODE,
+        grad_accumulation=grad_accumulation,
+    )
     full_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     calls = [c for c in recorder_cb.recorder.calls if c.step >= 0]
     return {"calls": calls, "local": memory_cb.local, "shapes": full_shapes, "trainable": trainable}
 
 
-CASES = {
-    "mics-partition-4": (4, False),  # one node per partition, 2 replicas
-    "mics-partition-2": (2, False),  # 2 partitions per node, 4 replicas
-    "zero3": (8, False),  # partition spans both nodes (hierarchical stages): nothing to all-reduce
-    "replicate": (1, False),  # DDP-like: only the all-reduce, across all 8 ranks
-    "manual-partition-4": (4, True),
+CASES = {  # partition size, manual optimization, grad_accumulation
+    "mics-partition-4": (4, False, "sharded"),  # one node per partition, 2 replicas
+    "mics-partition-2": (2, False, "sharded"),  # 2 partitions per node, 4 replicas
+    "zero3": (8, False, "sharded"),  # partition spans both nodes (hierarchical stages): nothing to all-reduce
+    "replicate": (1, False, "sharded"),  # DDP-like: only the all-reduce, across all 8 ranks
+    "manual-partition-4": (4, True, "sharded"),
+    # unsharded accumulation: reduce-scatter (and all-reduce) only on the boundary micro-step
+    "unsharded-partition-4": (4, False, "unsharded"),
+    "unsharded-zero3": (8, False, "unsharded"),
 }
 
 
 def _collect_all(rank: int, world: int) -> dict:
-    return {name: _collect(rank, world, partition, manual) for name, (partition, manual) in CASES.items()}
+    return {name: _collect(rank, world, *case) for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +65,7 @@ def runs():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_collectives_follow_the_two_hop_schedule(runs, case):
-    partition, _ = CASES[case]
+    partition, _, grad_accumulation = CASES[case]
     topo = MiCSTopology.create(8, RANKS_PER_NODE, partition)
     micro_steps = sorted({c.step for r in runs for c in r[case]["calls"]})
     assert micro_steps, "no collectives recorded during training"
@@ -87,14 +97,16 @@ def test_collectives_follow_the_two_hop_schedule(runs, case):
                 assert all_reduces == (UNITS_WITH_GRADS if boundary else 0), (rank, step, all_reduces)
             else:
                 assert all_reduces == 0
-            # hop 1 runs on every micro-step whenever there is something to scatter
+            # hop 1 runs whenever there is something to scatter: every micro-step when sharded,
+            # only on the boundary when gradients accumulate unsharded
             stages = 2 if topo.spans_nodes else 1
-            assert reduce_scatters == (stages * UNITS_WITH_GRADS if topo.partition_size > 1 else 0), (rank, step)
+            scatters = topo.partition_size > 1 and (grad_accumulation == "sharded" or boundary)
+            assert reduce_scatters == (stages * UNITS_WITH_GRADS if scatters else 0), (rank, step)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_rank_holds_one_partition_share_of_every_state(runs, case):
-    partition, _ = CASES[case]
+    partition, _, _ = CASES[case]
     topo = MiCSTopology.create(8, RANKS_PER_NODE, partition)
     shapes, trainable = runs[0][case]["shapes"], runs[0][case]["trainable"]
     totals = {

@@ -29,10 +29,13 @@ from lightning_mics.planner.cost_model import (
 )
 from lightning_mics.planner.report import Plan
 from lightning_mics.planner.search import (
+    LayoutChoice,
+    choose_layout,
     choose_partition_size,
     device_memory_bytes,
     mics_speedup_over_zero3,
     plan,
+    plan_layout_for,
     plan_partition_size_for,
 )
 from lightning_mics.planner.specs import (
@@ -62,6 +65,7 @@ __all__ = [
     "Collective",
     "CollectiveCost",
     "GroupShape",
+    "LayoutChoice",
     "LayoutEstimate",
     "MemoryBreakdown",
     "ModelSpec",
@@ -73,6 +77,7 @@ __all__ = [
     "TrainingSpec",
     "activation_bytes",
     "calibrate_cluster",
+    "choose_layout",
     "choose_partition_size",
     "collective_cost",
     "device_memory_bytes",
@@ -87,6 +92,7 @@ __all__ = [
     "parse_flops",
     "parse_seconds",
     "plan",
+    "plan_layout_for",
     "plan_partition_size_for",
     "ring_cost",
 ]

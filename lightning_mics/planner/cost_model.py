@@ -40,7 +40,8 @@ byte widths ``b_gather`` (all-gather dtype), ``b_reduce`` (gradient reduction dt
 
 * every micro-step: forward all-gather of ``Psi * b_gather`` over the ``G`` group; backward
   all-gather again over the ``G`` group (``P = G``), over the ``P`` group (hpZ) or not at all
-  (``P = 1``); reduce-scatter of ``Psi * b_reduce`` over the ``G`` group;
+  (``P = 1``); reduce-scatter of ``Psi * b_reduce`` over the ``G`` group (with
+  ``grad_accumulation="unsharded"``: once per optimizer step, at the boundary, instead);
 * once per optimizer step (the 2-hop boundary): ``OS = G``: all-reduce of the ``Psi / G`` shard
   across the ``W / G`` replicas. ``OS > G``: reduce-scatter of it across ``OS / G`` replicas,
   all-reduce of the ``Psi / OS`` result across ``W / OS`` replicas, then all-gather of the updated
@@ -64,6 +65,7 @@ recomputes the forward), split 1/3 forward, 2/3 backward.
 **Memory per GPU** (:func:`memory_breakdown`)::
 
     states      = Psi * (b_param / G + b_grad / G + b_optim / OS)
+                  (grad_accumulation="unsharded": Psi * b_reduce for the gradients, the full accumulator)
     held params = Psi * b_gather / P      parameters kept between forward and backward (P < G)
     buffers     = 2 Psi / U * (b_gather + b_reduce)   prefetched unit + unsharded gradients (G > 1)
     activations = per layer s*b*h*(34 + 5*a*s/h) bytes at 16-bit (Korthikanti et al. 2022), or
@@ -77,15 +79,16 @@ The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimiz
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Union
 
+from lightning_mics.grad_sync import GradAccumulation
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from lightning_mics.schedule import CollectiveKind, StepLayout, UnitSize, step_schedule
 from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
 
 # ---------------------------------------------------------------------------------------------- collectives
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 _RING_PASSES: dict[str, int] = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 
 
@@ -182,100 +185,61 @@ class Collective:
         return one * self.count
 
 
-def layout_schedule(
-    layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, reduce_every_micro_step: bool = True
-) -> list[Collective]:
-    """The collectives one rank issues per micro-step and per optimizer step (see module docstring).
+def _group_shape(role: str, size: int, layout: ShardingDegrees) -> GroupShape:
+    """Where the ranks of a :data:`~lightning_mics.schedule.GroupRole` sit, under the contiguous layout."""
+    r, g, os_ = layout.ranks_per_node, layout.grads, layout.optim
+    if role.endswith("_across_nodes"):
+        return GroupShape(size=size, per_node=1)
+    if role.endswith("_within_node") or role in ("partition", "param_group"):
+        return GroupShape.strided(size, 1, r)
+    stride = {"replication": g, "optim_shard": g, "optim_replica": os_}[role]
+    return GroupShape.strided(size, stride, r)
 
-    ``reduce_every_micro_step=False`` models FSDP1 under Lightning (``FSDPStrategy``): Lightning's
-    ``no_sync()`` on non-boundary micro-steps keeps gradients unsharded, and the reduce-scatter runs
-    once, at the boundary (still overlapped with that backward).
+
+def layout_schedule(
+    layout: ShardingDegrees,
+    model: ModelSpec,
+    training: TrainingSpec,
+    grad_accumulation: GradAccumulation = "sharded",
+    hierarchical: bool = False,
+) -> list[Collective]:
+    """The collectives one rank issues per micro-step and per optimizer step:
+    :func:`lightning_mics.schedule.step_schedule` for ``model.num_units`` equal units (the last, the
+    root, kept gathered from forward to backward), summed over the units.
+
+    ``grad_accumulation="unsharded"`` keeps gradients unsharded until the boundary, where the
+    reduce-scatter runs once (still overlapped with that backward): MiCSStrategy's
+    ``grad_accumulation="unsharded"``, and FSDP1 under Lightning's ``no_sync()``. ``hierarchical``:
+    partition collectives spanning nodes run in MiCS's two stages (listed as two collectives).
     """
     psi, units, b = float(model.params), model.num_units, training.bytes
-    p, g, os_, w, r = layout.params, layout.grads, layout.optim, layout.world_size, layout.ranks_per_node
-    resharded_units = max(1, units - 1)  # the root unit keeps its parameters from forward to backward
-    partition = GroupShape.strided(g, 1, r)
-    schedule: list[Collective] = []
-    if g > 1:
-        schedule.append(
-            Collective("forward", "param all-gather", "all_gather", partition, psi * b.gather_bytes, units, True)
-        )
-        if p > 1:  # P = 1 keeps the gathered parameters until backward: no re-gather
-            backward_group = partition if p == g else GroupShape.strided(p, 1, r)
-            schedule.append(
-                Collective(
-                    "backward",
-                    "param re-gather" + ("" if p == g else f" (hpZ, {p} ranks)"),
-                    "all_gather",
-                    backward_group,
-                    psi * b.gather_bytes * resharded_units / units,
-                    resharded_units,
-                    True,
-                )
+    unit = psi / units
+    sizes = [UnitSize(unit, unit, regathered_in_backward=i < units - 1) for i in range(units)]
+    step = StepLayout(
+        partition_size=layout.grads,
+        world_size=layout.world_size,
+        accumulation=training.accumulation,
+        grad_accumulation=grad_accumulation,
+        params_degree=layout.params,
+        optim_degree=layout.optim,
+        hierarchical_ranks_per_node=layout.ranks_per_node if hierarchical else None,
+        gather_bytes=b.gather_bytes,
+        reduce_bytes=b.reduce_bytes,
+        param_bytes=b.param_bytes,
+    )
+    merged: dict[tuple[str, str, str, str], Collective] = {}
+    for entry in step_schedule(sizes, step):
+        key = (entry.phase, entry.what, entry.kind, entry.group)
+        total = entry.payload_bytes * entry.calls
+        if key in merged:
+            known = merged[key]
+            merged[key] = replace(known, payload_bytes=known.payload_bytes + total, count=known.count + entry.calls)
+        else:
+            group = _group_shape(entry.group, entry.group_size, layout)
+            merged[key] = Collective(
+                entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step
             )
-        schedule.append(
-            Collective(
-                "backward" if reduce_every_micro_step else "boundary",
-                "grad reduce-scatter",
-                "reduce_scatter",
-                partition,
-                psi * b.reduce_bytes,
-                units,
-                reduce_every_micro_step,
-            )
-        )
-    shard = psi / g
-    if os_ == g:
-        replicas = GroupShape.strided(w // g, g, r)
-        schedule.append(
-            Collective(
-                "boundary",
-                "grad all-reduce across replicas",
-                "all_reduce",
-                replicas,
-                shard * b.reduce_bytes,
-                units,
-                False,
-            )
-        )
-    else:
-        optim_group = GroupShape.strided(os_ // g, g, r)
-        schedule.append(
-            Collective(
-                "boundary",
-                "grad reduce-scatter across replicas",
-                "reduce_scatter",
-                optim_group,
-                shard * b.reduce_bytes,
-                units,
-                False,
-            )
-        )
-        if w > os_:
-            rest = GroupShape.strided(w // os_, os_, r)
-            schedule.append(
-                Collective(
-                    "boundary",
-                    "grad all-reduce across replicas",
-                    "all_reduce",
-                    rest,
-                    psi / os_ * b.reduce_bytes,
-                    units,
-                    False,
-                )
-            )
-        schedule.append(
-            Collective(
-                "post_step",
-                "updated param all-gather across replicas",
-                "all_gather",
-                optim_group,
-                shard * b.param_bytes,
-                units,
-                False,
-            )
-        )
-    return [c for c in schedule if c.group.size > 1]
+    return list(merged.values())
 
 
 # ---------------------------------------------------------------------------------------------- estimates
@@ -319,10 +283,11 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec) -> float:
 
 
 def memory_breakdown(
-    layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, reduce_every_micro_step: bool = True
+    layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, grad_accumulation: GradAccumulation = "sharded"
 ) -> MemoryBreakdown:
-    """Peak bytes per GPU of ``layout`` (formulas in the module docstring). Without a reduction every
-    micro-step (FSDP1 under Lightning's ``no_sync``) the gradients accumulate unsharded."""
+    """Peak bytes per GPU of ``layout`` (formulas in the module docstring). With
+    ``grad_accumulation="unsharded"`` every rank also holds the full gradient accumulator (in the
+    reduction dtype) between micro-steps, beside its sharded gradient."""
     psi, units, b = float(model.params), model.num_units, training.bytes
     p, g, os_ = layout.params, layout.grads, layout.optim
     if g == 1:  # plain replication: parameters are whole already, nothing is gathered
@@ -333,7 +298,9 @@ def memory_breakdown(
         buffers = 2 * psi / units * (b.gather_bytes + b.reduce_bytes)
     return MemoryBreakdown(
         params=psi * b.param_bytes / g,
-        grads=psi * b.grad_bytes / (g if reduce_every_micro_step else 1),
+        # Unsharded accumulation holds the full accumulator (reduction dtype) until the boundary
+        # reduce-scatter, which frees it unit by unit as the sharded gradients appear.
+        grads=psi * b.reduce_bytes if grad_accumulation == "unsharded" and g > 1 else psi * b.grad_bytes / g,
         optimizer=psi * b.optim_bytes / os_,
         held_params=held,
         buffers=buffers,
@@ -356,6 +323,8 @@ class LayoutEstimate:
     memory: MemoryBreakdown
     usable_memory_bytes: float
     tokens_per_step: int
+    #: how gradients accumulate between optimizer steps (:mod:`lightning_mics.grad_sync`)
+    grad_accumulation: GradAccumulation = "sharded"
 
     @property
     def fits(self) -> bool:
@@ -367,7 +336,11 @@ class LayoutEstimate:
 
     @property
     def name(self) -> str:
-        return f"{self.layout.kind}: {self.layout.label}" + (" hier" if self.hierarchical else "")
+        return (
+            f"{self.layout.kind}: {self.layout.label}"
+            + (" hier" if self.hierarchical else "")
+            + (" unsharded-acc" if self.grad_accumulation == "unsharded" else "")
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -378,6 +351,7 @@ class LayoutEstimate:
             "partition_size": self.layout.partition_size,
             "reshard_after_forward": self.layout.reshard_after_forward,
             "hierarchical": self.hierarchical,
+            "grad_accumulation": self.grad_accumulation,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "compute_s": self.compute_s,
@@ -407,11 +381,11 @@ def estimate(
     model: ModelSpec,
     training: TrainingSpec,
     hierarchical: Union[bool, Literal["auto"]] = "auto",
-    reduce_every_micro_step: bool = True,
+    grad_accumulation: GradAccumulation = "sharded",
 ) -> LayoutEstimate:
     """Predict one layout. ``hierarchical="auto"`` does what the strategy does: two-stage
     collectives whenever a group spans nodes (``False`` models flat rings, e.g. DeepSpeed ZeRO-3).
-    ``reduce_every_micro_step=False``: see :func:`layout_schedule` (FSDP1 peers)."""
+    ``grad_accumulation``: see :func:`layout_schedule` (``"unsharded"`` also models FSDP1 peers)."""
     if isinstance(layout, ShardingSpec):
         layout = layout.resolve(cluster.world_size, cluster.gpus_per_node)
     if (layout.world_size, layout.ranks_per_node) != (cluster.world_size, cluster.gpus_per_node):
@@ -434,8 +408,8 @@ def estimate(
         "boundary": CollectiveCost(),
         "post_step": CollectiveCost(),
     }
-    for collective in layout_schedule(layout, model, training, reduce_every_micro_step):
-        cost = collective.cost(cluster, use_hierarchical)
+    for collective in layout_schedule(layout, model, training, grad_accumulation, use_hierarchical and spans):
+        cost = collective.cost(cluster, hierarchical=False)  # hierarchical stages are separate collectives
         comm[collective.phase] = comm[collective.phase] + cost
     fwd, bwd, boundary, post = (comm[k].time_s for k in ("forward", "backward", "boundary", "post_step"))
     a = training.accumulation
@@ -462,7 +436,8 @@ def estimate(
         optimizer_step_s=optimizer_step,
         step_time_s=step,
         inter_node_bytes=egress,
-        memory=memory_breakdown(layout, model, training, reduce_every_micro_step),
+        memory=memory_breakdown(layout, model, training, grad_accumulation),
         usable_memory_bytes=cluster.gpu_memory_bytes * (1 - cluster.memory_reserve_fraction),
         tokens_per_step=tokens_micro * a * cluster.world_size,
+        grad_accumulation=grad_accumulation,
     )

@@ -30,12 +30,19 @@ class Plan:
     def any_fits(self) -> bool:
         return self.winner.fits
 
-    def find(self, params: int, grads: int, optim: int) -> LayoutEstimate:
+    def find(self, params: int, grads: int, optim: int, grad_accumulation: Optional[str] = None) -> LayoutEstimate:
+        """The best-ranked estimate of layout (P, G, OS), in ``grad_accumulation`` when given."""
         for candidate in self.ranked:
             layout = candidate.layout
-            if (layout.params, layout.grads, layout.optim) == (params, grads, optim):
+            if (layout.params, layout.grads, layout.optim) == (params, grads, optim) and (
+                grad_accumulation in (None, candidate.grad_accumulation)
+            ):
                 return candidate
-        raise KeyError(f"No layout P={params} G={grads} OS={optim} in this plan.")
+        raise KeyError(
+            f"No layout P={params} G={grads} OS={optim}"
+            + (f" with grad_accumulation={grad_accumulation}" if grad_accumulation else "")
+            + " in this plan."
+        )
 
     def explain(self) -> str:
         """Why the winner wins: against the runner-up and, when different, the MiCS default and ZeRO-3."""

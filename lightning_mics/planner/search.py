@@ -1,12 +1,14 @@
-"""Searching the layouts: rank every valid (P, G, OS) of a job, and the entry points that pick a
-partition size (``MiCSStrategy(partition_size="auto")``)."""
+"""Searching the layouts: rank every valid (P, G, OS) of a job -- optionally in both gradient
+accumulation modes -- and the entry points that pick a partition size and accumulation mode
+(``MiCSStrategy(partition_size="auto", grad_accumulation="auto")``)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
 
-from lightning_mics.planner.cost_model import estimate
+from lightning_mics.grad_sync import GRAD_ACCUMULATION_MODES, GradAccumulation, check_grad_accumulation
+from lightning_mics.planner.cost_model import LayoutEstimate, estimate
 from lightning_mics.planner.report import Plan, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
@@ -19,8 +21,15 @@ def plan(
     uniform_only: bool = False,
     hierarchical: Union[bool, Literal["auto"]] = "auto",
     tie_tolerance: float = 0.02,
+    grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+    partition_size: Optional[int] = None,
 ) -> Plan:
-    """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``) and rank them.
+    """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``; only partition size
+    ``partition_size`` when given) and rank them.
+
+    ``grad_accumulation="auto"`` estimates every sharded layout in both accumulation modes (they
+    differ only with ``accumulation > 1``), so the ranking trades the memory of full gradients
+    against the per-micro-step reduce-scatters.
 
     Layouts that fit come first, fastest first -- except that the winner is chosen among all
     fitting layouts within ``tie_tolerance`` of the fastest predicted time: the model cannot tell
@@ -29,8 +38,25 @@ def plan(
     """
     if not 0.0 <= tie_tolerance < 1.0:
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
+    check_grad_accumulation(grad_accumulation, allow_auto=True)
     layouts = all_sharding_degrees(cluster.world_size, cluster.gpus_per_node, uniform_only=uniform_only)
-    estimates = [estimate(layout, cluster, model, training, hierarchical) for layout in layouts]
+    if partition_size is not None:
+        layouts = [layout for layout in layouts if layout.partition_size == partition_size]
+        if not layouts:
+            raise ValueError(
+                f"partition_size={partition_size} is not a valid layout for {cluster.world_size} ranks of "
+                f"{cluster.gpus_per_node} per node."
+            )
+    modes: tuple[GradAccumulation, ...] = (
+        GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
+    )
+    estimates = [
+        estimate(layout, cluster, model, training, hierarchical, mode)
+        for layout in layouts
+        for mode in modes
+        # the modes differ only when a sharded gradient is accumulated over several micro-steps
+        if mode == modes[0] or (layout.grads > 1 and training.accumulation > 1)
+    ]
     estimates.sort(key=lambda c: (not c.fits, c.step_time_s, c.memory.total))
     if estimates[0].fits:
         limit = estimates[0].step_time_s * (1 + tie_tolerance)
@@ -43,7 +69,45 @@ def plan(
     return Plan(cluster, model, training, tuple(estimates))
 
 
-def choose_partition_size(
+@dataclass(frozen=True)
+class LayoutChoice:
+    """What ``MiCSStrategy(partition_size="auto")`` / ``grad_accumulation="auto"`` settle on, and why."""
+
+    partition_size: int
+    grad_accumulation: GradAccumulation
+    estimate: LayoutEstimate
+    #: one line for the layout log: the choice against its closest alternative
+    reason: str
+
+
+def _accumulation_reason(result: Plan, winner: LayoutEstimate, requested: str) -> str:
+    """Why the winner's accumulation mode beats the other mode of the same layout."""
+    if requested != "auto":
+        return f"grad_accumulation={winner.grad_accumulation} as configured"
+    other_mode = "unsharded" if winner.grad_accumulation == "sharded" else "sharded"
+    other = next(
+        (
+            c
+            for c in result.ranked
+            if c.layout == winner.layout and c.grad_accumulation == other_mode
+        ),
+        None,
+    )
+    if other is None:
+        return f"grad_accumulation={winner.grad_accumulation} (the modes coincide for this layout and accumulation)"
+    if not other.fits:
+        return (
+            f"grad_accumulation={winner.grad_accumulation}: {other_mode} would need {gib_text(other.memory.total)}, "
+            f"more than the {gib_text(other.usable_memory_bytes)} usable per device"
+        )
+    return (
+        f"grad_accumulation={winner.grad_accumulation}: predicted {winner.step_time_s:.3g} s per optimizer step vs "
+        f"{other.step_time_s:.3g} s {other_mode} ({gib_text(winner.memory.total)} vs {gib_text(other.memory.total)} "
+        "per device)"
+    )
+
+
+def choose_layout(
     world_size: int,
     ranks_per_node: int,
     param_count: int,
@@ -51,15 +115,18 @@ def choose_partition_size(
     cluster: Optional[ClusterSpec] = None,
     model: Optional[ModelSpec] = None,
     training: Optional[TrainingSpec] = None,
-) -> int:
-    """The MiCS partition size (``P = G = OS``) the planner predicts fastest among those that fit.
+    partition_size: Optional[int] = None,
+    grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+) -> LayoutChoice:
+    """The MiCS layout (``P = G = OS``; ``partition_size`` when fixed) and accumulation mode (one
+    mode, or ``"auto"``: both) the planner predicts fastest among those that fit.
 
-    This is what ``MiCSStrategy(partition_size="auto")`` calls. Without a ``cluster`` it assumes
-    :meth:`ClusterSpec.generic` bandwidths (or pass one from :func:`calibrate_cluster`); without a
-    ``model`` it guesses a GPT shape from ``param_count`` (:meth:`ModelSpec.from_param_count`).
+    Without a ``cluster`` it assumes :meth:`ClusterSpec.generic` bandwidths (or pass one from
+    :func:`calibrate_cluster`); without a ``model`` it guesses a GPT shape from ``param_count``
+    (:meth:`ModelSpec.from_param_count`).
 
     Raises:
-        ValueError: when no partition size fits, naming the memory needed and the ways out.
+        ValueError: when nothing fits, naming the memory needed and the ways out.
     """
     if world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}.")
@@ -75,16 +142,50 @@ def choose_partition_size(
     model = model or ModelSpec.from_param_count(param_count)
     if model.params != param_count:
         model = replace(model, params=int(param_count))
-    result = plan(cluster, model, training or TrainingSpec(), uniform_only=True)
+    result = plan(
+        cluster,
+        model,
+        training or TrainingSpec(),
+        uniform_only=True,
+        grad_accumulation=grad_accumulation,
+        partition_size=partition_size,
+    )
     if not result.any_fits:
         lean = leanest(result.ranked)
+        what = "partition size" if partition_size is None else f"accumulation mode of partition_size={partition_size}"
         raise ValueError(
-            f"partition_size='auto': no partition size fits a {param_count:,}-parameter model in "
+            f"partition_size='auto': no {what} fits a {param_count:,}-parameter model in "
             f"{gib_text(device_memory_bytes)} per device on {world_size} ranks; even {lean.layout.label} needs "
             f"~{gib_text(lean.memory.total)}. Use more devices, a smaller micro-batch, activation checkpointing or "
             f"bf16-true, or pass partition_size explicitly."
         )
-    return result.winner.layout.partition_size
+    winner = result.winner
+    return LayoutChoice(
+        partition_size=winner.layout.partition_size,
+        grad_accumulation=winner.grad_accumulation,
+        estimate=winner,
+        reason=_accumulation_reason(result, winner, grad_accumulation),
+    )
+
+
+def choose_partition_size(
+    world_size: int,
+    ranks_per_node: int,
+    param_count: int,
+    device_memory_bytes: float,
+    cluster: Optional[ClusterSpec] = None,
+    model: Optional[ModelSpec] = None,
+    training: Optional[TrainingSpec] = None,
+) -> int:
+    """The MiCS partition size (``P = G = OS``, sharded accumulation) the planner predicts fastest
+    among those that fit: :func:`choose_layout` with the accumulation mode fixed to MiCS's default.
+
+    Raises:
+        ValueError: when no partition size fits, naming the memory needed and the ways out.
+    """
+    return choose_layout(
+        world_size, ranks_per_node, param_count, device_memory_bytes, cluster, model, training
+    ).partition_size
 
 
 def mics_speedup_over_zero3(
@@ -110,6 +211,41 @@ def device_memory_bytes(device: Any, ranks_per_node: int) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / ranks_per_node
 
 
+def plan_layout_for(
+    module: Any,
+    world_size: int,
+    ranks_per_node: int,
+    device: Any,
+    precision: str = "bf16-mixed",
+    accumulation: int = 1,
+    partition_size: Optional[int] = None,
+    grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+) -> LayoutChoice:
+    """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
+    "auto")`` and ``grad_accumulation="auto"`` call once the processes exist.
+
+    Raises:
+        ValueError: when the module has no parameters yet (built later, in ``configure_model``).
+    """
+    param_count = sum(p.numel() for p in module.parameters())
+    if param_count == 0:
+        raise ValueError(
+            "partition_size='auto' / grad_accumulation='auto' need the model's parameters before the processes are "
+            "set up, but the LightningModule has none yet (built in configure_model?). Create the model in __init__ "
+            "(inside `trainer.init_module(empty_init=True)` for big models) or pass partition_size and "
+            "grad_accumulation explicitly."
+        )
+    return choose_layout(
+        world_size,
+        ranks_per_node,
+        param_count,
+        device_memory_bytes(device, ranks_per_node),
+        training=TrainingSpec(accumulation=accumulation, precision=precision),
+        partition_size=partition_size,
+        grad_accumulation=grad_accumulation,
+    )
+
+
 def plan_partition_size_for(
     module: Any,
     world_size: int,
@@ -118,23 +254,5 @@ def plan_partition_size_for(
     precision: str = "bf16-mixed",
     accumulation: int = 1,
 ) -> int:
-    """:func:`choose_partition_size` for a live module on this device: what
-    ``MiCSStrategy(partition_size="auto")`` calls once the processes exist.
-
-    Raises:
-        ValueError: when the module has no parameters yet (built later, in ``configure_model``).
-    """
-    param_count = sum(p.numel() for p in module.parameters())
-    if param_count == 0:
-        raise ValueError(
-            "partition_size='auto' needs the model's parameters before the processes are set up, but the "
-            "LightningModule has none yet (built in configure_model?). Create the model in __init__ (inside "
-            "`trainer.init_module(empty_init=True)` for big models) or pass partition_size explicitly."
-        )
-    return choose_partition_size(
-        world_size,
-        ranks_per_node,
-        param_count,
-        device_memory_bytes(device, ranks_per_node),
-        training=TrainingSpec(accumulation=accumulation, precision=precision),
-    )
+    """The partition size of :func:`plan_layout_for` with MiCS's default (sharded) accumulation."""
+    return plan_layout_for(module, world_size, ranks_per_node, device, precision, accumulation).partition_size

@@ -1,0 +1,98 @@
+"""Where a rank's time goes: summarise py-spy samples of the emulated-cluster benchmark by category.
+
+    sudo python benchmarks/emulated_cluster.py --strategies mics,fsdp-hybrid --profile-dir /tmp/prof
+    python benchmarks/profile_breakdown.py /tmp/prof/mics.txt /tmp/prof/fsdp-hybrid.txt
+
+Input: py-spy's ``--format raw`` output recorded with ``--idle`` (one line per distinct stack,
+``frame;frame;...;leaf count``, frames as ``function (file:line)``), so time blocked in a collective
+counts like time computing. Each sample goes to the category of the frame *nearest the leaf* that
+matches one of :data:`CATEGORIES` (a collective issued inside a copy-out counts as the collective);
+samples matching none are split into forward / backward compute by whether the stack is inside
+autograd's backward, and "other" (Lightning's loop, data loading, start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+#: (category, pattern on a frame's function name and file), checked from the leaf outwards.
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("ring reduce-scatter (ours, gloo send/recv)", re.compile(r"ring_reduce_scatter|RingReduceScatter")),
+    ("all-gather", re.compile(r"all_gather|_allgather")),
+    ("reduce-scatter", re.compile(r"reduce_scatter")),
+    ("all-reduce", re.compile(r"all_reduce|allreduce")),
+    ("barrier / broadcast", re.compile(r"\bbarrier\b|broadcast")),
+    ("hierarchical reorder (ours)", re.compile(r"Hierarchical|_reorder|reorder_")),
+    ("FSDP2 copy-in / copy-out", re.compile(r"copy_in|copy_out|foreach_reduce_scatter_copy_in|_to_dtype_if_needed")),
+    ("telemetry / collective recording (ours)", re.compile(r"telemetry\.py|CollectiveRecorder|recorded \(")),
+    ("optimizer step", re.compile(r"\bstep \(.*torch/optim|_single_tensor_|_multi_tensor_|optimizer_step")),
+    ("checkpoint", re.compile(r"checkpoint")),
+)
+BACKWARD = re.compile(r"\bbackward \(|_engine_run_backward|run_backward")
+FORWARD = re.compile(r"training_step|\bforward \(")
+
+
+def read_samples(path: Path) -> Counter[tuple[str, ...]]:
+    """Stacks (root first) and their sample counts."""
+    stacks: Counter[tuple[str, ...]] = Counter()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stacks[tuple(stack.split(";"))] += int(count)
+    if not stacks:
+        raise ValueError(f"{path} holds no py-spy samples (record with --format raw).")
+    return stacks
+
+
+def categorise(stack: tuple[str, ...]) -> str:
+    for frame in reversed(stack):
+        for name, pattern in CATEGORIES:
+            if pattern.search(frame):
+                return name
+    if any(BACKWARD.search(frame) for frame in stack):
+        return "backward compute (autograd)"
+    if any(FORWARD.search(frame) for frame in stack):
+        return "forward compute"
+    return "other (Lightning loop, data, start-up)"
+
+
+def breakdown(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
+    """Fraction of samples per category, largest first."""
+    totals: Counter[str] = Counter()
+    for stack, count in stacks.items():
+        totals[categorise(stack)] += count
+    all_samples = sum(totals.values())
+    return {name: count / all_samples for name, count in totals.most_common()}
+
+
+def markdown(tables: dict[str, dict[str, float]]) -> str:
+    names = list(tables)
+    categories: list[str] = []
+    for table in tables.values():
+        categories += [c for c in table if c not in categories]
+    lines = ["| where the time goes | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for category in categories:
+        lines.append(f"| {category} | " + " | ".join(f"{tables[n].get(category, 0.0):.0%}" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profiles", nargs="+", type=Path, help="py-spy raw files, one per strategy (named by file stem)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        tables = {path.stem: breakdown(read_samples(path)) for path in args.profiles}
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(markdown(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

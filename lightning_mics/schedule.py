@@ -1,0 +1,235 @@
+"""The per-step collective schedule of a layout: which collective, on which group, how many bytes, when.
+
+One description of MiCS's traffic, used three ways: the planner prices it
+(:func:`lightning_mics.planner.layout_schedule`), telemetry compares what ran against it
+(:func:`lightning_mics.telemetry.analytic_comm_bytes`), and the emulated-cluster benchmark puts it
+on the wire (``benchmarks/comm_model.py``). Each caller only says how big its FSDP units are
+(real parameter shapes, or a model size split evenly) and what a group role means to it (a cost
+formula, a byte bucket, concrete ranks).
+
+The schedule of one rank's optimizer step of ``A`` micro-steps, per FSDP unit ``u`` with ``G_u``
+elements gathered and ``R_u`` trainable elements reduced (both padded to the shard group):
+
+* forward, every micro-step: all-gather ``G_u`` on the partition (``P > 1``);
+* backward, every micro-step: all-gather ``G_u`` again for units that reshard after forward -- on
+  the partition, or on the smaller parameter group of hpZ / ``reshard_after_forward=int``;
+* reduce-scatter ``R_u`` on the partition: every micro-step (``grad_accumulation="sharded"``), or
+  once at the boundary (``"unsharded"``: full gradients accumulate locally until then);
+* boundary: all-reduce of the ``R_u / P`` shard across the replication group; with optimizer
+  states sharded over ``OS > P`` ranks instead a reduce-scatter across the ``OS / P`` replicas
+  sharing them, an all-reduce of the ``R_u / OS`` slice across the rest, and after the optimizer
+  step an all-gather of the updated ``G_u / P`` shard across the ``OS / P`` replicas.
+
+A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
+each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
+an intra-node stage on the whole buffer (reduce-scatter mirrors it: intra-node first).
+
+Payload convention (the one :class:`~lightning_mics.collectives.CollectiveRecorder` records): the
+gathered output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an
+all-reduce -- bytes on the rank that issues it, per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
+
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+Phase = Literal["forward", "backward", "boundary", "post_step"]
+#: The group a collective runs on, by its role in the layout:
+#:
+#: * ``partition`` -- the ranks sharding one copy of the states;
+#: * ``param_group`` -- the smaller group parameters reshard to after forward (hpZ);
+#: * ``*_across_nodes`` / ``*_within_node`` -- the two stages of a hierarchical collective on the
+#:   partition or parameter group (same-local-rank peers on each node; the group's ranks on one node);
+#: * ``replication`` -- the ranks holding the same shard in different partitions;
+#: * ``optim_shard`` -- replicas that split optimizer states among themselves (``OS > P``);
+#: * ``optim_replica`` -- ranks holding the same optimizer-state slice (``OS > P``, ``W > OS``).
+GroupRole = Literal[
+    "partition",
+    "partition_across_nodes",
+    "partition_within_node",
+    "param_group",
+    "param_group_across_nodes",
+    "param_group_within_node",
+    "replication",
+    "optim_shard",
+    "optim_replica",
+]
+#: Roles whose collectives stay inside the partition (telemetry's "intra-partition" traffic).
+PARTITION_ROLES: frozenset[str] = frozenset(
+    {
+        "partition",
+        "partition_across_nodes",
+        "partition_within_node",
+        "param_group",
+        "param_group_across_nodes",
+        "param_group_within_node",
+    }
+)
+Number = Union[int, float]
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """How much of one FSDP unit moves: elements gathered and trainable elements reduced, each padded
+    the way the sharding implementation pads them. Integers stay exact (telemetry compares them
+    with recorded bytes); the planner passes floats."""
+
+    gather_numel: Number
+    reduce_numel: Number
+    #: whether the unit frees its parameters after forward and gathers them again for backward
+    regathered_in_backward: bool
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What of a layout shapes its traffic. Degrees are group sizes in ranks; ``None`` = the partition."""
+
+    partition_size: int
+    world_size: int
+    accumulation: int = 1
+    grad_accumulation: GradAccumulation = "sharded"
+    #: ranks parameters reshard to after forward (hpZ, ``reshard_after_forward=int``); 1: kept whole
+    params_degree: Optional[int] = None
+    #: ranks sharing one copy of the optimizer states (AMSP ``optim``); > partition shards across replicas
+    optim_degree: Optional[int] = None
+    #: ranks per node when partition collectives run in two stages (a partition spanning nodes)
+    hierarchical_ranks_per_node: Optional[int] = None
+    gather_bytes: int = 4  #: all-gather dtype width (2 with bf16 parameters for compute)
+    reduce_bytes: int = 4  #: gradient reduction dtype width
+    param_bytes: int = 4  #: sharded parameter dtype width (the post-step all-gather of AMSP)
+
+    def __post_init__(self) -> None:
+        check_grad_accumulation(self.grad_accumulation)
+        if min(self.partition_size, self.world_size, self.accumulation) < 1 or self.world_size % self.partition_size:
+            raise ValueError(
+                f"partition_size={self.partition_size} must divide world_size={self.world_size}, and accumulation="
+                f"{self.accumulation} must be positive."
+            )
+
+    @property
+    def params(self) -> int:
+        return self.partition_size if self.params_degree is None else self.params_degree
+
+    @property
+    def optim(self) -> int:
+        return self.partition_size if self.optim_degree is None else self.optim_degree
+
+
+@dataclass(frozen=True)
+class ScheduledCollective:
+    """``calls`` identical collectives per occurrence -- per micro-step when ``every_micro_step``,
+    else once per optimizer step -- each carrying ``payload_bytes``."""
+
+    phase: Phase
+    what: str
+    kind: CollectiveKind
+    group: GroupRole
+    group_size: int
+    payload_bytes: Number
+    calls: int
+    every_micro_step: bool
+
+    def calls_per_step(self, accumulation: int) -> int:
+        return self.calls * (accumulation if self.every_micro_step else 1)
+
+    def bytes_per_step(self, accumulation: int) -> Number:
+        return self.payload_bytes * self.calls_per_step(accumulation)
+
+
+def _div(value: Number, parts: int) -> Number:
+    """``value / parts``, kept an int when it divides (byte counts compared exactly with recordings)."""
+    if isinstance(value, int) and value % parts == 0:
+        return value // parts
+    return value / parts
+
+
+def _on_group(
+    collective: ScheduledCollective, role: Literal["partition", "param_group"], ranks_per_node: Optional[int]
+) -> list[ScheduledCollective]:
+    """``collective`` flat, or as MiCS's two stages when its group spans nodes of ``ranks_per_node``."""
+    m = ranks_per_node
+    if m is None or collective.group_size <= m:
+        return [collective]
+    k = collective.group_size // m
+    across = ScheduledCollective(
+        collective.phase,
+        collective.what + " (across nodes)",
+        collective.kind,
+        f"{role}_across_nodes",  # type: ignore[arg-type]
+        k,
+        _div(collective.payload_bytes, m),
+        collective.calls,
+        collective.every_micro_step,
+    )
+    within = ScheduledCollective(
+        collective.phase,
+        collective.what + " (within node)",
+        collective.kind,
+        f"{role}_within_node",  # type: ignore[arg-type]
+        m,
+        collective.payload_bytes,
+        collective.calls,
+        collective.every_micro_step,
+    )
+    return [across, within] if collective.kind == "all_gather" else [within, across]
+
+
+def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
+    """Every collective one rank issues in one optimizer step of ``layout`` (module docstring), one
+    entry per unit and collective; entries on one-rank groups are left out (FSDP2 skips them)."""
+    p, w, hier = layout.partition_size, layout.world_size, layout.hierarchical_ranks_per_node
+    params_degree, optim = layout.params, layout.optim
+    sharded = layout.grad_accumulation == "sharded"
+    schedule: list[ScheduledCollective] = []
+
+    def add(entry: ScheduledCollective, role: Optional[Literal["partition", "param_group"]] = None) -> None:
+        if entry.group_size > 1:
+            schedule.extend(_on_group(entry, role, hier) if role else [entry])
+
+    for unit in units:
+        gathered = unit.gather_numel * layout.gather_bytes
+        reduced = unit.reduce_numel * layout.reduce_bytes
+        add(ScheduledCollective("forward", "param all-gather", "all_gather", "partition", p, gathered, 1, True),
+            "partition")
+        if unit.regathered_in_backward and params_degree > 1:
+            role: Literal["partition", "param_group"] = "partition" if params_degree == p else "param_group"
+            what = "param re-gather" + ("" if params_degree == p else f" (hpZ, {params_degree} ranks)")
+            add(ScheduledCollective("backward", what, "all_gather", role, params_degree, gathered, 1, True), role)
+        if unit.reduce_numel:
+            add(
+                ScheduledCollective(
+                    "backward" if sharded else "boundary",
+                    "grad reduce-scatter",
+                    "reduce_scatter",
+                    "partition",
+                    p,
+                    reduced,
+                    1,
+                    sharded,
+                ),
+                "partition",
+            )
+            shard = _div(reduced, p)
+            if optim == p:
+                add(ScheduledCollective(
+                    "boundary", "grad all-reduce across replicas", "all_reduce", "replication", w // p, shard, 1, False
+                ))
+            else:
+                add(ScheduledCollective(
+                    "boundary", "grad reduce-scatter across replicas", "reduce_scatter", "optim_shard", optim // p,
+                    shard, 1, False,
+                ))
+                add(ScheduledCollective(
+                    "boundary", "grad all-reduce across replicas", "all_reduce", "optim_replica", w // optim,
+                    _div(reduced, optim), 1, False,
+                ))
+                add(ScheduledCollective(
+                    "post_step", "updated param all-gather across replicas", "all_gather", "optim_shard", optim // p,
+                    _div(unit.gather_numel * layout.param_bytes, p), 1, False,
+                ))
+    return schedule
