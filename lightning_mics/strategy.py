@@ -106,7 +106,9 @@ class MiCSStrategy(ParallelStrategy):
             ``grads`` becomes the partition size; ``params`` smaller than it reshards parameters to
             that group after forward (1: keep them gathered through the step); ``optim`` larger
             than it shards optimizer states across replicas too. Replaces ``partition_size`` and
-            ``reshard_after_forward`` (pass one or the other).
+            ``reshard_after_forward`` (pass one or the other). ``"auto"``: the planner picks all
+            three degrees -- the fastest layout predicted to fit memory (with
+            ``grad_accumulation="auto"`` the accumulation mode too).
         activation_checkpointing_policy: recompute activations in backward for these modules:
             ``True`` = every wrapped block; module classes or a callable as for ``auto_wrap_policy``.
         prefetch_depth: start the all-gather of the next ``N`` blocks while the current one
@@ -150,7 +152,7 @@ class MiCSStrategy(ParallelStrategy):
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
-        sharding: Optional[ShardingSpec] = None,
+        sharding: Union[ShardingSpec, Literal["auto"], None] = None,
         grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
@@ -196,8 +198,11 @@ class MiCSStrategy(ParallelStrategy):
                 "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
                 "grads degree is the partition size and its params degree sets the reshard group."
             )
-        if sharding is not None and not isinstance(sharding, ShardingSpec):
-            raise TypeError(f"sharding must be a lightning_mics.ShardingSpec, got {type(sharding).__name__}.")
+        if sharding is not None and sharding != "auto" and not isinstance(sharding, ShardingSpec):
+            raise TypeError(
+                f"sharding must be a lightning_mics.ShardingSpec or 'auto' (the planner picks every degree), got "
+                f"{sharding!r}."
+            )
         self.sharding = sharding
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
@@ -344,7 +349,7 @@ class MiCSStrategy(ParallelStrategy):
         ranks_per_node = self.ranks_per_node_override or self.num_processes
         if world_size < 1 or self.partition_size_spec == "auto":
             return  # "auto" needs the model; resolved at setup
-        if self.sharding is not None:
+        if isinstance(self.sharding, ShardingSpec):
             self.sharding.resolve(world_size, ranks_per_node)
         else:
             topology = MiCSTopology.create(world_size, ranks_per_node, self.partition_size_spec)
@@ -378,14 +383,15 @@ class MiCSStrategy(ParallelStrategy):
         """Resolve the layout (sharding spec or partition size, 'auto' via the planner) and create
         its mesh and extra process groups -- collectively, on every rank."""
         ranks_per_node = self._ranks_per_node()
-        if self.sharding is not None:
+        planned_partition = self.sharding is None and self.partition_size_spec == "auto"
+        if self.sharding == "auto" or planned_partition or self.grad_accumulation_spec == "auto":
+            self._plan_layout(ranks_per_node)
+        if isinstance(self.sharding, ShardingSpec):
             degrees = self.sharding.resolve(self.world_size, ranks_per_node)
             self.partition_size_spec = degrees.partition_size
             self.reshard_after_forward = degrees.reshard_after_forward
             self._optim_degree = degrees.optim
             self._keep_params_within_step = degrees.params == 1 and degrees.grads > 1
-        if self.partition_size_spec == "auto" or self.grad_accumulation_spec == "auto":
-            self._plan_layout(ranks_per_node)
         self._topology = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec)
         check_reshard_group(self.reshard_after_forward, self._topology.partition_size)
         self._device_mesh = self._build_mesh(self._topology)
@@ -397,14 +403,16 @@ class MiCSStrategy(ParallelStrategy):
             )
 
     def _plan_layout(self, ranks_per_node: int) -> None:
-        """``partition_size="auto"`` and/or ``grad_accumulation="auto"``: the planner's fastest layout
-        that fits this model in memory (an explicit setting of either stays as given)."""
+        """``sharding="auto"``, ``partition_size="auto"`` and/or ``grad_accumulation="auto"``: the
+        planner's fastest layout that fits this model in memory (explicit settings stay as given)."""
         from lightning_mics.planner import plan_layout_for
 
         assert self.lightning_module is not None
         trainer = getattr(self.lightning_module, "_trainer", None)
         fixed_size = None
-        if self.partition_size_spec != "auto":
+        if isinstance(self.sharding, ShardingSpec):
+            fixed_size = self.sharding.resolve(self.world_size, ranks_per_node).partition_size
+        elif self.sharding is None and self.partition_size_spec != "auto":
             fixed_size = MiCSTopology.create(self.world_size, ranks_per_node, self.partition_size_spec).partition_size
         choice = plan_layout_for(
             self.lightning_module,
@@ -415,14 +423,19 @@ class MiCSStrategy(ParallelStrategy):
             accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
             partition_size=fixed_size,
             grad_accumulation=self.grad_accumulation_spec,
+            uniform_only=self.sharding != "auto",
         )
-        self.partition_size_spec = choice.partition_size
+        if self.sharding == "auto":
+            chosen = choice.estimate.layout
+            self.sharding = ShardingSpec(params=chosen.params, grads=chosen.grads, optim=chosen.optim)
+        elif self.sharding is None:
+            self.partition_size_spec = choice.partition_size
         self.grad_accumulation = choice.grad_accumulation
         self._planner_reason = choice.reason
         if self.is_global_zero:
             log.info(
-                "planner chose partition_size=%d, grad_accumulation=%s (%s)",
-                choice.partition_size,
+                "planner chose %s, grad_accumulation=%s (%s)",
+                choice.estimate.layout.label,
                 choice.grad_accumulation,
                 choice.reason,
             )
