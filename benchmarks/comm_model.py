@@ -177,6 +177,7 @@ def step_collectives(
         world_size=cluster.world_size,
         accumulation=setup.accumulate,
         grad_accumulation="unsharded" if fsdp1 else spec.grad_accumulation,
+        params_degree=spec.params_degree,
         hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
         gather_bytes=element_bytes,
         reduce_bytes=element_bytes,

@@ -125,8 +125,9 @@ def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
 def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec) -> LayoutEstimate:
     partition = int(record["partition_size"])
     fsdp1 = record.get("family", "mics") == "fsdp1"
+    params_degree = record.get("params_degree")
     return estimate(
-        ShardingSpec.uniform(partition),
+        ShardingSpec(params_degree, partition, partition) if params_degree else ShardingSpec.uniform(partition),
         replace(cluster, reduce_scatter_algorithm="all_reduce") if fsdp1 else cluster,
         model,
         training,

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa:
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
-from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics import MiCSStrategy, ShardingSpec  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
 from examples.models.gpt import Block  # noqa: E402
 from lightning_mics.telemetry import model_state_bytes  # noqa: E402
@@ -103,8 +103,12 @@ class CPUFSDPStrategy(FSDPStrategy):
 
 def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
     if spec.family == "mics":
+        layout: dict[str, Any] = dict(partition_size=spec.partition_size)
+        if spec.params_degree is not None:
+            p = spec.partition_size
+            layout = dict(sharding=ShardingSpec(params=spec.params_degree, grads=p, optim=p))
         return MiCSStrategy(
-            partition_size=spec.partition_size,
+            **layout,
             ranks_per_node=cluster.ranks_per_node,
             hierarchical=bool(spec.hierarchical),
             process_group_backend="gloo",
@@ -216,6 +220,7 @@ def summarize(
         "hierarchical": spec.hierarchical,
         "sharding_strategy": spec.sharding_strategy,
         "grad_accumulation": spec.grad_accumulation,
+        "params_degree": spec.params_degree,
         "status": "ok",
         "step_time_s": step_time,
         "step_times_s": step_times,

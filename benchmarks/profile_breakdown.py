@@ -5,10 +5,11 @@
 
 Input: py-spy's ``--format raw`` output recorded with ``--idle`` (one line per distinct stack,
 ``frame;frame;...;leaf count``, frames as ``function (file:line)``), so time blocked in a collective
-counts like time computing. Each sample goes to the category of the frame *nearest the leaf* that
-matches one of :data:`CATEGORIES` (a collective issued inside a copy-out counts as the collective);
-samples matching none are split into forward / backward compute by whether the stack is inside
-autograd's backward, and "other" (Lightning's loop, data loading, start-up).
+counts like time computing. Only samples inside Lightning's training loop count (start-up -- imports,
+process-group rendezvous, sharding -- is left out). Each goes to the category of the frame *nearest
+the leaf* that matches one of :data:`CATEGORIES` (a collective issued inside a copy-out counts as
+the collective); samples matching none are split into forward / backward compute by whether the
+stack is inside autograd's backward, and "other" (Lightning's loop bookkeeping, data loading).
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ from pathlib import Path
 
 #: (category, pattern on a frame's function name and file), checked from the leaf outwards.
 CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("FSDP2 copy-in / copy-out", re.compile(r"copy_in|copy_out|_to_dtype_if_needed")),
+    ("hierarchical reorder (ours)", re.compile(r"_reorder|reorder_")),
     ("ring reduce-scatter (ours, gloo send/recv)", re.compile(r"ring_reduce_scatter|RingReduceScatter")),
     ("all-gather", re.compile(r"all_gather|_allgather")),
     ("reduce-scatter", re.compile(r"reduce_scatter")),
     ("all-reduce", re.compile(r"all_reduce|allreduce")),
     ("barrier / broadcast", re.compile(r"\bbarrier\b|broadcast")),
-    ("hierarchical reorder (ours)", re.compile(r"Hierarchical|_reorder|reorder_")),
-    ("FSDP2 copy-in / copy-out", re.compile(r"copy_in|copy_out|foreach_reduce_scatter_copy_in|_to_dtype_if_needed")),
     ("telemetry / collective recording (ours)", re.compile(r"telemetry\.py|CollectiveRecorder|recorded \(")),
-    ("optimizer step", re.compile(r"\bstep \(.*torch/optim|_single_tensor_|_multi_tensor_|optimizer_step")),
+    ("optimizer step", re.compile(r"torch/optim/")),
     ("checkpoint", re.compile(r"checkpoint")),
 )
 BACKWARD = re.compile(r"\bbackward \(|_engine_run_backward|run_backward")
 FORWARD = re.compile(r"training_step|\bforward \(")
+TRAINING_LOOP = re.compile(r"training_epoch_loop\.py")
 
 
 def read_samples(path: Path) -> Counter[tuple[str, ...]]:
@@ -58,14 +60,17 @@ def categorise(stack: tuple[str, ...]) -> str:
         return "backward compute (autograd)"
     if any(FORWARD.search(frame) for frame in stack):
         return "forward compute"
-    return "other (Lightning loop, data, start-up)"
+    return "other (Lightning loop, data)"
 
 
 def breakdown(stacks: Counter[tuple[str, ...]]) -> dict[str, float]:
-    """Fraction of samples per category, largest first."""
+    """Fraction of the training loop's samples per category, largest first."""
     totals: Counter[str] = Counter()
     for stack, count in stacks.items():
-        totals[categorise(stack)] += count
+        if any(TRAINING_LOOP.search(frame) for frame in stack):
+            totals[categorise(stack)] += count
+    if not totals:
+        raise ValueError("no sample lies inside Lightning's training loop (training_epoch_loop.py).")
     all_samples = sum(totals.values())
     return {name: count / all_samples for name, count in totals.most_common()}
 

@@ -51,6 +51,8 @@ class StrategySpec:
         sharding_strategy: FSDP1's ``ShardingStrategy`` name (``None`` for MiCS).
         grad_accumulation: MiCS's accumulation mode (``"sharded"`` / ``"unsharded"``); FSDP1 rows
             accumulate unsharded under Lightning's ``no_sync`` whatever this says.
+        params_degree: AMSP's parameter degree for MiCS rows (``None``: the partition size; 1: keep
+            parameters gathered through each optimizer step, ZeRO-2-like).
     """
 
     name: str
@@ -60,6 +62,7 @@ class StrategySpec:
     sharding_strategy: Optional[str] = None
     description: str = ""
     grad_accumulation: str = "sharded"
+    params_degree: Optional[int] = None
 
     def replication_degree(self, cluster: ClusterShape) -> int:
         return cluster.world_size // self.partition_size
@@ -86,6 +89,8 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
         StrategySpec("mics", "mics", m, hierarchical=False, description="MiCS, partition = one node"),
         StrategySpec("mics-unsharded", "mics", m, hierarchical=False, grad_accumulation="unsharded",
                      description="MiCS, partition = one node, gradients accumulated unsharded"),
+        StrategySpec("mics-zero2", "mics", m, hierarchical=False, grad_accumulation="unsharded", params_degree=1,
+                     description="AMSP P=1 G=OS=node: parameters gathered once per step, gradients unsharded"),
     ]
     if cluster.num_nodes % 2 == 0:
         specs += [

@@ -63,12 +63,12 @@ from lightning_mics.layout import (
     optimizers_in_partition_form,
     resolve_ranks_per_node,
     shard_module,
+    ShardingOption,
     shard_optimizer_states,
     validate_options,
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSFabricPrecision
-from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wrapping import AutoWrapPolicy
 
@@ -90,10 +90,10 @@ class MiCSStrategy(ParallelStrategy):
 
     Options are the Trainer strategy's (:class:`lightning_mics.MiCSStrategy`), minus what Fabric has
     no place for (``async_save``: Fabric ends a script without a teardown that could wait for a
-    background save). ``partition_size="auto"`` is planned when the first model is set up, for an
-    accumulation of 1 (Fabric does not know yours); for the same reason ``grad_accumulation`` is
-    ``"sharded"`` or ``"unsharded"``, not ``"auto"``. It applies to the backwards run inside
-    ``fabric.no_backward_sync(model, enabled=True)``.
+    background save). ``partition_size="auto"`` and ``sharding="auto"`` are planned when the first
+    model is set up, for an accumulation of 1 (Fabric does not know yours); for the same reason
+    ``grad_accumulation`` is ``"sharded"`` or ``"unsharded"``, not ``"auto"``. It applies to the
+    backwards run inside ``fabric.no_backward_sync(model, enabled=True)``.
 
     Usage::
 
@@ -129,7 +129,7 @@ class MiCSStrategy(ParallelStrategy):
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
-        sharding: Optional[ShardingSpec] = None,
+        sharding: ShardingOption = None,
         grad_accumulation: GradAccumulation = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
@@ -300,8 +300,14 @@ class MiCSStrategy(ParallelStrategy):
         self._process_group_backend = process_groups.join_world(
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
         )
-        if self._layout is None and self.partition_size_spec != "auto":
+        if self._layout is None and not self._planned_with_the_model:
             self._layout = self._create_layout(None)
+
+    @property
+    def _planned_with_the_model(self) -> bool:
+        """``partition_size="auto"`` / ``sharding="auto"``: the planner needs the model, so the layout
+        is created when the first model is set up."""
+        return self.partition_size_spec == "auto" or self.sharding == "auto"
 
     def _create_layout(self, module: Optional[nn.Module]) -> MiCSLayout:
         """The layout, collectively; ``module`` is what ``partition_size="auto"`` plans for (for an
@@ -351,7 +357,7 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` onto the layout in place (see :func:`lightning_mics.layout.shard_module`)."""
-        if self._layout is None:  # partition_size="auto": planned for the first model
+        if self._layout is None:  # "auto" layouts: planned for the first model
             self._layout = self._create_layout(module)
         self.precision.device_type = self.root_device.type
         originals = {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}

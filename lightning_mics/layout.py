@@ -57,9 +57,12 @@ from lightning_mics.wrapping import (
 )
 
 Hierarchical = Union[bool, Literal["auto"]]
-#: ``plan_layout(ranks_per_node, partition_size or None, grad_accumulation spec)`` -> the planner's
-#: :class:`~lightning_mics.planner.LayoutChoice` (``partition_size``, ``grad_accumulation``, ``reason``).
-LayoutPlanner = Callable[[int, Optional[int], str], Any]
+#: What users may pass as ``sharding``: a spec, ``"auto"`` (the planner picks every degree) or ``None``.
+ShardingOption = Union[ShardingSpec, Literal["auto"], None]
+#: ``plan_layout(ranks_per_node, fixed partition size or None, grad_accumulation spec, uniform_only)``
+#: -> the planner's :class:`~lightning_mics.planner.LayoutChoice` (``partition_size``,
+#: ``grad_accumulation``, ``reason``, and ``estimate.layout``: the chosen (P, G, OS)).
+LayoutPlanner = Callable[[int, Optional[int], str, bool], Any]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +87,7 @@ def validate_options(
     ranks_per_node: Optional[int],
     auto_wrap_policy: AutoWrapPolicy,
     reshard_after_forward: Union[bool, int],
-    sharding: Optional[ShardingSpec],
+    sharding: ShardingOption,
     grad_accumulation: str,
     activation_checkpointing_policy: AutoWrapPolicy,
     prefetch_depth: int,
@@ -119,8 +122,11 @@ def validate_options(
             "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
             "grads degree is the partition size and its params degree sets the reshard group."
         )
-    if sharding is not None and not isinstance(sharding, ShardingSpec):
-        raise TypeError(f"sharding must be a lightning_mics.ShardingSpec, got {type(sharding).__name__}.")
+    if sharding is not None and sharding != "auto" and not isinstance(sharding, ShardingSpec):
+        raise TypeError(
+            f"sharding must be a lightning_mics.ShardingSpec or 'auto' (the planner picks every degree), got "
+            f"{sharding!r}."
+        )
     if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
     if hierarchical not in (True, False, "auto"):
@@ -138,14 +144,14 @@ def check_layout(
     world_size: int,
     ranks_per_node: int,
     partition_size: PartitionSizeSpec,
-    sharding: Optional[ShardingSpec],
+    sharding: ShardingOption,
     reshard_after_forward: Union[bool, int],
 ) -> None:
     """Pure layout math, run when a launcher is about to start the processes (the world size is known):
     an invalid layout is refused once, in the launching process, instead of in every rank."""
-    if world_size < 1 or partition_size == "auto":
+    if world_size < 1 or partition_size == "auto" or sharding == "auto":
         return  # "auto" needs the model; resolved at setup
-    if sharding is not None:
+    if isinstance(sharding, ShardingSpec):
         sharding.resolve(world_size, ranks_per_node)
     else:
         topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
@@ -174,6 +180,8 @@ class MiCSLayout:
 
     topology: MiCSTopology
     device_mesh: DeviceMesh
+    #: the per-state degrees in use: the user's spec, the planner's for ``sharding="auto"``, or ``None``
+    sharding: Optional[ShardingSpec]
     #: the ``reshard_after_forward`` FSDP2 gets: the user's, or what a ShardingSpec's params degree means
     reshard_after_forward: Union[bool, int]
     backend: str
@@ -235,7 +243,7 @@ def create_layout(
     ranks_per_node: int,
     partition_size: PartitionSizeSpec,
     reshard_after_forward: Union[bool, int],
-    sharding: Optional[ShardingSpec],
+    sharding: ShardingOption,
     hierarchical: Hierarchical,
     device_type: str,
     backend: str,
@@ -243,33 +251,37 @@ def create_layout(
     grad_accumulation: str = "sharded",
     plan_layout: Optional[LayoutPlanner] = None,
 ) -> MiCSLayout:
-    """Resolve the layout (a ShardingSpec, or a partition size; ``"auto"`` partition size and/or
-    accumulation mode through ``plan_layout``, an explicit setting of either staying as given) and
-    create its mesh and extra process groups.
+    """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
+    partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
+    given -- and create its mesh and extra process groups.
 
     A collective: every rank calls it, in the same order relative to other group creations."""
+    planner_reason = None
+    planned_partition = sharding is None and partition_size == "auto"
+    if sharding == "auto" or planned_partition or grad_accumulation == "auto":
+        if plan_layout is None:
+            raise ValueError("'auto' layouts need the model: they are planned when the model is set up.")
+        fixed = None
+        if isinstance(sharding, ShardingSpec):
+            fixed = sharding.resolve(world_size, ranks_per_node).partition_size
+        elif sharding is None and partition_size != "auto":
+            fixed = MiCSTopology.create(world_size, ranks_per_node, partition_size).partition_size
+        choice = plan_layout(ranks_per_node, fixed, grad_accumulation, sharding != "auto")
+        if sharding == "auto":
+            chosen = choice.estimate.layout
+            sharding = ShardingSpec(params=chosen.params, grads=chosen.grads, optim=chosen.optim)
+        elif sharding is None:
+            partition_size = choice.partition_size
+        grad_accumulation, planner_reason = choice.grad_accumulation, choice.reason
+    check_grad_accumulation(grad_accumulation)
     optim_degree: Optional[int] = None
     keep_params_within_step = False
-    if sharding is not None:
+    if isinstance(sharding, ShardingSpec):
         degrees = sharding.resolve(world_size, ranks_per_node)
         partition_size = degrees.partition_size
         reshard_after_forward = degrees.reshard_after_forward
         optim_degree = degrees.optim
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
-    planner_reason = None
-    if partition_size == "auto" or grad_accumulation == "auto":
-        if plan_layout is None:
-            raise ValueError("'auto' layouts need the model: they are planned when the model is set up.")
-        fixed = None
-        if partition_size != "auto":
-            fixed = MiCSTopology.create(world_size, ranks_per_node, partition_size).partition_size
-        choice = plan_layout(ranks_per_node, fixed, grad_accumulation)
-        partition_size, grad_accumulation, planner_reason = (
-            choice.partition_size,
-            choice.grad_accumulation,
-            choice.reason,
-        )
-    check_grad_accumulation(grad_accumulation)
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
     mesh = build_device_mesh(topology, device_type, backend, timeout)
@@ -282,6 +294,7 @@ def create_layout(
     return MiCSLayout(
         topology=topology,
         device_mesh=mesh,
+        sharding=sharding if isinstance(sharding, ShardingSpec) else None,
         reshard_after_forward=reshard_after_forward,
         backend=backend,
         grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
@@ -305,7 +318,7 @@ def layout_planner(
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
     :func:`create_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``."""
 
-    def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str) -> Any:
+    def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
         from lightning_mics.planner import plan_layout_for
 
         choice = plan_layout_for(
@@ -317,11 +330,12 @@ def layout_planner(
             accumulation=accumulation,
             partition_size=partition_size,
             grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
+            uniform_only=uniform_only,
         )
         if log is not None:
             log.info(
-                "planner chose partition_size=%d, grad_accumulation=%s (%s)",
-                choice.partition_size,
+                "planner chose %s, grad_accumulation=%s (%s)",
+                choice.estimate.layout.label,
                 choice.grad_accumulation,
                 choice.reason,
             )

@@ -10,7 +10,8 @@ formula, a byte bucket, concrete ranks).
 The schedule of one rank's optimizer step of ``A`` micro-steps, per FSDP unit ``u`` with ``G_u``
 elements gathered and ``R_u`` trainable elements reduced (both padded to the shard group):
 
-* forward, every micro-step: all-gather ``G_u`` on the partition (``P > 1``);
+* forward, every micro-step: all-gather ``G_u`` on the partition (``P > 1``); with parameters kept
+  gathered through the step (``params_degree == 1``, ZeRO-2-like) only on the first micro-step;
 * backward, every micro-step: all-gather ``G_u`` again for units that reshard after forward -- on
   the partition, or on the smaller parameter group of hpZ / ``reshard_after_forward=int``;
 * reduce-scatter ``R_u`` on the partition: every micro-step (``grad_accumulation="sharded"``), or
@@ -194,8 +195,13 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
     for unit in units:
         gathered = unit.gather_numel * layout.gather_bytes
         reduced = unit.reduce_numel * layout.reduce_bytes
-        add(ScheduledCollective("forward", "param all-gather", "all_gather", "partition", p, gathered, 1, True),
-            "partition")
+        kept_gathered = params_degree == 1  # gathered on the first micro-step, resharded after the boundary
+        add(
+            ScheduledCollective(
+                "forward", "param all-gather", "all_gather", "partition", p, gathered, 1, not kept_gathered
+            ),
+            "partition",
+        )
         if unit.regathered_in_backward and params_degree > 1:
             role: Literal["partition", "param_group"] = "partition" if params_degree == p else "param_group"
             what = "param re-gather" + ("" if params_degree == p else f" (hpZ, {params_degree} ranks)")

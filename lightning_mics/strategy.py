@@ -101,7 +101,9 @@ class MiCSStrategy(ParallelStrategy):
             ``grads`` becomes the partition size; ``params`` smaller than it reshards parameters to
             that group after forward (1: keep them gathered through the step); ``optim`` larger
             than it shards optimizer states across replicas too. Replaces ``partition_size`` and
-            ``reshard_after_forward`` (pass one or the other).
+            ``reshard_after_forward`` (pass one or the other). ``"auto"``: the planner picks all
+            three degrees -- the fastest layout predicted to fit memory (with
+            ``grad_accumulation="auto"`` the accumulation mode too).
         activation_checkpointing_policy: recompute activations in backward for these modules:
             ``True`` = every wrapped block; module classes or a callable as for ``auto_wrap_policy``.
         prefetch_depth: start the all-gather of the next ``N`` blocks while the current one
@@ -145,7 +147,7 @@ class MiCSStrategy(ParallelStrategy):
         auto_wrap_policy: AutoWrapPolicy = None,
         reshard_after_forward: Union[bool, int] = True,
         hierarchical: Union[bool, Literal["auto"]] = "auto",
-        sharding: Optional[ShardingSpec] = None,
+        sharding: Union[ShardingSpec, Literal["auto"], None] = None,
         grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
@@ -368,6 +370,8 @@ class MiCSStrategy(ParallelStrategy):
         # the resolved values, as this strategy always exposed them
         if self.sharding is not None or "auto" in (self.partition_size_spec, self.grad_accumulation_spec):
             self.partition_size_spec = layout.topology.partition_size
+        if self.sharding == "auto":
+            self.sharding = layout.sharding
         self.reshard_after_forward = layout.reshard_after_forward
         self.grad_accumulation = layout.grad_accumulation
         self._planner_reason = layout.planner_reason

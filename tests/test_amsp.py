@@ -132,3 +132,7 @@ def test_sharding_spec_and_partition_size_are_exclusive():
         MiCSStrategy(sharding=ShardingSpec(), partition_size=2)
     with pytest.raises(TypeError, match="ShardingSpec"):
         MiCSStrategy(sharding=(4, 4, 8))
+    with pytest.raises(TypeError, match="ShardingSpec or 'auto'"):
+        MiCSStrategy(sharding="fastest")
+    with pytest.raises(ValueError, match="either sharding"):
+        MiCSStrategy(sharding="auto", partition_size=2)

@@ -183,12 +183,13 @@ def test_profile_breakdown_puts_each_sample_under_the_frame_nearest_the_leaf(tmp
     raw.write_text(
         "\n".join(
             [
-                "fit (trainer.py:1);training_step (gpt.py:5);forward (gpt.py:9) 6",
-                "fit (trainer.py:1);backward (tensor.py:2);_engine_run_backward (graph.py:3) 3",
+                "advance (training_epoch_loop.py:1);training_step (gpt.py:5);forward (gpt.py:9) 6",
+                "advance (training_epoch_loop.py:1);backward (tensor.py:2);_engine_run_backward (graph.py:3) 3",
                 # a collective inside FSDP's copy-out is the collective's time
-                "fit (trainer.py:1);foreach_all_gather_copy_out (c.py:4);all_gather_into_tensor (d.py:5) 5",
-                "fit (trainer.py:1);backward (tensor.py:2);__call__ (collectives.py:7);ring_reduce_scatter (collectives.py:9) 4",
-                "<module> (worker.py:1) 2",
+                "advance (training_epoch_loop.py:1);foreach_all_gather_copy_out (c.py:4);all_gather_into_tensor (d.py:5) 5",
+                "advance (training_epoch_loop.py:1);backward (tensor.py:2);__call__ (collectives.py:7);ring_reduce_scatter (collectives.py:9) 4",
+                "advance (training_epoch_loop.py:1);_fetch (fetching.py:2) 2",
+                "<module> (worker.py:1);_find_and_load (<frozen importlib>:1) 50",
             ]
         )
     )
@@ -199,7 +200,7 @@ def test_profile_breakdown_puts_each_sample_under_the_frame_nearest_the_leaf(tmp
             "all-gather": 0.25,
             "ring reduce-scatter (ours, gloo send/recv)": 0.2,
             "backward compute (autograd)": 0.15,
-            "other (Lightning loop, data, start-up)": 0.1,
+            "other (Lightning loop, data)": 0.1,
         }
     )
     assert "| forward compute | 30% |" in profile_breakdown.markdown({"mics": table})

@@ -12,7 +12,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ranks
-from lightning_mics import ShardingSpec
+from lightning_mics import MiCSStrategy, ShardingSpec
+from lightning_mics.planner import plan_layout_for
 from toy import (
     ManualAccumulationModule,
     RunConfig,
@@ -73,6 +74,15 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     module = ManualAccumulationModule(cfg)
     fit_with_mics(module, cfg, partition_size=2, grad_accumulation="unsharded")
     results["manual-unsharded"] = full_parameters(module)
+
+    auto = MiCSStrategy(sharding="auto", grad_accumulation="auto")
+    module = ToyModule(cfg)
+    fit_with_mics(module, cfg, strategy=auto)
+    results["auto"] = full_parameters(module)
+    predicted = plan_layout_for(
+        module, world, world, torch.device("cpu"), "32-true", 3, grad_accumulation="auto", uniform_only=False
+    )
+    results["auto layout"] = (auto.sharding, auto.grad_accumulation, predicted)
 
     module = ToyModule(cfg)  # AMSP: optimizer states sharded across both replicas
     fit_with_mics(module, cfg, sharding=ShardingSpec(params=2, grads=2, optim=4), grad_accumulation="unsharded")
@@ -159,6 +169,15 @@ def test_world8_unsharded_accumulation_matches_single_process(world8, partition)
 @pytest.mark.distributed
 def test_manual_optimization_with_unsharded_accumulation(world4):
     assert_matches_reference([rank["manual-unsharded"] for rank in world4], config(4, 3, CLIP))
+
+
+@pytest.mark.distributed
+def test_planner_chosen_layout_and_accumulation_match_single_process(world4):
+    spec, mode, predicted = world4[0]["auto layout"]
+    chosen = predicted.estimate.layout
+    assert spec == ShardingSpec(chosen.params, chosen.grads, chosen.optim) and mode == predicted.grad_accumulation
+    assert all(rank["auto layout"][:2] == (spec, mode) for rank in world4)  # every rank chose alike
+    assert_matches_reference([rank["auto"] for rank in world4], config(4, 3, CLIP))
 
 
 @pytest.mark.distributed

@@ -137,7 +137,14 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["calls"]["unsharded"] = [call for call in recorder.calls if call.step >= 0]
     out["unsharded"] = full_parameters(model.module)
 
-    # 1c. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
+    # 1c. sharding="auto": the planner picks the degrees when the model is set up
+    planned = launch(sharding="auto")
+    model, optimizer = set_up(planned, ACCUMULATING)
+    out["auto_layout"] = (planned.strategy.layout.sharding, planned.strategy.layout.planner_reason)
+    train(planned, model, optimizer, ACCUMULATING, range(6))
+    out["auto"] = full_parameters(model.module)
+
+    # 1d. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
     # replicas (OS=4): clipping and the step run on slices; its checkpoint is plain MiCS's format
     amsp = launch(sharding=ShardingSpec(params=1, grads=PARTITION, optim=WORLD))
     model, optimizer = set_up(amsp, ACCUMULATING)
@@ -251,6 +258,14 @@ def test_accumulation_and_clipping_match_single_process_training(runs):
     assert min(reference_norms) > CLIP  # clipping was active
     for run in runs:  # the norm clipping saw is the global norm of the unsharded gradients
         assert run["norms"] == pytest.approx(reference_norms, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_planner_chosen_sharding_matches_single_process_training(runs):
+    spec, reason = runs[0]["auto_layout"]
+    assert isinstance(spec, ShardingSpec) and reason  # resolved by the planner, with its reason
+    assert all(run["auto_layout"] == (spec, reason) for run in runs)  # every rank chose alike
+    assert_matches_reference([run["auto"] for run in runs], ACCUMULATING)
 
 
 @pytest.mark.distributed

@@ -74,6 +74,13 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
     assert strategy.grad_accumulation == "unsharded"
 
 
+def test_planner_chooses_the_whole_layout_from_the_command_line() -> None:
+    strategy = instantiate(
+        config("strategy.sharding=auto", "strategy.grad_accumulation=auto").strategy, _convert_="all"
+    )
+    assert (strategy.sharding, strategy.grad_accumulation_spec, strategy.grad_accumulation) == ("auto", "auto", None)
+
+
 def test_fsdp_hybrid_baseline_builds_lightnings_strategy_on_gpu_and_refuses_cpu() -> None:
     strategy = instantiate(config("strategy=fsdp_hybrid", "trainer=gpu", "trainer.devices=4", "trainer.num_nodes=2").strategy)
     assert isinstance(strategy, FSDPStrategy)

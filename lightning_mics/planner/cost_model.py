@@ -38,9 +38,10 @@ same-local-rank peers, on ``M / m`` bytes, and an intra-node stage among ``m`` r
 byte widths ``b_gather`` (all-gather dtype), ``b_reduce`` (gradient reduction dtype), ``b_param``
 (sharded parameter / master dtype) -- see :func:`layout_schedule`:
 
-* every micro-step: forward all-gather of ``Psi * b_gather`` over the ``G`` group; backward
-  all-gather again over the ``G`` group (``P = G``), over the ``P`` group (hpZ) or not at all
-  (``P = 1``); reduce-scatter of ``Psi * b_reduce`` over the ``G`` group (with
+* every micro-step: forward all-gather of ``Psi * b_gather`` over the ``G`` group (``P = 1``: only
+  on the first micro-step -- parameters stay gathered until the boundary); backward all-gather
+  again over the ``G`` group (``P = G``), over the ``P`` group (hpZ) or not at all (``P = 1``);
+  reduce-scatter of ``Psi * b_reduce`` over the ``G`` group (with
   ``grad_accumulation="unsharded"``: once per optimizer step, at the boundary, instead);
 * once per optimizer step (the 2-hop boundary): ``OS = G``: all-reduce of the ``Psi / G`` shard
   across the ``W / G`` replicas. ``OS > G``: reduce-scatter of it across ``OS / G`` replicas,
@@ -402,36 +403,57 @@ def estimate(
     compute_micro = model.training_flops_per_token * tokens_micro * recompute / cluster.compute_flops
     forward_compute, backward_compute = compute_micro / 3, compute_micro * 2 / 3
 
+    # Per micro-step collectives by phase, and those of the first forward only (parameters kept
+    # gathered through the step, P = 1): the latter join the first micro-step's forward.
     comm = {
         "forward": CollectiveCost(),
         "backward": CollectiveCost(),
         "boundary": CollectiveCost(),
         "post_step": CollectiveCost(),
     }
+    first_forward = CollectiveCost()
     for collective in layout_schedule(layout, model, training, grad_accumulation, use_hierarchical and spans):
         cost = collective.cost(cluster, hierarchical=False)  # hierarchical stages are separate collectives
-        comm[collective.phase] = comm[collective.phase] + cost
+        if collective.phase == "forward" and not collective.every_micro_step:
+            first_forward = first_forward + cost
+        else:
+            comm[collective.phase] = comm[collective.phase] + cost
     fwd, bwd, boundary, post = (comm[k].time_s for k in ("forward", "backward", "boundary", "post_step"))
     a = training.accumulation
-    exposed_micro = _exposed(fwd, forward_compute, units, cluster.overlap) + _exposed(
-        bwd, backward_compute, units, cluster.overlap
-    )
-    exposed_boundary_micro = _exposed(fwd, forward_compute, units, cluster.overlap) + _exposed(
-        bwd + boundary, backward_compute, units, cluster.overlap
-    )
+
+    def exposed_micro_step(forward_comm: float, backward_comm: float) -> float:
+        return _exposed(forward_comm, forward_compute, units, cluster.overlap) + _exposed(
+            backward_comm, backward_compute, units, cluster.overlap
+        )
+
+    # The first micro-step carries the once-per-step gathers, the last the boundary reduction (the
+    # same micro-step when a = 1).
+    if a == 1:
+        exposed_steps = exposed_micro_step(fwd + first_forward.time_s, bwd + boundary)
+    else:
+        exposed_steps = (
+            exposed_micro_step(fwd + first_forward.time_s, bwd)
+            + (a - 2) * exposed_micro_step(fwd, bwd)
+            + exposed_micro_step(fwd, bwd + boundary)
+        )
     b = training.bytes
     optim_shard = model.params / layout.optim
     # Adam reads param, grad, two moments and writes param and both moments.
     optimizer_step = optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / cluster.memory_bandwidth
-    exposed = (a - 1) * exposed_micro + exposed_boundary_micro + post
+    exposed = exposed_steps + post
     step = a * compute_micro + exposed + optimizer_step
     egress = a * (comm["forward"].node_egress_bytes + comm["backward"].node_egress_bytes)
-    egress += comm["boundary"].node_egress_bytes + comm["post_step"].node_egress_bytes
+    egress += first_forward.node_egress_bytes + comm["boundary"].node_egress_bytes + comm["post_step"].node_egress_bytes
     return LayoutEstimate(
         layout=layout,
         hierarchical=use_hierarchical and spans,
         compute_s=a * compute_micro,
-        comm_s={"forward": a * fwd, "backward": a * bwd, "boundary": boundary, "post_step": post},
+        comm_s={
+            "forward": a * fwd + first_forward.time_s,
+            "backward": a * bwd,
+            "boundary": boundary,
+            "post_step": post,
+        },
         exposed_comm_s=exposed,
         optimizer_step_s=optimizer_step,
         step_time_s=step,

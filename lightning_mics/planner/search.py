@@ -75,7 +75,7 @@ class LayoutChoice:
 
     partition_size: int
     grad_accumulation: GradAccumulation
-    estimate: LayoutEstimate
+    estimate: LayoutEstimate  #: its ``layout`` holds the chosen (P, G, OS)
     #: one line for the layout log: the choice against its closest alternative
     reason: str
 
@@ -117,9 +117,11 @@ def choose_layout(
     training: Optional[TrainingSpec] = None,
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+    uniform_only: bool = True,
 ) -> LayoutChoice:
-    """The MiCS layout (``P = G = OS``; ``partition_size`` when fixed) and accumulation mode (one
-    mode, or ``"auto"``: both) the planner predicts fastest among those that fit.
+    """The MiCS layout (``P = G = OS``, or any AMSP (P, G, OS) with ``uniform_only=False``; partition
+    size ``partition_size`` when fixed) and accumulation mode (one mode, or ``"auto"``: both) the
+    planner predicts fastest among those that fit.
 
     Without a ``cluster`` it assumes :meth:`ClusterSpec.generic` bandwidths (or pass one from
     :func:`calibrate_cluster`); without a ``model`` it guesses a GPT shape from ``param_count``
@@ -146,7 +148,7 @@ def choose_layout(
         cluster,
         model,
         training or TrainingSpec(),
-        uniform_only=True,
+        uniform_only=uniform_only,
         grad_accumulation=grad_accumulation,
         partition_size=partition_size,
     )
@@ -220,9 +222,11 @@ def plan_layout_for(
     accumulation: int = 1,
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+    uniform_only: bool = True,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
-    "auto")`` and ``grad_accumulation="auto"`` call once the processes exist.
+    "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
+    once the processes exist.
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -243,6 +247,7 @@ def plan_layout_for(
         training=TrainingSpec(accumulation=accumulation, precision=precision),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,
+        uniform_only=uniform_only,
     )
 
 
