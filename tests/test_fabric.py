@@ -7,6 +7,10 @@ runs every scenario (process start-up dominates the cost); the tests check its r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
@@ -382,6 +386,50 @@ def test_bad_input_in_the_ranks_gets_one_clear_error(runs):
     assert errors["not_set_up"].startswith("ValueError") and "has not been set up" in errors["not_set_up"]
     assert errors["foreign_optimizer"].startswith("ValueError")
     assert "belongs to no model set up by MiCSStrategy" in errors["foreign_optimizer"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fabric starting the ranks itself
+# ---------------------------------------------------------------------------------------------
+
+LAUNCHED_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import torch
+from lightning.fabric import Fabric
+import lightning_mics  # registers strategy="mics"
+from distributed import exit_after_distributed_work
+from toy import RunConfig, ToyModule, full_parameters, global_batches, lm_loss
+
+cfg = RunConfig(world_size=2, steps=1)
+fabric = Fabric(accelerator="cpu", devices=2, strategy="mics")  # a plain script: Fabric starts rank 1
+fabric.launch()
+module = ToyModule(cfg)
+model, optimizer = fabric.setup(module, module.configure_optimizers())
+tokens, targets = global_batches(cfg)
+mine = slice(fabric.global_rank * cfg.micro_batch, (fabric.global_rank + 1) * cfg.micro_batch)
+fabric.backward(lm_loss(model, (tokens[mine], targets[mine])))
+optimizer.step()
+layout = (fabric.global_rank, fabric.strategy.topology.partition_size, os.environ["OMP_NUM_THREADS"])
+torch.save((layout, full_parameters(model.module)), {out!r} + f"/rank{{fabric.global_rank}}.pt")
+exit_after_distributed_work()
+"""
+
+
+@pytest.mark.distributed
+def test_fabric_launches_the_ranks_of_a_plain_script(tmp_path: Path) -> None:
+    """``Fabric(devices=2, strategy="mics").launch()`` in a script re-runs it for rank 1 (each rank
+    gets its share of the cores first); both ranks train the same model as one process would."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LAUNCHED_SCRIPT.format(tests=os.path.dirname(__file__), out=str(tmp_path))))
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [layout for layout, _ in results] == [(r, 2, threads) for r in (0, 1)]  # one node: partition 2
+    assert_matches_reference([params for _, params in results], RunConfig(world_size=2, steps=1))
 
 
 # ---------------------------------------------------------------------------------------------
