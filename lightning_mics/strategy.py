@@ -45,7 +45,13 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
+from lightning_mics.grad_sync import (
+    CompressedCrossReplicaSync,
+    GradAccumulation,
+    check_grad_accumulation,
+    defer_gradient_sync,
+    resolve_wire_dtype,
+)
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.process_groups import (
@@ -122,6 +128,10 @@ class MiCSStrategy(ParallelStrategy):
             per optimizer step instead of one per micro-step, for the memory of a full gradient.
             Both all-reduce across replicas once per optimizer step. ``"auto"``: the planner picks
             the faster mode that fits memory (with ``partition_size="auto"``: both together).
+        cross_replica_dtype: the dtype gradients cross replicas in (hop 2, the slow inter-node links):
+            ``None`` (their reduction dtype, fp32 in the mixed modes) or ``"bf16"`` / ``"fp16"``:
+            half the inter-node bytes, one 16-bit rounding per message; reduce-scatters inside the
+            partition and the optimizer stay in full precision.
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -154,6 +164,7 @@ class MiCSStrategy(ParallelStrategy):
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Union[ShardingSpec, Literal["auto"], None] = None,
         grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+        cross_replica_dtype: Union[str, torch.dtype, None] = None,
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -220,6 +231,9 @@ class MiCSStrategy(ParallelStrategy):
         self.grad_accumulation_spec = grad_accumulation
         #: the mode in use: ``grad_accumulation``, or the planner's choice for ``"auto"`` (after setup)
         self.grad_accumulation: Optional[GradAccumulation] = None if grad_accumulation == "auto" else grad_accumulation
+        self.cross_replica_dtype = resolve_wire_dtype(cross_replica_dtype)
+        #: hop 2 in ``cross_replica_dtype`` (set up with the optimizers when that option is on)
+        self._compressed_sync: Optional[CompressedCrossReplicaSync] = None
         #: why the planner chose the layout, for the layout log (``"auto"`` settings only)
         self._planner_reason: Optional[str] = None
         self._hierarchical_groups: Optional[HierarchicalGroups] = None
@@ -424,6 +438,7 @@ class MiCSStrategy(ParallelStrategy):
             partition_size=fixed_size,
             grad_accumulation=self.grad_accumulation_spec,
             uniform_only=self.sharding != "auto",
+            cross_replica_bytes=self.cross_replica_dtype.itemsize if self.cross_replica_dtype is not None else None,
         )
         if self.sharding == "auto":
             chosen = choice.estimate.layout
@@ -458,10 +473,11 @@ class MiCSStrategy(ParallelStrategy):
         return self._optim_degree is not None and self._optim_degree > self.topology.partition_size
 
     def _fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards on. With optimizer states sharded across replicas, the
-        cross-replica hop is ours (reduce-scatter + all-gather), so FSDP gets the partition alone."""
+        """The mesh FSDP shards on. With optimizer states sharded across replicas or a compressed
+        cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
         mesh = self.device_mesh
-        if self._shards_optimizer_beyond_partition and mesh.ndim == 2:
+        ours = self._shards_optimizer_beyond_partition or self.cross_replica_dtype is not None
+        if ours and mesh.ndim == 2:
             return mesh[SHARD_DIM]
         return mesh
 
@@ -536,21 +552,32 @@ class MiCSStrategy(ParallelStrategy):
         bracketed: once the boundary backward has produced the gradients -- inside the closure, so
         before Lightning's ``on_before_optimizer_step`` and gradient clipping -- they are reduced
         into this rank's slice; after the step the updated slices are gathered into the parameters."""
-        sharding = self._optimizer_state_sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
-        if sharding is None:
+        hook = self._optimizer_state_sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        hook = hook or self._compressed_sync
+        if hook is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_reduce_into_slices() -> Any:
+        def closure_then_sync_across_replicas() -> Any:
             result = closure()
-            sharding.before_step()
+            hook.before_step()
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_reduce_into_slices, model, **kwargs)
-        sharding.after_step()
+        output = super().optimizer_step(optimizer, closure_then_sync_across_replicas, model, **kwargs)
+        hook.after_step()
         return output
 
     def _shard_optimizer_states(self) -> None:
         self._optimizer_state_sharding.clear()
+        self._compressed_sync = None
+        if self.cross_replica_dtype is not None and self.topology.replication_degree > 1:
+            if self._shards_optimizer_beyond_partition:
+                raise ValueError(
+                    "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
+                    "(ShardingSpec optim > grads): drop one of the two."
+                )
+            assert self.model is not None
+            replica_group = self.device_mesh.get_group(0)
+            self._compressed_sync = CompressedCrossReplicaSync(self.model, replica_group, self.cross_replica_dtype)
         if not self._shards_optimizer_beyond_partition:
             return
         if self.precision_plugin.scaler is not None:
