@@ -178,6 +178,7 @@ def step_collectives(
         accumulation=setup.accumulate,
         grad_accumulation="unsharded" if fsdp1 else spec.grad_accumulation,
         params_degree=spec.params_degree,
+        cross_replica_bytes=2 if spec.cross_replica_dtype == "bf16" else None,
         hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
         gather_bytes=element_bytes,
         reduce_bytes=element_bytes,

@@ -133,6 +133,7 @@ def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, trai
         training,
         hierarchical=bool(record.get("hierarchical")),
         grad_accumulation="unsharded" if fsdp1 else record.get("grad_accumulation", "sharded"),
+        cross_replica_bytes=2 if record.get("cross_replica_dtype") == "bf16" else None,
     )
 
 

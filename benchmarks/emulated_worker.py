@@ -113,6 +113,7 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
             hierarchical=bool(spec.hierarchical),
             process_group_backend="gloo",
             grad_accumulation=spec.grad_accumulation,
+            cross_replica_dtype=spec.cross_replica_dtype,
         )
     if spec.family == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -221,6 +222,7 @@ def summarize(
         "sharding_strategy": spec.sharding_strategy,
         "grad_accumulation": spec.grad_accumulation,
         "params_degree": spec.params_degree,
+        "cross_replica_dtype": spec.cross_replica_dtype,
         "status": "ok",
         "step_time_s": step_time,
         "step_times_s": step_times,

@@ -53,6 +53,7 @@ class StrategySpec:
             accumulate unsharded under Lightning's ``no_sync`` whatever this says.
         params_degree: AMSP's parameter degree for MiCS rows (``None``: the partition size; 1: keep
             parameters gathered through each optimizer step, ZeRO-2-like).
+        cross_replica_dtype: MiCS's wire dtype across replicas (``None``: fp32, ``"bf16"``).
     """
 
     name: str
@@ -63,6 +64,7 @@ class StrategySpec:
     description: str = ""
     grad_accumulation: str = "sharded"
     params_degree: Optional[int] = None
+    cross_replica_dtype: Optional[str] = None
 
     def replication_degree(self, cluster: ClusterShape) -> int:
         return cluster.world_size // self.partition_size
@@ -91,6 +93,11 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                      description="MiCS, partition = one node, gradients accumulated unsharded"),
         StrategySpec("mics-zero2", "mics", m, hierarchical=False, grad_accumulation="unsharded", params_degree=1,
                      description="AMSP P=1 G=OS=node: parameters gathered once per step, gradients unsharded"),
+        StrategySpec("mics-bf16", "mics", m, hierarchical=False, cross_replica_dtype="bf16",
+                     description="MiCS, partition = one node, bf16 cross-replica all-reduce"),
+        StrategySpec("mics-zero2-bf16", "mics", m, hierarchical=False, grad_accumulation="unsharded",
+                     params_degree=1, cross_replica_dtype="bf16",
+                     description="mics-zero2 with a bf16 cross-replica all-reduce"),
     ]
     if cluster.num_nodes % 2 == 0:
         specs += [

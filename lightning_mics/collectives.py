@@ -21,7 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -212,13 +212,24 @@ def _ring_applies(input: torch.Tensor, op: Any, group: Any) -> bool:
     return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:
+def ring_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any,
+    group: Any,
+    accumulate_dtype: Optional[torch.dtype] = None,
+) -> None:
     """Reduce-scatter over a ring of point-to-point messages: ``n - 1`` steps, in each of which a
     rank passes a partial sum of one block to the next rank and adds its own block to the one it
     receives. Every rank sends ``(n - 1) / n`` of the input once -- half of what gloo's
     all-reduce-based ``reduce_scatter_tensor`` sends. Blocks are summed in ring order starting after
     their owner, so results may differ from gloo's in the last bits (they are the same on every run).
-    ``op``: SUM or AVG; ``group`` None is the default group."""
+    ``op``: SUM or AVG; ``group`` None is the default group. ``accumulate_dtype``: add the partial
+    sums in this (wider) dtype while messages stay in the input's dtype -- a bf16 wire with fp32
+    sums (:func:`compressed_all_reduce_`)."""
+    if accumulate_dtype is not None and accumulate_dtype != input.dtype:
+        _ring_reduce_scatter_widened(output, input, op, group, accumulate_dtype)
+        return
     group = dist.GroupMember.WORLD if group is None else group
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     block = output.numel()
@@ -243,6 +254,57 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, grou
         destination.copy_(blocks[0])
     if op == dist.ReduceOp.AVG:
         destination.div_(n)
+
+
+def _ring_reduce_scatter_widened(
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, accumulate_dtype: torch.dtype
+) -> None:
+    """:func:`ring_reduce_scatter` with partial sums kept in ``accumulate_dtype`` and every message
+    rounded to the input's dtype: the rounding error grows with the ring's length, not the sum's."""
+    group = dist.GroupMember.WORLD if group is None else group
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    block = output.numel()
+    if input.numel() != n * block:
+        raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {block}")
+    blocks = input.reshape(n, block)
+    send_to = dist.get_global_rank(group, (rank + 1) % n)
+    receive_from = dist.get_global_rank(group, (rank - 1) % n)
+    partial = blocks[(rank - 1) % n].to(accumulate_dtype)
+    outgoing = torch.empty_like(blocks[0])
+    incoming = torch.empty_like(blocks[0])
+    for step in range(n - 1):
+        outgoing.copy_(partial)
+        requests = [dist.isend(outgoing, send_to, group=group), dist.irecv(incoming, receive_from, group=group)]
+        for request in requests:
+            request.wait()
+        partial = incoming.to(accumulate_dtype).add_(blocks[(rank - step - 2) % n])
+    if op == dist.ReduceOp.AVG:
+        partial.div_(n)
+    output.view(-1).copy_(partial)
+
+
+def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire_dtype: torch.dtype) -> None:
+    """Sum ``tensor`` in place over ``group`` with ``wire_dtype`` on the wire (a ring reduce-scatter,
+    then an all-gather: the bytes of a ring all-reduce, at ``wire_dtype``'s width).
+
+    On gloo the partial sums are added in ``tensor``'s dtype (:func:`ring_reduce_scatter` with
+    ``accumulate_dtype``); other backends reduce in ``wire_dtype``. Every rank -- the owner of a
+    block too -- takes the all-gathered, ``wire_dtype``-rounded values, so all ranks end identical.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    flat = tensor.view(-1)
+    block = -(-flat.numel() // n)
+    wire = torch.zeros(n * block, dtype=wire_dtype, device=tensor.device)
+    wire[: flat.numel()].copy_(flat)
+    mine = torch.empty(block, dtype=wire_dtype, device=tensor.device)
+    if _ring_applies(wire, dist.ReduceOp.SUM, group):
+        ring_reduce_scatter(mine, wire, dist.ReduceOp.SUM, group, accumulate_dtype=tensor.dtype)
+    else:
+        reduce_scatter_flat(mine, wire, dist.ReduceOp.SUM, group)
+    all_gather_flat(wire, mine, group)
+    flat.copy_(wire[: flat.numel()])
 
 
 class _PlainAllocation:

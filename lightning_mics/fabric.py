@@ -52,12 +52,19 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
-from lightning_mics.grad_sync import GradAccumulation, clip_grad_norm_, fsdp_units
+from lightning_mics.grad_sync import CompressedCrossReplicaSync as CompressedSync
+from lightning_mics.grad_sync import (
+    GradAccumulation,
+    clip_grad_norm_,
+    fsdp_units,
+    resolve_wire_dtype,
+)
 from lightning_mics.layout import (
     MiCSLayout,
     accumulation_context,
     check_layout,
     create_layout,
+    cross_replica_sync,
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
@@ -115,8 +122,9 @@ class MiCSStrategy(ParallelStrategy):
 
     Args:
         partition_size, ranks_per_node, auto_wrap_policy, reshard_after_forward, hierarchical, sharding,
-        grad_accumulation, activation_checkpointing_policy, prefetch_depth, compile_blocks, process_group_backend,
-        timeout, save_full_state_dict, sync_module_states, checkpoint_verify: as for the Trainer strategy.
+        grad_accumulation, cross_replica_dtype, activation_checkpointing_policy, prefetch_depth, compile_blocks,
+        process_group_backend, timeout, save_full_state_dict, sync_module_states, checkpoint_verify: as for the
+        Trainer strategy.
         accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
     """
 
@@ -131,6 +139,7 @@ class MiCSStrategy(ParallelStrategy):
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: ShardingOption = None,
         grad_accumulation: GradAccumulation = "sharded",
+        cross_replica_dtype: Union[str, torch.dtype, None] = None,
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -171,6 +180,7 @@ class MiCSStrategy(ParallelStrategy):
                 "accumulation=...), grad_accumulation='auto') compares them for yours."
             )
         self.grad_accumulation: GradAccumulation = grad_accumulation
+        self.cross_replica_dtype = resolve_wire_dtype(cross_replica_dtype)
         self.partition_size_spec = partition_size
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
@@ -195,8 +205,13 @@ class MiCSStrategy(ParallelStrategy):
         #: Optimizers set up by this strategy, and (AMSP ``optim > grads``) their step hooks by id.
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._optimizer_hooks: dict[int, ReplicaShardedOptimizerStates] = {}
-        #: Optimizers whose gradients were already reduced into their slices this step (by clipping).
-        self._reduced_into_slices: set[int] = set()
+        #: ``cross_replica_dtype``: per model (by id), its 16-bit hop 2; per optimizer (by id), its model's
+        self._model_syncs: dict[int, CompressedSync] = {}
+        self._optimizer_syncs: dict[int, CompressedSync] = {}
+        #: Set-up model (by the id of each of its sharded parameters), to find an optimizer's model
+        self._model_of_shard: dict[int, nn.Module] = {}
+        #: Optimizers whose gradients were already synced across replicas this step (by clipping).
+        self._synced_before_step: set[int] = set()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -321,6 +336,7 @@ class MiCSStrategy(ParallelStrategy):
                 device=self.root_device,
                 precision=self.precision.precision,
                 accumulation=1,
+                cross_replica_dtype=self.cross_replica_dtype,
                 log=log if self.is_global_zero else None,
             )
         return create_layout(
@@ -335,6 +351,7 @@ class MiCSStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._timeout,
             grad_accumulation=self.grad_accumulation,
+            cross_replica_dtype=self.cross_replica_dtype,
             plan_layout=plan,
         )
 
@@ -376,6 +393,10 @@ class MiCSStrategy(ParallelStrategy):
         for pid, (ref, name) in originals.items():
             if name in shards:
                 self._shards_of[pid] = (ref, shards[name])
+        self._model_of_shard.update({id(shard): module for shard in shards.values()})
+        sync = cross_replica_sync(module, self.layout)
+        if sync is not None:
+            self._model_syncs[id(module)] = sync
         self._fsdp_units.extend(units)
         self._modules.add(module)
         if self.is_global_zero:
@@ -395,6 +416,15 @@ class MiCSStrategy(ParallelStrategy):
         self._optimizer_hooks.update(
             shard_optimizer_states([optimizer], self.layout, loss_scaling=self.precision.scaler is not None)
         )
+        owners = {id(self._model_of_shard.get(id(p))) for g in optimizer.param_groups for p in g["params"]}
+        syncs = [self._model_syncs[owner] for owner in owners if owner in self._model_syncs]
+        if len(syncs) > 1:
+            raise ValueError(
+                "With cross_replica_dtype, an optimizer must hold the parameters of one model (its gradients are "
+                "synced across replicas once per step, model by model): use one optimizer per model."
+            )
+        if syncs:
+            self._optimizer_syncs[id(optimizer)] = syncs[0]
         compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.add(optimizer)
         return optimizer
@@ -453,35 +483,40 @@ class MiCSStrategy(ParallelStrategy):
     ) -> Tensor:
         """Clip by the true global norm of the sharded gradients (every rank gets the same norm)."""
         self.precision.unscale_gradients(optimizer)
-        self._reduce_into_slices(optimizer)
+        self._sync_before_step(optimizer)
         return clip_grad_norm_(
             self.precision.main_params(optimizer), float(max_norm), float(norm_type), error_if_nonfinite
         )
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """With optimizer states sharded across replicas (AMSP ``optim > grads``), the step runs on
-        this rank's slices: gradients are reduced into them first (unless clipping did so already)
-        and the updated slices are gathered into the parameters after."""
-        hook = self._optimizer_hooks.get(id(optimizer))
+        """Where this strategy runs hop 2 itself, the step is bracketed: with ``cross_replica_dtype``
+        the gradients are first synced across replicas in 16 bits; with optimizer states sharded
+        across replicas (AMSP ``optim > grads``) they are reduced into this rank's slices, and the
+        updated slices gathered into the parameters after the step. Clipping does the first half
+        already when it comes first (it must see the synced gradients)."""
+        hook = self._step_hook(optimizer)
         if hook is None:
             return super().optimizer_step(optimizer, **kwargs)
         if kwargs.get("closure") is not None:
             raise ValueError(
-                "optimizer.step(closure) is not supported with optimizer states sharded across replicas "
-                "(ShardingSpec optim > grads): run the backward before calling optimizer.step()."
+                "optimizer.step(closure) is not supported with cross_replica_dtype or optimizer states sharded "
+                "across replicas (ShardingSpec optim > grads): run the backward before calling optimizer.step()."
             )
-        self._reduce_into_slices(optimizer)
+        self._sync_before_step(optimizer)
         output = super().optimizer_step(optimizer, **kwargs)
-        self._reduced_into_slices.discard(id(optimizer))
+        self._synced_before_step.discard(id(optimizer))
         hook.after_step()
         return output
 
-    def _reduce_into_slices(self, optimizer: Optimizer) -> None:
-        hook = self._optimizer_hooks.get(id(optimizer))
-        if hook is not None and id(optimizer) not in self._reduced_into_slices:
+    def _step_hook(self, optimizer: Optimizer) -> Optional[Union[ReplicaShardedOptimizerStates, CompressedSync]]:
+        return self._optimizer_hooks.get(id(optimizer)) or self._optimizer_syncs.get(id(optimizer))
+
+    def _sync_before_step(self, optimizer: Optimizer) -> None:
+        hook = self._step_hook(optimizer)
+        if hook is not None and id(optimizer) not in self._synced_before_step:
             hook.before_step()
-            self._reduced_into_slices.add(id(optimizer))
+            self._synced_before_step.add(id(optimizer))
 
     # ------------------------------------------------------------------ collectives
     @override

@@ -40,7 +40,12 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
+from lightning_mics.grad_sync import (
+    CompressedCrossReplicaSync,
+    GradAccumulation,
+    check_grad_accumulation,
+    defer_gradient_sync,
+)
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
@@ -196,6 +201,8 @@ class MiCSLayout:
     #: AMSP ``optim > grads``: this rank's (optimizer-shard, optimizer-replica) groups
     optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     hierarchical_groups: Optional[HierarchicalGroups] = None
+    #: hop 2 in this 16-bit dtype (:class:`~lightning_mics.grad_sync.CompressedCrossReplicaSync`), or ``None``
+    cross_replica_dtype: Optional[torch.dtype] = None
 
     @property
     def shards_optimizer_beyond_partition(self) -> bool:
@@ -203,9 +210,10 @@ class MiCSLayout:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards on. With optimizer states sharded across replicas, the
-        cross-replica hop is ours (reduce-scatter + all-gather), so FSDP gets the partition alone."""
-        if self.shards_optimizer_beyond_partition and self.device_mesh.ndim == 2:
+        """The mesh FSDP shards on. With optimizer states sharded across replicas or a compressed
+        cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
+        ours = self.shards_optimizer_beyond_partition or self.cross_replica_dtype is not None
+        if ours and self.device_mesh.ndim == 2:
             return self.device_mesh[SHARD_DIM]
         return self.device_mesh
 
@@ -249,6 +257,7 @@ def create_layout(
     backend: str,
     timeout: Optional[timedelta],
     grad_accumulation: str = "sharded",
+    cross_replica_dtype: Optional[torch.dtype] = None,
     plan_layout: Optional[LayoutPlanner] = None,
 ) -> MiCSLayout:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
@@ -287,6 +296,11 @@ def create_layout(
     mesh = build_device_mesh(topology, device_type, backend, timeout)
     optim_groups = None
     if optim_degree is not None and optim_degree > topology.partition_size:
+        if cross_replica_dtype is not None:
+            raise ValueError(
+                "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
+                "(ShardingSpec optim > grads): drop one of the two."
+            )
         optim_groups = create_optimizer_state_groups(topology, optim_degree, timeout)
     hierarchical_groups = None
     if uses_hierarchical_collectives(topology, hierarchical):
@@ -303,6 +317,7 @@ def create_layout(
         keep_params_within_step=keep_params_within_step,
         optim_groups=optim_groups,
         hierarchical_groups=hierarchical_groups,
+        cross_replica_dtype=cross_replica_dtype,
     )
 
 
@@ -313,6 +328,7 @@ def layout_planner(
     device: torch.device,
     precision: str,
     accumulation: int,
+    cross_replica_dtype: Optional[torch.dtype] = None,
     log: Optional[logging.Logger] = None,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
@@ -331,6 +347,7 @@ def layout_planner(
             partition_size=partition_size,
             grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
             uniform_only=uniform_only,
+            cross_replica_bytes=cross_replica_dtype.itemsize if cross_replica_dtype is not None else None,
         )
         if log is not None:
             log.info(
@@ -432,6 +449,15 @@ def shard_optimizer_states(
         )
         for optimizer in optimizers
     }
+
+
+def cross_replica_sync(module: nn.Module, layout: MiCSLayout) -> Optional[CompressedCrossReplicaSync]:
+    """``cross_replica_dtype``: the hook that all-reduces ``module``'s gradient shards across replicas
+    in 16 bits once per optimizer step (before clipping and the step); ``None`` without the option
+    or without replicas."""
+    if layout.cross_replica_dtype is None or layout.topology.replication_degree == 1:
+        return None
+    return CompressedCrossReplicaSync(module, layout.device_mesh.get_group(0), layout.cross_replica_dtype)
 
 
 @contextmanager

@@ -19,7 +19,10 @@ elements gathered and ``R_u`` trainable elements reduced (both padded to the sha
 * boundary: all-reduce of the ``R_u / P`` shard across the replication group; with optimizer
   states sharded over ``OS > P`` ranks instead a reduce-scatter across the ``OS / P`` replicas
   sharing them, an all-reduce of the ``R_u / OS`` slice across the rest, and after the optimizer
-  step an all-gather of the updated ``G_u / P`` shard across the ``OS / P`` replicas.
+  step an all-gather of the updated ``G_u / P`` shard across the ``OS / P`` replicas. With a
+  16-bit ``cross_replica_bytes`` (MiCSStrategy's ``cross_replica_dtype``) the all-reduces become one
+  reduce-scatter and one all-gather per optimizer step of all units' shards packed together (each
+  unit's ``R_u / P`` elements, the total padded to a multiple of the replication degree).
 
 A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
@@ -103,6 +106,8 @@ class StepLayout:
     gather_bytes: int = 4  #: all-gather dtype width (2 with bf16 parameters for compute)
     reduce_bytes: int = 4  #: gradient reduction dtype width
     param_bytes: int = 4  #: sharded parameter dtype width (the post-step all-gather of AMSP)
+    #: wire width of the cross-replica hop when compressed (``cross_replica_dtype``); None: not compressed
+    cross_replica_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_grad_accumulation(self.grad_accumulation)
@@ -221,6 +226,8 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
                 "partition",
             )
             shard = _div(reduced, p)
+            if layout.cross_replica_bytes is not None and optim == p:
+                continue  # packed with the other units' shards below
             if optim == p:
                 add(ScheduledCollective(
                     "boundary", "grad all-reduce across replicas", "all_reduce", "replication", w // p, shard, 1, False
@@ -238,4 +245,13 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
                     "post_step", "updated param all-gather across replicas", "all_gather", "optim_shard", optim // p,
                     _div(unit.gather_numel * layout.param_bytes, p), 1, False,
                 ))
+    replicas = w // p
+    if layout.cross_replica_bytes is not None and optim == p and replicas > 1:
+        packed = sum(_div(unit.reduce_numel, p) for unit in units)
+        payload = -(-packed // replicas) * replicas * layout.cross_replica_bytes
+        for kind in ("reduce_scatter", "all_gather"):
+            add(ScheduledCollective(
+                "boundary", f"compressed grad {kind.replace('_', '-')} across replicas", kind,  # type: ignore[arg-type]
+                "replication", replicas, payload, 1, False,
+            ))
     return schedule

@@ -43,6 +43,7 @@ from lightning_mics.layout import (
     accumulation_context,
     check_layout,
     create_layout,
+    cross_replica_sync,
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
@@ -52,7 +53,7 @@ from lightning_mics.layout import (
     uses_hierarchical_collectives,
     validate_options,
 )
-from lightning_mics.grad_sync import GradAccumulation
+from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, resolve_wire_dtype
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
@@ -117,6 +118,10 @@ class MiCSStrategy(ParallelStrategy):
             per optimizer step instead of one per micro-step, for the memory of a full gradient.
             Both all-reduce across replicas once per optimizer step. ``"auto"``: the planner picks
             the faster mode that fits memory (with ``partition_size="auto"``: both together).
+        cross_replica_dtype: the dtype gradients cross replicas in (hop 2, the slow inter-node links):
+            ``None`` (their reduction dtype, fp32 in the mixed modes) or ``"bf16"`` / ``"fp16"``:
+            half the inter-node bytes, one 16-bit rounding per message; reduce-scatters inside the
+            partition and the optimizer stay in full precision.
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -149,6 +154,7 @@ class MiCSStrategy(ParallelStrategy):
         hierarchical: Union[bool, Literal["auto"]] = "auto",
         sharding: Union[ShardingSpec, Literal["auto"], None] = None,
         grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
+        cross_replica_dtype: Union[str, torch.dtype, None] = None,
         activation_checkpointing_policy: AutoWrapPolicy = None,
         prefetch_depth: int = 1,
         compile_blocks: bool = False,
@@ -196,6 +202,9 @@ class MiCSStrategy(ParallelStrategy):
         self.grad_accumulation_spec = grad_accumulation
         #: the mode in use: ``grad_accumulation``, or the planner's choice for ``"auto"`` (after setup)
         self.grad_accumulation: Optional[GradAccumulation] = None if grad_accumulation == "auto" else grad_accumulation
+        self.cross_replica_dtype = resolve_wire_dtype(cross_replica_dtype)
+        #: hop 2 in ``cross_replica_dtype`` (set up with the optimizers when that option is on)
+        self._compressed_sync: Optional[CompressedCrossReplicaSync] = None
         #: why the planner chose the layout, for the layout log (``"auto"`` settings only)
         self._planner_reason: Optional[str] = None
         #: Per optimizer (by id): its states sharded across replicas, run around each optimizer step.
@@ -358,12 +367,14 @@ class MiCSStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._timeout,
             grad_accumulation=self.grad_accumulation_spec,
+            cross_replica_dtype=self.cross_replica_dtype,
             plan_layout=layout_planner(
                 self.lightning_module,
                 world_size=self.world_size,
                 device=self.root_device,
                 precision=self.precision_plugin.precision,
                 accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+                cross_replica_dtype=self.cross_replica_dtype,
                 log=log if self.is_global_zero else None,
             ),
         )
@@ -427,20 +438,25 @@ class MiCSStrategy(ParallelStrategy):
         bracketed: once the boundary backward has produced the gradients -- inside the closure, so
         before Lightning's ``on_before_optimizer_step`` and gradient clipping -- they are reduced
         into this rank's slice; after the step the updated slices are gathered into the parameters."""
-        sharding = self._optimizer_state_sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
-        if sharding is None:
+        hook = self._optimizer_state_sharding.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        hook = hook or self._compressed_sync
+        if hook is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
-        def closure_then_reduce_into_slices() -> Any:
+        def closure_then_sync_across_replicas() -> Any:
             result = closure()
-            sharding.before_step()
+            hook.before_step()
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_reduce_into_slices, model, **kwargs)
-        sharding.after_step()
+        output = super().optimizer_step(optimizer, closure_then_sync_across_replicas, model, **kwargs)
+        hook.after_step()
         return output
 
     def _shard_optimizer_states(self) -> None:
+        """The hooks around each optimizer step: hop 2 in ``cross_replica_dtype``, or (AMSP
+        ``optim > grads``) each optimizer's states sharded across replicas -- never both."""
+        assert self.model is not None
+        self._compressed_sync = cross_replica_sync(self.model, self.layout)
         self._optimizer_state_sharding = shard_optimizer_states(
             self.optimizers, self.layout, loss_scaling=self.precision_plugin.scaler is not None
         )

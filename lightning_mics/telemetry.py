@@ -185,6 +185,7 @@ def analytic_comm_bytes(
     reduce_bytes: int = 4,
     hierarchical_ranks_per_node: Optional[int] = None,
     grad_accumulation: GradAccumulation = "sharded",
+    cross_replica_bytes: Optional[int] = None,
 ) -> CommBytes:
     """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2: the sum of
     :func:`lightning_mics.schedule.step_schedule` for these units (its docstring derives it).
@@ -207,6 +208,9 @@ def analytic_comm_bytes(
     step skips the root's first all-gather. ``param_bytes`` is the all-gather dtype (2 for bf16 mixed
     precision), ``reduce_bytes`` the gradient-reduction dtype (4 for the mixed modes). Not included:
     the scalar all-reduce of gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
+    ``cross_replica_bytes``: the wire width of a compressed cross-replica hop (2 for
+    ``cross_replica_dtype="bf16"``), which turns the all-reduces into one packed reduce-scatter and
+    all-gather across replicas.
     """
     if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
         raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
@@ -218,6 +222,7 @@ def analytic_comm_bytes(
         hierarchical_ranks_per_node=hierarchical_ranks_per_node,
         gather_bytes=param_bytes,
         reduce_bytes=reduce_bytes,
+        cross_replica_bytes=cross_replica_bytes,
     )
     by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
     by_group: Counter[str] = Counter({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})

@@ -75,6 +75,10 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     fit_with_mics(module, cfg, partition_size=2, grad_accumulation="unsharded")
     results["manual-unsharded"] = full_parameters(module)
 
+    module = ToyModule(cfg)
+    fit_with_mics(module, cfg, partition_size=2, cross_replica_dtype="bf16")
+    results["bf16-cross-replica"] = full_parameters(module)
+
     auto = MiCSStrategy(sharding="auto", grad_accumulation="auto")
     module = ToyModule(cfg)
     fit_with_mics(module, cfg, strategy=auto)
@@ -169,6 +173,17 @@ def test_world8_unsharded_accumulation_matches_single_process(world8, partition)
 @pytest.mark.distributed
 def test_manual_optimization_with_unsharded_accumulation(world4):
     assert_matches_reference([rank["manual-unsharded"] for rank in world4], config(4, 3, CLIP))
+
+
+@pytest.mark.distributed
+def test_bf16_cross_replica_all_reduce_tracks_fp32_and_keeps_replicas_identical(world4):
+    runs = [rank["bf16-cross-replica"] for rank in world4]
+    # one bf16 rounding of each gradient message: close to the fp32 reference, not bit-close
+    assert_matches_reference(runs, config(4, 3, CLIP), rtol=1e-2)
+    for name in runs[0]:  # partitions {0, 1} and {2, 3} hold replicas: they must not drift apart
+        assert torch.equal(runs[0][name], runs[2][name]), name
+    fp32 = world4[0][(2, 3)]
+    assert any(not torch.equal(runs[0][n], fp32[n]) for n in fp32)  # the wire really was bf16
 
 
 @pytest.mark.distributed

@@ -141,14 +141,20 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     out["calls"]["unsharded"] = [call for call in recorder.calls if call.step >= 0]
     out["unsharded"] = full_parameters(model.module)
 
-    # 1c. sharding="auto": the planner picks the degrees when the model is set up
+    # 1c. cross_replica_dtype="bf16": hop 2 in 16 bits, synced before clipping and the step
+    compressed = launch(partition_size=PARTITION, cross_replica_dtype="bf16")
+    model, optimizer = set_up(compressed, ACCUMULATING)
+    train(compressed, model, optimizer, ACCUMULATING, range(6))
+    out["bf16_cross_replica"] = full_parameters(model.module)
+
+    # 1d. sharding="auto": the planner picks the degrees when the model is set up
     planned = launch(sharding="auto")
     model, optimizer = set_up(planned, ACCUMULATING)
     out["auto_layout"] = (planned.strategy.layout.sharding, planned.strategy.layout.planner_reason)
     train(planned, model, optimizer, ACCUMULATING, range(6))
     out["auto"] = full_parameters(model.module)
 
-    # 1d. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
+    # 1e. AMSP: parameters kept gathered within a step (P=1), optimizer states sharded across the
     # replicas (OS=4): clipping and the step run on slices; its checkpoint is plain MiCS's format
     amsp = launch(sharding=ShardingSpec(params=1, grads=PARTITION, optim=WORLD))
     model, optimizer = set_up(amsp, ACCUMULATING)
@@ -262,6 +268,15 @@ def test_accumulation_and_clipping_match_single_process_training(runs):
     assert min(reference_norms) > CLIP  # clipping was active
     for run in runs:  # the norm clipping saw is the global norm of the unsharded gradients
         assert run["norms"] == pytest.approx(reference_norms, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_bf16_cross_replica_sync_tracks_fp32_and_keeps_replicas_identical(runs):
+    params = [run["bf16_cross_replica"] for run in runs]
+    assert_matches_reference(params, ACCUMULATING, rtol=1e-2)  # one bf16 rounding per gradient message
+    for name in params[0]:  # ranks 0 and 2 hold the same shard in the two replicas: no drift
+        assert torch.equal(params[0][name], params[2][name]), name
+    assert any(not torch.equal(params[0][n], runs[0]["accumulating"][n]) for n in params[0])  # really bf16
 
 
 @pytest.mark.distributed
@@ -477,6 +492,7 @@ def test_unsupported_precision_is_refused_naming_the_supported_ones(precision):
         ({"hierarchical": "yes"}, ValueError, "hierarchical must be True, False or 'auto'"),
         ({"checkpoint_verify": "sha"}, ValueError, "checkpoint_verify='sha' is not one of"),
         ({"grad_accumulation": "full"}, ValueError, "grad_accumulation='full' is not one of"),
+        ({"cross_replica_dtype": "int8"}, ValueError, r"cross_replica_dtype='int8' is not one of \[None, 'bf16'"),
         ({"grad_accumulation": "auto"}, ValueError, "needs the number of micro-steps .* choose 'sharded'"),
         ({"auto_wrap_policy": lambda module: True}, TypeError, r"cannot be called as policy\(name, module\)"),
         (

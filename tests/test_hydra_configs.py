@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
@@ -65,13 +66,14 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
             "strategy.async_save=true",
             "strategy.checkpoint_verify=size",
             "strategy.grad_accumulation=unsharded",
+            "strategy.cross_replica_dtype=bf16",
         ).strategy,
         _convert_="all",
     )
     assert strategy.sharding == ShardingSpec("node", "node", "world")
     assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
     assert strategy._async_saver is not None and strategy.checkpoint_verify == "size"
-    assert strategy.grad_accumulation == "unsharded"
+    assert strategy.grad_accumulation == "unsharded" and strategy.cross_replica_dtype == torch.bfloat16
 
 
 def test_planner_chooses_the_whole_layout_from_the_command_line() -> None:

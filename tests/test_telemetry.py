@@ -27,8 +27,15 @@ from lightning_mics.telemetry import (
 )
 
 WORLD, RANKS_PER_NODE, ACCUMULATE, STEPS = 4, 2, 2, 3
-#: (partition size, grad_accumulation): MiCS 2x2, pure replication, ZeRO-3, MiCS 2x2 accumulating unsharded
-LAYOUTS = ((2, "sharded"), (1, "sharded"), ("world", "sharded"), (2, "unsharded"))
+#: (partition size, grad_accumulation, cross_replica_dtype): MiCS 2x2, pure replication, ZeRO-3, MiCS 2x2
+#: accumulating unsharded, MiCS 2x2 with a bf16 cross-replica hop
+LAYOUTS = (
+    (2, "sharded", None),
+    (1, "sharded", None),
+    ("world", "sharded", None),
+    (2, "unsharded", None),
+    (2, "sharded", "bf16"),
+)
 
 
 def test_padding_rounds_dim0_up_to_the_partition_size() -> None:
@@ -88,12 +95,15 @@ def test_bad_peak_flops_is_rejected_with_the_accepted_forms() -> None:
 
 def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
     results = []
-    for partition_size, grad_accumulation in LAYOUTS:
+    for partition_size, grad_accumulation, cross_replica_dtype in LAYOUTS:
         telemetry = TrainingTelemetry(peak_flops=1e12)
         strategy = MiCSStrategy(
-            partition_size=partition_size, ranks_per_node=RANKS_PER_NODE, grad_accumulation=grad_accumulation
+            partition_size=partition_size,
+            ranks_per_node=RANKS_PER_NODE,
+            grad_accumulation=grad_accumulation,
+            cross_replica_dtype=cross_replica_dtype,
         )
-        logger = CSVLogger(log_dir, name=f"p{partition_size}-{grad_accumulation}", version="")
+        logger = CSVLogger(log_dir, name=f"p{partition_size}-{grad_accumulation}-{cross_replica_dtype}", version="")
         trainer = quick_trainer(
             world_size, strategy, STEPS, ACCUMULATE, callbacks=[telemetry], logger=logger, log_every_n_steps=1
         )
@@ -106,6 +116,7 @@ def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
             ACCUMULATE,
             hierarchical_ranks_per_node=topology.ranks_per_node,  # ZeRO-3 here spans both emulated nodes
             grad_accumulation=grad_accumulation,
+            cross_replica_bytes=2 if cross_replica_dtype == "bf16" else None,
         )
         results.append(
             dict(
@@ -142,13 +153,17 @@ def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, 
 
 @pytest.mark.distributed
 def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
-    mics, replicate, zero3, unsharded = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
+    mics, replicate, zero3, unsharded, compressed = (measured[0][i]["expected"] for i in range(len(LAYOUTS)))
     assert mics.intra_partition > 0 and mics.cross_replica > 0
     assert replicate.intra_partition == 0 and replicate.cross_replica > mics.cross_replica  # full gradients
     assert zero3.cross_replica == 0 and zero3.intra_partition > 0
     # unsharded accumulation: one reduce-scatter per optimizer step instead of one per micro-step
     assert unsharded.by_kind["reduce_scatter"] * ACCUMULATE == mics.by_kind["reduce_scatter"]
     assert (unsharded.by_kind["all_gather"], unsharded.cross_replica) == (mics.by_kind["all_gather"], mics.cross_replica)
+    # bf16 on the cross-replica hop: a packed reduce-scatter + all-gather of 2-byte elements instead
+    # of fp32 all-reduces -- half the ring bytes (payload 2 x 2 bytes vs 4, up to the packing's padding)
+    assert compressed.by_kind["all_reduce"] == 0 and compressed.intra_partition == mics.intra_partition
+    assert mics.cross_replica <= compressed.cross_replica <= mics.cross_replica + 2 * 2 * 2
 
 
 @pytest.mark.distributed

@@ -81,7 +81,7 @@ The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimiz
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 from lightning_mics.grad_sync import GradAccumulation
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
@@ -203,6 +203,7 @@ def layout_schedule(
     training: TrainingSpec,
     grad_accumulation: GradAccumulation = "sharded",
     hierarchical: bool = False,
+    cross_replica_bytes: Optional[int] = None,
 ) -> list[Collective]:
     """The collectives one rank issues per micro-step and per optimizer step:
     :func:`lightning_mics.schedule.step_schedule` for ``model.num_units`` equal units (the last, the
@@ -212,6 +213,7 @@ def layout_schedule(
     reduce-scatter runs once (still overlapped with that backward): MiCSStrategy's
     ``grad_accumulation="unsharded"``, and FSDP1 under Lightning's ``no_sync()``. ``hierarchical``:
     partition collectives spanning nodes run in MiCS's two stages (listed as two collectives).
+    ``cross_replica_bytes``: wire width of a compressed cross-replica hop (``cross_replica_dtype``).
     """
     psi, units, b = float(model.params), model.num_units, training.bytes
     unit = psi / units
@@ -227,6 +229,7 @@ def layout_schedule(
         gather_bytes=b.gather_bytes,
         reduce_bytes=b.reduce_bytes,
         param_bytes=b.param_bytes,
+        cross_replica_bytes=cross_replica_bytes,
     )
     merged: dict[tuple[str, str, str, str], Collective] = {}
     for entry in step_schedule(sizes, step):
@@ -383,10 +386,12 @@ def estimate(
     training: TrainingSpec,
     hierarchical: Union[bool, Literal["auto"]] = "auto",
     grad_accumulation: GradAccumulation = "sharded",
+    cross_replica_bytes: Optional[int] = None,
 ) -> LayoutEstimate:
     """Predict one layout. ``hierarchical="auto"`` does what the strategy does: two-stage
     collectives whenever a group spans nodes (``False`` models flat rings, e.g. DeepSpeed ZeRO-3).
-    ``grad_accumulation``: see :func:`layout_schedule` (``"unsharded"`` also models FSDP1 peers)."""
+    ``grad_accumulation``: see :func:`layout_schedule` (``"unsharded"`` also models FSDP1 peers);
+    ``cross_replica_bytes``: the wire width of a compressed cross-replica hop (2 for bf16)."""
     if isinstance(layout, ShardingSpec):
         layout = layout.resolve(cluster.world_size, cluster.gpus_per_node)
     if (layout.world_size, layout.ranks_per_node) != (cluster.world_size, cluster.gpus_per_node):
@@ -412,7 +417,10 @@ def estimate(
         "post_step": CollectiveCost(),
     }
     first_forward = CollectiveCost()
-    for collective in layout_schedule(layout, model, training, grad_accumulation, use_hierarchical and spans):
+    schedule = layout_schedule(
+        layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes
+    )
+    for collective in schedule:
         cost = collective.cost(cluster, hierarchical=False)  # hierarchical stages are separate collectives
         if collective.phase == "forward" and not collective.every_micro_step:
             first_forward = first_forward + cost

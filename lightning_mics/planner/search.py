@@ -23,6 +23,7 @@ def plan(
     tie_tolerance: float = 0.02,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     partition_size: Optional[int] = None,
+    cross_replica_bytes: Optional[int] = None,
 ) -> Plan:
     """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``; only partition size
     ``partition_size`` when given) and rank them.
@@ -51,7 +52,7 @@ def plan(
         GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
     )
     estimates = [
-        estimate(layout, cluster, model, training, hierarchical, mode)
+        estimate(layout, cluster, model, training, hierarchical, mode, cross_replica_bytes)
         for layout in layouts
         for mode in modes
         # the modes differ only when a sharded gradient is accumulated over several micro-steps
@@ -118,6 +119,7 @@ def choose_layout(
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     uniform_only: bool = True,
+    cross_replica_bytes: Optional[int] = None,
 ) -> LayoutChoice:
     """The MiCS layout (``P = G = OS``, or any AMSP (P, G, OS) with ``uniform_only=False``; partition
     size ``partition_size`` when fixed) and accumulation mode (one mode, or ``"auto"``: both) the
@@ -151,6 +153,7 @@ def choose_layout(
         uniform_only=uniform_only,
         grad_accumulation=grad_accumulation,
         partition_size=partition_size,
+        cross_replica_bytes=cross_replica_bytes,
     )
     if not result.any_fits:
         lean = leanest(result.ranked)
@@ -223,6 +226,7 @@ def plan_layout_for(
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     uniform_only: bool = True,
+    cross_replica_bytes: Optional[int] = None,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
@@ -248,6 +252,7 @@ def plan_layout_for(
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,
         uniform_only=uniform_only,
+        cross_replica_bytes=cross_replica_bytes,
     )
 
 
