@@ -241,7 +241,7 @@ class MiCSStrategy(ParallelStrategy):
         if self._layout is None:
             raise RuntimeError(
                 "The MiCS layout exists once the processes are set up (fabric.launch()); with partition_size='auto' "
-                "once the first model is set up."
+                "or sharding='auto', once the first model is set up."
             )
         return self._layout
 
