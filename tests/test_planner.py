@@ -332,6 +332,15 @@ def test_cli_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["cluster"]["inter_node_bandwidth"] == pytest.approx(parse_bandwidth("100Gbps"))
     assert all(row["params_degree"] == row["grads_degree"] == row["optim_degree"] for row in data["ranked"])
+    both = ["--json", "--uniform-only", "--accumulation", "4", "--grad-accumulation", "auto", "--top", "0"]
+    assert plan_main(args + both) == 0
+    modes = json.loads(capsys.readouterr().out)["ranked"]
+    assert {row["grad_accumulation"] for row in modes} == {"sharded", "unsharded"}
+    assert plan_main(args + ["--json", "--uniform-only", "--top", "0", "--cross-replica-dtype", "bf16"]) == 0
+    bf16 = {(r["partition_size"], r["hierarchical"]): r for r in json.loads(capsys.readouterr().out)["ranked"]}
+    fp32 = {(r["partition_size"], r["hierarchical"]): r for r in data["ranked"]}
+    # with one-node partitions the only inter-node traffic is hop 2, which a bf16 wire halves
+    assert bf16[(8, False)]["inter_node_bytes_per_step"] < fp32[(8, False)]["inter_node_bytes_per_step"]
 
 
 def test_cli_errors_name_the_fix(capsys):
