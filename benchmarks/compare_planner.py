@@ -45,6 +45,7 @@ from lightning_mics.planner import (  # noqa: E402
     TrainingSpec,
     estimate,
     parse_flops,
+    plan,
     parse_seconds,
 )
 
@@ -181,6 +182,50 @@ def compare(report: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict
     return rows, cluster
 
 
+def planner_choice(report: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
+    """What ``MiCSStrategy(sharding="auto", grad_accumulation="auto")`` would pick on this cluster
+    (with and without a bf16 cross-replica hop), and the measured row that runs that layout, if any."""
+    model, training = model_from_report(report)
+    candidates = [
+        (plan(cluster, model, training, uniform_only=False, grad_accumulation="auto", cross_replica_bytes=wire).winner,
+         None if wire is None else "bf16")
+        for wire in (None, 2)
+    ]
+    best, wire = min(candidates, key=lambda c: c[0].step_time_s)
+    layout = best.layout
+    measured = None
+    for record in report["results"]:
+        if record.get("status") != "ok" or record.get("family", "mics") != "mics":
+            continue
+        params = record.get("params_degree") or record["partition_size"]
+        same = (params, record["partition_size"]) == (layout.params, layout.grads) and layout.optim == layout.grads
+        mode = record.get("grad_accumulation", "sharded")
+        if same and mode == best.grad_accumulation and record.get("cross_replica_dtype") == wire:
+            measured = record
+    peers = [r for r in report["results"] if r.get("status") == "ok" and r.get("family") in ("fsdp1", "ddp")]
+    best_peer = min(peers, key=lambda r: r["step_time_s"]) if peers else None
+    return {
+        "layout": f"{best.name}" + (f", cross_replica_dtype={wire}" if wire else ""),
+        "predicted_step_time_s": best.step_time_s,
+        "measured_row": measured["strategy"] if measured else None,
+        "measured_step_time_s": measured["step_time_s"] if measured else None,
+        "best_peer": best_peer["strategy"] if best_peer else None,
+        "best_peer_step_time_s": best_peer["step_time_s"] if best_peer else None,
+    }
+
+
+def format_choice(choice: dict[str, Any]) -> str:
+    line = f"planner's choice (sharding='auto', grad_accumulation='auto'): {choice['layout']}, predicted " \
+           f"{choice['predicted_step_time_s']:.3f} s"
+    if choice["measured_row"] is None:
+        return line + "; no measured row runs this layout."
+    line += f"; measured as {choice['measured_row']}: {choice['measured_step_time_s']:.3f} s"
+    if choice["best_peer"] is not None:
+        ratio = choice["best_peer_step_time_s"] / choice["measured_step_time_s"]
+        line += f"; best peer {choice['best_peer']} {choice['best_peer_step_time_s']:.3f} s -> speed ratio {ratio:.2f}"
+    return line
+
+
 def format_rows(rows: list[dict[str, Any]], markdown: bool) -> str:
     header = ["strategy", "predicted step s", "measured step s", "error", "within 20%", "pred. inter-node MB", "meas. inter-node MB"]
     lines = []
@@ -228,8 +273,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MissingInput as error:
         print(f"compare_planner: {error}", file=sys.stderr)
         return 2
+    choice = planner_choice(report, cluster)
     if args.json:
-        print(json.dumps({"cluster": cluster.__dict__, "rows": rows}, indent=2))
+        print(json.dumps({"cluster": cluster.__dict__, "rows": rows, "planner_choice": choice}, indent=2))
         return 0
     print(
         f"emulated cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks, intra {cluster.intra_node_bandwidth / 1e6:,.0f} "
@@ -241,6 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ok = [r for r in rows if r["status"] == "ok"]
     within = sum(abs(r["step_time_error"]) <= TARGET for r in ok)
     print(f"\n{within}/{len(ok)} strategies within +-{TARGET:.0%} of the measured step time.")
+    print(format_choice(choice))
     return 0
 
 

@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     search = parser.add_argument_group("search and output")
     search.add_argument("--uniform-only", action="store_true", help="only MiCS layouts (P = G = OS)")
     search.add_argument("--flat", action="store_true", help="flat rings across nodes (no hierarchical collectives)")
+    search.add_argument(
+        "--grad-accumulation",
+        choices=("sharded", "unsharded", "auto"),
+        default="sharded",
+        help="gradients between micro-steps: sharded (MiCS), unsharded (one reduce-scatter per step) or auto (both)",
+    )
+    search.add_argument(
+        "--cross-replica-dtype", choices=("fp32", "bf16"), default="fp32", help="wire dtype of the cross-replica hop"
+    )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -195,7 +204,13 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             activation_checkpointing=args.activation_checkpointing,
         )
         result = plan(
-            cluster, model, training, uniform_only=args.uniform_only, hierarchical=False if args.flat else "auto"
+            cluster,
+            model,
+            training,
+            uniform_only=args.uniform_only,
+            hierarchical=False if args.flat else "auto",
+            grad_accumulation=args.grad_accumulation,
+            cross_replica_bytes=2 if args.cross_replica_dtype == "bf16" else None,
         )
     except (ValueError, OSError) as error:
         parser.error(str(error))

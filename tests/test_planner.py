@@ -332,6 +332,15 @@ def test_cli_table_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["cluster"]["inter_node_bandwidth"] == pytest.approx(parse_bandwidth("100Gbps"))
     assert all(row["params_degree"] == row["grads_degree"] == row["optim_degree"] for row in data["ranked"])
+    both = ["--json", "--uniform-only", "--accumulation", "4", "--grad-accumulation", "auto", "--top", "0"]
+    assert plan_main(args + both) == 0
+    modes = json.loads(capsys.readouterr().out)["ranked"]
+    assert {row["grad_accumulation"] for row in modes} == {"sharded", "unsharded"}
+    assert plan_main(args + ["--json", "--uniform-only", "--top", "0", "--cross-replica-dtype", "bf16"]) == 0
+    bf16 = {(r["partition_size"], r["hierarchical"]): r for r in json.loads(capsys.readouterr().out)["ranked"]}
+    fp32 = {(r["partition_size"], r["hierarchical"]): r for r in data["ranked"]}
+    # with one-node partitions the only inter-node traffic is hop 2, which a bf16 wire halves
+    assert bf16[(8, False)]["inter_node_bytes_per_step"] < fp32[(8, False)]["inter_node_bytes_per_step"]
 
 
 def test_cli_errors_name_the_fix(capsys):
@@ -419,3 +428,16 @@ def test_compare_planner_reads_the_benchmark_schema(tmp_path, capsys):
     assert zero3["predicted_step_time_s"] > mics["predicted_step_time_s"]
     assert zero3["predicted_inter_node_bytes"] > 4 * mics["predicted_inter_node_bytes"]
     assert mics["step_time_error"] == pytest.approx(mics["predicted_step_time_s"] / 1.0 - 1)
+    # the planner's own pick for this cluster, matched to the measured row that runs it (if any)
+    report = _synthetic_report(with_compute=True)
+    report["results"].append(
+        {"strategy": "mics-zero2-bf16", "family": "mics", "partition_size": 4, "params_degree": 1, "status": "ok",
+         "grad_accumulation": "unsharded", "cross_replica_dtype": "bf16", "step_time_s": 0.5}
+    )
+    report["results"].append({"strategy": "ddp", "family": "ddp", "partition_size": 1, "status": "ok", "step_time_s": 0.6})
+    path.write_text(json.dumps(report))
+    assert compare_planner.main(["--results", str(path), "--json"]) == 0
+    choice = json.loads(capsys.readouterr().out)["planner_choice"]
+    assert choice["layout"] == "ZeRO-2-like: P=1 G=4 OS=4 unsharded-acc, cross_replica_dtype=bf16"
+    assert (choice["measured_row"], choice["best_peer"]) == ("mics-zero2-bf16", "ddp")
+    assert "speed ratio 1.20" in compare_planner.format_choice(choice)
