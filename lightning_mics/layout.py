@@ -240,6 +240,8 @@ class MiCSLayout:
                 + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
                 f"  grad accumulation: {self.grad_accumulation}"
                 + (f" -- {self.planner_reason}" if self.planner_reason else ""),
+                "  cross-replica all-reduce in "
+                + ("the gradients' dtype" if self.cross_replica_dtype is None else str(self.cross_replica_dtype)),
             ]
         )
 
