@@ -364,6 +364,9 @@ def read_dcp(data_dir: Path, state: dict[str, Any], planner: DefaultLoadPlanner,
     """``dcp.load`` through the safe reader, its failures (reported per rank, with tracebacks) made
     one clear error."""
     reader = SafeFileSystemReader(data_dir)
+    # Read (and so vet) the metadata ourselves first: torch 2.11's DCP swallows a failing
+    # read_metadata and reports only "metadata is None", losing why the checkpoint was refused.
+    reader.read_metadata()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
