@@ -79,3 +79,19 @@ def test_nested_recorders_and_a_composite_collective() -> None:
         assert result["inner"] == [(*call, 0) for call in seen_by_both]
         assert result["outer"] == [(*call, 7) for call in seen_by_both] + [("all_reduce", world, 4, 7)]
         torch.testing.assert_close(result["gradient"], torch.full((3,), 4.0))  # summed over 2 ranks
+
+
+def test_torch_compile_still_compiles_while_recording() -> None:
+    """A non-infra dispatch mode makes Dynamo skip compilation silently; the recorder's mode says it
+    ignores compile internals, so ``compile_blocks`` keeps compiling under telemetry."""
+    graphs: list[Any] = []
+
+    def counting_backend(graph_module: Any, example_inputs: Any) -> Any:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(lambda x: (x.sin() * 2).cos(), backend=counting_backend)
+    with CollectiveRecorder():
+        result = compiled(torch.ones(3))
+    assert len(graphs) == 1
+    torch.testing.assert_close(result, (torch.ones(3).sin() * 2).cos())
