@@ -17,8 +17,9 @@ keeps the reduce-scattered partial sum internally and adds it in at the boundary
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics import _compat as compat
-
-#: Attribute naming the process groups over which a plain (non-DTensor) parameter's elements are
-#: disjoint across ranks; set by :mod:`lightning_mics.optim_sharding` on its slice parameters.
-DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
 
 
 def local_shard(t: Tensor) -> Tensor:
@@ -82,7 +79,12 @@ def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    disjoint_groups: Optional[Mapping[Tensor, Sequence[dist.ProcessGroup]]] = None,
+) -> Tensor:
     """Clip gradients by their *global* norm, computed from the shards each rank holds.
 
     Each rank sums ``|g|^p`` over its local shard; the sums are all-reduced over the groups across
@@ -90,7 +92,14 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     boundary sync, so reducing over the replication group as well would count them twice. Gradients
     are scaled in place exactly like :func:`torch.nn.utils.clip_grad_norm_` does, and the global
     norm (identical on every rank) is returned.
+
+    Where a gradient's pieces are disjoint: a DTensor's over its ``Shard`` mesh dims, which it
+    carries itself; a plain tensor's over ``disjoint_groups[param]`` -- the slice parameters of
+    optimizer-state sharding, whose groups only their owner knows
+    (:attr:`~lightning_mics.optim_sharding.ReplicaShardedOptimizerStates.disjoint_groups`, which the
+    strategy passes in through its precision plugin); any other plain tensor is taken as replicated.
     """
+    disjoint_groups = disjoint_groups or {}
     with_grads = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grads]
     norm_type = float(norm_type)
@@ -100,9 +109,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
     partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
     for param, grad in zip(with_grads, grads):
-        # DTensor gradients are disjoint over their Shard mesh dims; slice parameters of
-        # optimizer-state sharding carry their groups explicitly; anything else is replicated.
-        groups = _shard_groups(grad) if isinstance(grad, DTensor) else getattr(param, DISJOINT_GROUPS_ATTR, [])
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else list(disjoint_groups.get(param, ()))
         local = local_shard(grad)
         key = tuple(id(g) for g in groups)
         if key not in partial:

@@ -511,6 +511,7 @@ class MiCSStrategy(ParallelStrategy):
 
     def _shard_optimizer_states(self) -> None:
         self._optimizer_state_sharding.clear()
+        self.precision_plugin.disjoint_groups = {}
         if not self._shards_optimizer_beyond_partition:
             return
         if self.precision_plugin.scaler is not None:
@@ -526,6 +527,7 @@ class MiCSStrategy(ParallelStrategy):
                 optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=self.topology.replication_degree
             )
             self._optimizer_state_sharding[id(optimizer)] = hook
+            self.precision_plugin.disjoint_groups = {**self.precision_plugin.disjoint_groups, **hook.disjoint_groups}
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
