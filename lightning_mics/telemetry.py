@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
 from lightning_mics.grad_sync import local_shard
+from lightning_mics.strategy import MiCSStrategy
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -278,6 +279,17 @@ def default_tokens_in_batch(batch: Any) -> int:
     )
 
 
+def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
+    """The MiCS layout to classify traffic against: a set-up :class:`~lightning_mics.MiCSStrategy`'s
+    public ``topology``; ``None`` for any other strategy (traffic is then reported by kind only)."""
+    if not isinstance(strategy, MiCSStrategy):
+        return None
+    try:
+        return strategy.topology
+    except RuntimeError:  # its processes are not set up yet: no layout to classify against
+        return None
+
+
 class TrainingTelemetry(Callback):
     """Log tokens/s, step time, MFU and communication bytes per optimizer step.
 
@@ -331,7 +343,7 @@ class TrainingTelemetry(Callback):
         self.steps.clear()
         self._world_size, self._rank = trainer.world_size, trainer.global_rank
         self._device = pl_module.device
-        self.topology = getattr(trainer.strategy, "_topology", None)
+        self.topology = _topology_of(trainer.strategy)
         self.peak_flops = self._resolve_peak_flops(trainer)
         self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
         self._last_global_step = trainer.global_step
