@@ -31,8 +31,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 # Counting collectives without patching torch.distributed (``collectives.CollectiveRecorder``):
 # ``TorchDispatchMode`` sees every dispatcher op a thread issues while the mode is on its stack, the
 # c10d collectives (``c10d::allreduce_``, ``c10d::_allgather_base_``, ...) included; it lives in a
-# private module but is torch's documented mechanism for this (``CommDebugMode`` uses it). Since
-# torch 2.0; ``ignore_compile_internals`` since torch 2.8 (checked on 2.11, 2.13).
+# private module but is torch's own mechanism for this (``CommDebugMode`` uses it). Since torch 2.0.
+# Its ``ignore_compile_internals`` hook (which keeps torch.compile compiling under the mode) was
+# added in 2025 (pytorch#161648); a torch without it ignores the override and compiles nothing while
+# recording. The c10d op names and schemas the recorder reads are the same on 2.11 and 2.13.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: E402
 
@@ -45,8 +47,9 @@ def dispatch_mode_stack() -> list[Any]:
 
 def unbox_process_group(value: Any) -> dist.ProcessGroup:
     """The :class:`~torch.distributed.ProcessGroup` a c10d dispatcher op receives as an argument
-    (a ``torch.ScriptObject`` wrapping it). ``ProcessGroup.unbox`` is undocumented; torch >= 2.2
-    (checked on 2.11, 2.13)."""
+    (a ``torch.ScriptObject`` wrapping it on 2.11 and 2.13; newer torch may hand over the group
+    itself). ``ProcessGroup.unbox``, the inverse of ``boxed()``, is undocumented and sits beside
+    ``boxed()`` (torch 2.2; checked on 2.11, 2.13)."""
     if isinstance(value, dist.ProcessGroup):
         return value
     return dist.ProcessGroup.unbox(value)
