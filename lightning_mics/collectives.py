@@ -116,6 +116,11 @@ class _RecordingMode(TorchDispatchMode):
     :func:`_recorded_as_one`, which hides their parts from the mode on this thread meanwhile.
     """
 
+    #: Higher-order operators (``torch.cond``, ``flex_attention`` in eager, ...) reach the mode as a
+    #: whole; without this flag torch refuses to run them under it. They run unrecorded, as one op:
+    #: a collective inside their body would not be seen (none of FSDP2's or Lightning's is).
+    supports_higher_order_operators = True
+
     def __init__(self, recorder: CollectiveRecorder) -> None:
         super().__init__()
         self.recorder = recorder

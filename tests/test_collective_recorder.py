@@ -95,3 +95,13 @@ def test_torch_compile_still_compiles_while_recording() -> None:
         result = compiled(torch.ones(3))
     assert len(graphs) == 1
     torch.testing.assert_close(result, (torch.ones(3).sin() * 2).cos())
+
+
+def test_higher_order_operators_run_under_a_recorder() -> None:
+    """Models may use higher-order operators in eager (``flex_attention``, ``torch.cond``); torch
+    refuses them under a dispatch mode that does not declare support for them."""
+    x = torch.arange(3.0)
+    with CollectiveRecorder() as recorder:
+        taken = torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
+    torch.testing.assert_close(taken, x + 1)
+    assert recorder.calls == []
