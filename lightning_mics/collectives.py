@@ -180,7 +180,10 @@ class CollectiveRecorder:
 
     Nothing in torch is replaced while it records: it pushes a dispatch mode (see
     :class:`_RecordingMode`) onto the thread's mode stack and pops it on exit. Recorders (and other
-    dispatch modes) must therefore be exited in the reverse order they were entered.
+    dispatch modes) must therefore be exited in the reverse order they were entered. What it sees
+    is what the entering thread issues, backward passes included; work on threads of the program's
+    own -- e.g. the background checkpoint writer's collectives, in a group of their own -- is not
+    training traffic and is not recorded.
     """
 
     def __init__(self) -> None:
