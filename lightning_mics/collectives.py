@@ -110,7 +110,8 @@ class _RecordingMode(TorchDispatchMode):
     stack (part of ``at::ThreadLocalState``) into the threads it runs backward on -- on CPU backward
     runs on the calling thread itself, on CUDA in a device thread that gets the caller's modes -- so
     the collectives FSDP2 issues from its backward hooks are seen either way. Threads the program
-    starts itself are not seen (nothing in FSDP2 or Lightning issues collectives from one).
+    starts itself are not seen: FSDP2 and Lightning issue no collectives from one, and the only one
+    here that does, the background checkpoint writer, carries no training traffic.
 
     Composite collectives (:func:`ring_reduce_scatter`) record themselves as one call through
     :func:`_recorded_as_one`, which hides their parts from the mode on this thread meanwhile.
