@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import platform
 import sys
@@ -153,7 +152,7 @@ class BenchConfig:
 
 @dataclass
 class ModeResult:
-    """What one mode measured. ``status``: ``ok``, ``skipped`` (the strategy lacks an option) or ``error``."""
+    """What one mode measured. ``status``: ``ok`` or ``error``."""
 
     mode: str
     status: str = "ok"
@@ -168,10 +167,6 @@ class ModeResult:
     #: Loss of the first step (identical init and data, so close across modes) and of the last one.
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
-
-
-class SkipMode(Exception):
-    """A mode that cannot run with this checkout (e.g. a strategy option not implemented yet)."""
 
 
 # ---------------------------------------------------------------------------------- shared pieces
@@ -298,21 +293,14 @@ def train_plain(cfg: BenchConfig, compiled: bool, window: StepWindow) -> weakref
 
 
 def strategy_options(cfg: BenchConfig, compiled: bool) -> dict[str, Any]:
-    """``MiCSStrategy`` arguments for this run. Options of the GPU path (issue 7) are passed only
-    when asked for, and a mode that needs one this checkout lacks is skipped rather than faked."""
-    accepted = set(inspect.signature(MiCSStrategy.__init__).parameters)
+    """``MiCSStrategy`` arguments for this run: the GPU-path options (issue 7) only when asked for."""
     options: dict[str, Any] = {"reshard_after_forward": cfg.reshard_after_forward}
-    wanted = {
-        "compile_blocks": True if compiled else None,
-        "activation_checkpointing_policy": True if cfg.activation_checkpointing else None,
-        "prefetch_depth": cfg.prefetch_depth,
-    }
-    for name, value in wanted.items():
-        if value is None:
-            continue
-        if name not in accepted:
-            raise SkipMode(f"MiCSStrategy has no `{name}` option in this checkout")
-        options[name] = value
+    if compiled:
+        options["compile_blocks"] = True
+    if cfg.activation_checkpointing:
+        options["activation_checkpointing_policy"] = True
+    if cfg.prefetch_depth is not None:
+        options["prefetch_depth"] = cfg.prefetch_depth
     return options
 
 
@@ -376,8 +364,6 @@ def run_mode(cfg: BenchConfig, mode: Mode, peak_flops: Optional[float]) -> ModeR
     module_ref: Optional[weakref.ref] = None
     try:
         module_ref = TRAINERS[mode.runner](cfg, mode.compiled, window)
-    except SkipMode as skip:
-        result.status, result.detail = "skipped", str(skip)
     except Exception:  # noqa: BLE001 -- reported in the results, and the exit status
         result.status, result.detail = "error", traceback.format_exc(limit=-8)
         print(f"[{mode.name}] failed:\n{result.detail}", file=sys.stderr)
@@ -433,8 +419,6 @@ def format_table(cfg: BenchConfig, results: Sequence[ModeResult], ratio: dict[st
             f"{r.mode:<18} {r.status:<8} {_fmt(r.tokens_per_s, ',.0f'):>11} {_fmt(r.step_time_s, '.1f', 1e3):>9} "
             f"{_fmt(r.mfu, '.1f', 100, '%'):>7} {_fmt(r.peak_memory_bytes, '.1f', 2**-30, ' GiB'):>10} {losses:>17}"
         )
-        if r.status == "skipped":
-            lines.append(f"    skipped: {r.detail}")
     for name, value in ratio.items():
         lines.append(f"throughput {name}: {value:.3f} (target >= {TARGET_RATIO})")
     for r in results:
@@ -536,7 +520,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run, print the table, write the JSON; exit status 1 when a mode failed (skipped is fine)."""
+    """Run, print the table, write the JSON; exit status 1 when a mode failed."""
     cfg, json_path = parse_args(argv)
     results, document = run(cfg)
     print(format_table(cfg, results, document["ratios"]))

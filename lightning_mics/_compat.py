@@ -28,6 +28,33 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as l
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
 
 
+# Counting collectives without patching torch.distributed (``collectives.CollectiveRecorder``):
+# ``TorchDispatchMode`` sees every dispatcher op a thread issues while the mode is on its stack, the
+# c10d collectives (``c10d::allreduce_``, ``c10d::_allgather_base_``, ...) included; it lives in a
+# private module but is torch's own mechanism for this (``CommDebugMode`` uses it). Since torch 2.0.
+# Its ``ignore_compile_internals`` hook (which keeps torch.compile compiling under the mode) was
+# added in 2025 (pytorch#161648); a torch without it ignores the override and compiles nothing while
+# recording. The c10d op names and schemas the recorder reads are the same on 2.11 and 2.13.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: E402
+
+
+def dispatch_mode_stack() -> list[Any]:
+    """The dispatch modes active on this thread, innermost last (torch >= 2.0). Autograd carries
+    this stack into the threads it runs backward on, so it answers the same there."""
+    return _get_current_dispatch_mode_stack()
+
+
+def unbox_process_group(value: Any) -> dist.ProcessGroup:
+    """The :class:`~torch.distributed.ProcessGroup` a c10d dispatcher op receives as an argument
+    (a ``torch.ScriptObject`` wrapping it on 2.11 and 2.13; newer torch may hand over the group
+    itself). ``ProcessGroup.unbox``, the inverse of ``boxed()``, is undocumented and sits beside
+    ``boxed()`` (torch 2.2; checked on 2.11, 2.13)."""
+    if isinstance(value, dist.ProcessGroup):
+        return value
+    return dist.ProcessGroup.unbox(value)
+
+
 def composable_activation_checkpoint(module: Any) -> Any:
     """Hook-based (non-reentrant) activation checkpointing that keeps module names and state-dict
     keys and composes with ``fully_shard`` applied afterwards (torch >= 2.1)."""
@@ -104,9 +131,11 @@ __all__ = [
     "ReduceScatter",
     "Stateful",
     "SubprocessScriptLauncher",
+    "TorchDispatchMode",
     "backend_options",
     "composable_activation_checkpoint",
     "default_process_group_backend_for_device",
+    "dispatch_mode_stack",
     "distributed_is_initialized",
     "expose_device_mesh",
     "init_dist_connection",
@@ -115,4 +144,5 @@ __all__ = [
     "optimizers_to_device",
     "set_element",
     "sync_ddp_if_available",
+    "unbox_process_group",
 ]

@@ -1,10 +1,9 @@
 """Collectives: what crosses which group, and how.
 
 * :class:`CollectiveRecorder` records every all-gather, reduce-scatter, all-reduce and broadcast
-  issued through :mod:`torch.distributed` (or :func:`ring_reduce_scatter`) while it is active -- by
-  FSDP2 or anyone else -- with the ranks of the group and the bytes of the payload. Tests use it to
-  prove the 2-hop schedule (which collective runs on which group in which micro-step); telemetry uses
-  it to report bytes per step.
+  this process issues while it is active -- by FSDP2, Lightning or anyone else -- with the ranks of
+  the group and the bytes of the payload. Tests use it to prove the 2-hop schedule (which collective
+  runs on which group in which micro-step); telemetry uses it to report bytes per step.
 * :func:`ring_reduce_scatter`: gloo has no reduce-scatter algorithm -- its ``reduce_scatter_tensor``
   all-reduces the whole input and keeps one chunk, twice the bytes of a real reduce-scatter on every
   link. On gloo (CPU tensors) we reduce-scatter over a ring of point-to-point messages instead
@@ -15,36 +14,17 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from lightning_mics._compat import AllGather, ReduceScatter
-
-#: torch.distributed functions we account for, by the kind of collective they are. Old and new
-#: spellings are both listed (torch renamed ``all_gather_into_tensor`` to ``all_gather_single``);
-#: a nested call from one spelling into the other is counted once.
-_TRACKED: dict[str, str] = {
-    "all_gather_single": "all_gather",
-    "all_gather_into_tensor": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast",
-}
-#: Our own collectives, looked up in this module at call time so that the recorder can wrap them.
-_TRACKED_HERE: dict[str, str] = {"ring_reduce_scatter": "reduce_scatter"}
+from lightning_mics._compat import AllGather, ReduceScatter, TorchDispatchMode, dispatch_mode_stack, unbox_process_group
 
 
 @dataclass(frozen=True)
@@ -63,17 +43,131 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _payload_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes of the largest tensor argument: the gathered output, the pre-scatter input, or the
-    reduced buffer -- the size one would quote for the collective. List arguments (the list forms
-    of all-gather / reduce-scatter) count as the sum of their tensors."""
-    sizes = [0]
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            sizes.append(value.numel() * value.element_size())
-        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
-            sizes.append(sum(v.numel() * v.element_size() for v in value))
-    return max(sizes)
+def _nbytes(value: Any) -> int:
+    """Bytes of a tensor, or of all tensors in a (nested) list of them; 0 for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+@dataclass(frozen=True)
+class _C10dOp:
+    """How to read one c10d dispatcher op: its kind, which arguments hold its tensors and its group,
+    and whether it is a coalesced op (one collective per position of its tensor lists)."""
+
+    kind: str
+    tensor_args: tuple[int, ...]
+    group_arg: int
+    coalesced: bool
+
+
+def _c10d_ops() -> dict[Any, _C10dOp]:
+    """The c10d dispatcher ops every ``torch.distributed`` collective of a tracked kind ends in, on any
+    backend: ``all_gather_single`` / ``all_gather_into_tensor`` -> ``_allgather_base_``, the list forms
+    -> ``allgather_`` / ``reduce_scatter_``, ``all_reduce`` -> ``allreduce_``, ``broadcast`` (and the
+    object collectives built on these) -> ``broadcast_`` / ``allgather_``; inside a coalescing
+    manager gloo issues the ``*_coalesced_`` forms. Point-to-point (``send`` / ``recv_``), barriers,
+    ``reduce`` / ``gather`` / ``scatter`` / all-to-all are not tracked kinds. Ops a torch version
+    lacks are skipped. Argument positions come from each op's schema."""
+    kinds = {
+        "_allgather_base_": ("all_gather", False),
+        "allgather_": ("all_gather", False),
+        "allgather_coalesced_": ("all_gather", True),
+        "allgather_into_tensor_coalesced_": ("all_gather", True),
+        "_reduce_scatter_base_": ("reduce_scatter", False),
+        "reduce_scatter_": ("reduce_scatter", False),
+        "reduce_scatter_tensor_coalesced_": ("reduce_scatter", True),
+        "allreduce_": ("all_reduce", False),
+        "allreduce_coalesced_": ("all_reduce", True),
+        "broadcast_": ("broadcast", False),
+    }
+    ops: dict[Any, _C10dOp] = {}
+    for name, (kind, coalesced) in kinds.items():
+        packet = getattr(torch.ops.c10d, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            names = [argument.name for argument in op._schema.arguments]
+            group_arg = names.index("process_group")
+            # the tensor arguments are the ones before the group (outputs and inputs; allreduce's
+            # optional sparse indices come after it and are not payload)
+            ops[op] = _C10dOp(kind, tuple(range(group_arg)), group_arg, coalesced)
+    return ops
+
+
+class _RecordingMode(TorchDispatchMode):
+    """The dispatch mode behind :class:`CollectiveRecorder`: sees each c10d collective op as the
+    dispatcher runs it and appends a :class:`CollectiveCall` to its recorder.
+
+    Why a dispatch mode: every ``torch.distributed`` collective, whatever its Python spelling
+    (``all_gather_single`` or the older ``all_gather_into_tensor``, ``_all_gather_base``, the object
+    collectives) and whoever calls it (FSDP2, Lightning, DCP), ends in one c10d dispatcher op, so
+    nothing in torch has to be replaced to see it. The mode stack is thread-local, which is what
+    the recorder needs: it sees what the thread that entered it issues, and autograd carries the
+    stack (part of ``at::ThreadLocalState``) into the threads it runs backward on -- on CPU backward
+    runs on the calling thread itself, on CUDA in a device thread that gets the caller's modes -- so
+    the collectives FSDP2 issues from its backward hooks are seen either way. Threads the program
+    starts itself are not seen: FSDP2 and Lightning issue no collectives from one, and the only one
+    here that does, the background checkpoint writer, carries no training traffic.
+
+    Composite collectives (:func:`ring_reduce_scatter`) record themselves as one call through
+    :func:`_recorded_as_one`, which hides their parts from the mode on this thread meanwhile.
+    """
+
+    #: Higher-order operators (``torch.cond``, ``flex_attention`` in eager, ...) reach the mode as a
+    #: whole; without this flag torch refuses to run them under it. They run unrecorded, as one op:
+    #: a collective inside their body would not be seen (none of FSDP2's or Lightning's is).
+    supports_higher_order_operators = True
+
+    def __init__(self, recorder: CollectiveRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self._ops = _c10d_ops()
+        self._hidden = threading.local()  # .depth: inside this many composite collectives
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` compile while a recorder is active (with ``False``, Dynamo would
+        silently run every compiled block eagerly); FSDP2's collectives run outside compiled graphs."""
+        return True
+
+    def record(self, kind: str, ranks: tuple[int, ...], nbytes: int) -> None:
+        if getattr(self._hidden, "depth", 0) == 0:
+            self.recorder.calls.append(CollectiveCall(kind, ranks, nbytes, self.recorder.step))
+
+    @contextmanager
+    def hiding(self) -> Iterator[None]:
+        self._hidden.depth = getattr(self._hidden, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._hidden.depth -= 1
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        op = self._ops.get(func)
+        if op is not None:
+            self._record_op(func, op, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record_op(self, func: Any, op: _C10dOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        schema = func._schema.arguments
+
+        def argument(index: int) -> Any:
+            return args[index] if index < len(args) else kwargs.get(schema[index].name)
+
+        ranks = _group_ranks(unbox_process_group(argument(op.group_arg)))
+        tensors = [argument(i) for i in op.tensor_args]
+        if op.coalesced:  # one collective per position: (output i, input i)
+            for per_position in zip(*tensors):
+                self.record(op.kind, ranks, max(_nbytes(t) for t in per_position))
+        else:  # the gathered output, the pre-scatter input, or the reduced buffer
+            self.record(op.kind, ranks, max(_nbytes(t) for t in tensors))
 
 
 class CollectiveRecorder:
@@ -84,48 +178,41 @@ class CollectiveRecorder:
         with CollectiveRecorder() as rec:
             loss.backward()
         rec.count("all_reduce")  # how many all-reduces this backward issued
+
+    Nothing in torch is replaced while it records: it pushes a dispatch mode (see
+    :class:`_RecordingMode`) onto the thread's mode stack and pops it on exit. Recorders (and other
+    dispatch modes) must therefore be exited in the reverse order they were entered. What it sees
+    is what the entering thread issues, backward passes included; work on threads of the program's
+    own -- e.g. the background checkpoint writer's collectives, in a group of their own -- is not
+    training traffic and is not recorded.
     """
 
     def __init__(self) -> None:
         self.calls: list[CollectiveCall] = []
         #: Free-form step label stamped on each call (tests set it per micro-step).
         self.step: int = 0
-        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
-        self._local = threading.local()
-
-    def _wrap(self, name: str, kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(original)
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            depth = getattr(self._local, "depth", 0)
-            if depth == 0:
-                group = kwargs.get("group")
-                if group is None:
-                    group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-                self.calls.append(
-                    CollectiveCall(kind, _group_ranks(group), _payload_bytes(args, kwargs), self.step)
-                )
-            self._local.depth = depth + 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        return recorded
+        self._mode: Optional[_RecordingMode] = None
 
     def __enter__(self) -> CollectiveRecorder:
-        for namespace, tracked in ((dist, _TRACKED), (sys.modules[__name__], _TRACKED_HERE)):
-            for name, kind in tracked.items():
-                original = getattr(namespace, name, None)
-                if original is None:
-                    continue
-                self._originals[(namespace, name)] = original
-                setattr(namespace, name, self._wrap(name, kind, original))
+        if self._mode is not None:
+            raise RuntimeError("this CollectiveRecorder is already recording")
+        self._mode = _RecordingMode(self)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for (namespace, name), original in self._originals.items():
-            setattr(namespace, name, original)
-        self._originals.clear()
+        if self._mode is None:
+            return
+        stack = dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            # Popping would remove the other mode instead; refused, and this recorder stays active
+            # so that exiting the other one first and then this one still works.
+            raise RuntimeError(
+                "CollectiveRecorder exited while a dispatch mode entered after it is still active; "
+                "exit recorders in the reverse order of entering them"
+            )
+        self._mode.__exit__(None, None, None)
+        self._mode = None
 
     # ------------------------------------------------------------------ queries
     def count(self, kind: str, step: int | None = None) -> int:
@@ -140,6 +227,25 @@ class CollectiveRecorder:
 
     def reset(self) -> None:
         self.calls.clear()
+
+
+@contextmanager
+def _recorded_as_one(kind: str, group: Any, payload: torch.Tensor) -> Iterator[None]:
+    """Record a collective built from other communication (the ring's point-to-point messages) as
+    one call of ``kind`` with ``payload``'s bytes, in every recorder active on this thread, and hide
+    the communication inside the block from them. Scoped explicitly: it finds the recorders on the
+    thread's dispatch-mode stack -- the very ones that would see a c10d op issued here -- and keeps
+    no state once the block ends."""
+    modes = [mode for mode in dispatch_mode_stack() if isinstance(mode, _RecordingMode)]
+    if not modes:
+        yield
+        return
+    ranks, nbytes = _group_ranks(group), _nbytes(payload)
+    with ExitStack() as stack:
+        for mode in modes:
+            mode.record(kind, ranks, nbytes)
+            stack.enter_context(mode.hiding())
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,11 +290,15 @@ def create_hierarchical_groups(
     )
 
 
+#: torch 2.12 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single`` and
+#: deprecated the old names; resolved once, at import.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """All-gather ``input`` from every rank of ``group`` into ``output``, in group-rank order."""
-    # Looked up at call time (torch >= 2.12 renamed it), which also lets CollectiveRecorder see it.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool = False) -> Any:
@@ -197,8 +307,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op: Any, grou
     if not async_op and _ring_applies(input, op, group):
         ring_reduce_scatter(output, input, op, group)
         return None
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 _RING_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
@@ -227,14 +336,21 @@ def ring_reduce_scatter(
     ``op``: SUM or AVG; ``group`` None is the default group. ``accumulate_dtype``: add the partial
     sums in this (wider) dtype while messages stay in the input's dtype -- a bf16 wire with fp32
     sums (:func:`compressed_all_reduce_`)."""
-    if accumulate_dtype is not None and accumulate_dtype != input.dtype:
-        _ring_reduce_scatter_widened(output, input, op, group, accumulate_dtype)
-        return
     group = dist.GroupMember.WORLD if group is None else group
+    n = dist.get_world_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {output.numel()}")
+    # one reduce-scatter of the whole input to a recorder, as gloo's own would be; its messages are not
+    with _recorded_as_one("reduce_scatter", group, input):
+        if accumulate_dtype is not None and accumulate_dtype != input.dtype:
+            _ring_reduce_scatter_widened(output, input, op, group, accumulate_dtype)
+        else:
+            _ring_reduce_scatter(output, input, op, group)
+
+
+def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     block = output.numel()
-    if input.numel() != n * block:
-        raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {block}")
     blocks = input.reshape(n, block)
     send_to = dist.get_global_rank(group, (rank + 1) % n)
     receive_from = dist.get_global_rank(group, (rank - 1) % n)
@@ -261,11 +377,8 @@ def _ring_reduce_scatter_widened(
 ) -> None:
     """:func:`ring_reduce_scatter` with partial sums kept in ``accumulate_dtype`` and every message
     rounded to the input's dtype: the rounding error grows with the ring's length, not the sum's."""
-    group = dist.GroupMember.WORLD if group is None else group
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     block = output.numel()
-    if input.numel() != n * block:
-        raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {block}")
     blocks = input.reshape(n, block)
     send_to = dist.get_global_rank(group, (rank + 1) % n)
     receive_from = dist.get_global_rank(group, (rank - 1) % n)

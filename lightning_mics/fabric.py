@@ -484,8 +484,13 @@ class MiCSStrategy(ParallelStrategy):
         """Clip by the true global norm of the sharded gradients (every rank gets the same norm)."""
         self.precision.unscale_gradients(optimizer)
         self._sync_before_step(optimizer)
+        hook = self._step_hook(optimizer)
         return clip_grad_norm_(
-            self.precision.main_params(optimizer), float(max_norm), float(norm_type), error_if_nonfinite
+            self.precision.main_params(optimizer),
+            float(max_norm),
+            float(norm_type),
+            error_if_nonfinite,
+            disjoint_groups=getattr(hook, "disjoint_groups", None),  # AMSP: the optimizer-state slices' groups
         )
 
     @override

@@ -25,7 +25,7 @@ reduce-scatter per optimizer step instead of one per micro-step (what FSDP1 does
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, Optional, get_args
 
@@ -37,10 +37,6 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics import _compat as compat
 from lightning_mics.collectives import compressed_all_reduce_
-
-#: Attribute naming the process groups over which a plain (non-DTensor) parameter's elements are
-#: disjoint across ranks; set by :mod:`lightning_mics.optim_sharding` on its slice parameters.
-DISJOINT_GROUPS_ATTR = "_mics_disjoint_groups"
 
 
 #: How gradients accumulate between optimizer steps (module docstring).
@@ -132,7 +128,11 @@ def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    disjoint_groups: Optional[Mapping[Tensor, Sequence[dist.ProcessGroup]]] = None,
 ) -> Tensor:
     """Clip gradients by their *global* norm, computed from the shards each rank holds.
 
@@ -142,7 +142,14 @@ def clip_grad_norm_(
     are scaled in place exactly like :func:`torch.nn.utils.clip_grad_norm_` does, and the global
     norm (identical on every rank) is returned. ``error_if_nonfinite``: as in torch, raise instead of
     scaling by a NaN/inf norm -- on every rank alike, since every rank holds the same norm.
+
+    Where a gradient's pieces are disjoint: a DTensor's over its ``Shard`` mesh dims, which it
+    carries itself; a plain tensor's over ``disjoint_groups[param]`` -- the slice parameters of
+    optimizer-state sharding, whose groups only their owner knows
+    (:attr:`~lightning_mics.optim_sharding.ReplicaShardedOptimizerStates.disjoint_groups`, which the
+    strategy passes in through its precision plugin); any other plain tensor is taken as replicated.
     """
+    disjoint_groups = disjoint_groups or {}
     with_grads = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in with_grads]
     norm_type = float(norm_type)
@@ -152,9 +159,7 @@ def clip_grad_norm_(
     # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
     partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
     for param, grad in zip(with_grads, grads):
-        # DTensor gradients are disjoint over their Shard mesh dims; slice parameters of
-        # optimizer-state sharding carry their groups explicitly; anything else is replicated.
-        groups = _shard_groups(grad) if isinstance(grad, DTensor) else getattr(param, DISJOINT_GROUPS_ATTR, [])
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else list(disjoint_groups.get(param, ()))
         local = local_shard(grad)
         key = tuple(id(g) for g in groups)
         if key not in partial:

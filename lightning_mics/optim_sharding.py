@@ -41,7 +41,6 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
-from lightning_mics.grad_sync import DISJOINT_GROUPS_ATTR
 from lightning_mics.grad_sync import local_shard as _local
 
 
@@ -94,7 +93,11 @@ class ReplicaShardedOptimizerStates:
         for p, n in zip(params, numels):
             offsets[id(p)] = offset
             offset += n
-        disjoint = [partition_group, shard_group]
+        disjoint = (partition_group, shard_group)
+        #: The process groups over which each slice parameter's elements are disjoint across ranks
+        #: (its piece of the partition shard, then its slice of that piece): what
+        #: :func:`~lightning_mics.grad_sync.clip_grad_norm_` reduces the norm of its gradient over.
+        self.disjoint_groups: dict[Tensor, tuple[dist.ProcessGroup, ...]] = {}
         for group, group_params in zip(optimizer.param_groups, self.original_params):
             slices = []
             for p in group_params:
@@ -103,7 +106,7 @@ class ReplicaShardedOptimizerStates:
                 if hi <= lo:
                     continue
                 slice_param = nn.Parameter(_local(p).detach().reshape(-1)[lo:hi].clone())
-                setattr(slice_param, DISJOINT_GROUPS_ATTR, disjoint)
+                self.disjoint_groups[slice_param] = disjoint
                 self.pieces.append(_Piece(p, lo, hi, start, slice_param))
                 slices.append(slice_param)
             group["params"] = slices

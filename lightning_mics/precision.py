@@ -20,15 +20,18 @@ keeps numerically sensitive ops such as softmax/cross-entropy in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDPPrecision
 from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
@@ -77,6 +80,10 @@ class MiCSPrecision(FSDPPrecision):
         self.last_grad_norm: torch.Tensor | None = None
         #: Device type for autocast; the strategy sets it to its root device's type at setup.
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        #: The groups over which plain-tensor parameters' gradients are disjoint, for clipping (see
+        #: :func:`~lightning_mics.grad_sync.clip_grad_norm_`); the strategy sets it at setup from its
+        #: optimizer-state sharding, empty without one.
+        self.disjoint_groups: Mapping[Tensor, Sequence[dist.ProcessGroup]] = {}
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> "MiCSPrecision":
@@ -98,7 +105,9 @@ class MiCSPrecision(FSDPPrecision):
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
         """Clip by the true global gradient norm over all shards; the norm is kept for logging."""
-        self.last_grad_norm = clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+        self.last_grad_norm = clip_grad_norm_(
+            self.main_params(optimizer), float(clip_val), disjoint_groups=self.disjoint_groups
+        )
 
 
 #: Plugins Lightning builds from ``Trainer(precision=...)`` that carry nothing but the flag.

@@ -454,12 +454,18 @@ class MiCSStrategy(ParallelStrategy):
 
     def _shard_optimizer_states(self) -> None:
         """The hooks around each optimizer step: hop 2 in ``cross_replica_dtype``, or (AMSP
-        ``optim > grads``) each optimizer's states sharded across replicas -- never both."""
+        ``optim > grads``) each optimizer's states sharded across replicas -- never both. Clipping
+        learns which groups the optimizer-state slices are disjoint over from those hooks."""
         assert self.model is not None
         self._compressed_sync = cross_replica_sync(self.model, self.layout)
         self._optimizer_state_sharding = shard_optimizer_states(
             self.optimizers, self.layout, loss_scaling=self.precision_plugin.scaler is not None
         )
+        self.precision_plugin.disjoint_groups = {
+            param: groups
+            for hook in self._optimizer_state_sharding.values()
+            for param, groups in hook.disjoint_groups.items()
+        }
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

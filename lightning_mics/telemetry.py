@@ -35,8 +35,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
+from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.grad_sync import GradAccumulation, local_shard
 from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
+from lightning_mics.strategy import MiCSStrategy
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -287,6 +289,17 @@ def default_tokens_in_batch(batch: Any) -> int:
     )
 
 
+def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
+    """The MiCS layout to classify traffic against: a set-up MiCS strategy's (Trainer or Fabric)
+    public ``topology``; ``None`` for any other strategy (traffic is then reported by kind only)."""
+    if not isinstance(strategy, (MiCSStrategy, MiCSFabricStrategy)):
+        return None
+    try:
+        return strategy.topology
+    except RuntimeError:  # its processes are not set up yet: no layout to classify against
+        return None
+
+
 class TrainingTelemetry(Callback):
     """Log tokens/s, step time, MFU and communication bytes per optimizer step.
 
@@ -340,7 +353,7 @@ class TrainingTelemetry(Callback):
         self.steps.clear()
         self._world_size, self._rank = trainer.world_size, trainer.global_rank
         self._device = pl_module.device
-        self.topology = _mics_topology(trainer.strategy)
+        self.topology = _topology_of(trainer.strategy)
         self.peak_flops = self._resolve_peak_flops(trainer)
         self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
         self._last_global_step = trainer.global_step
@@ -510,11 +523,3 @@ def _fmt_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
-
-
-def _mics_topology(strategy: Any) -> Optional[MiCSTopology]:
-    """The layout of a MiCS strategy (Trainer or Fabric), else ``None`` (a baseline strategy)."""
-    from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
-    from lightning_mics.strategy import MiCSStrategy
-
-    return strategy.topology if isinstance(strategy, (MiCSStrategy, MiCSFabricStrategy)) else None

@@ -8,7 +8,6 @@ model on the same batches, so their losses agree step for step to bf16 precision
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -22,7 +21,6 @@ if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not
     sys.path.insert(0, str(REPO))
 
 from benchmarks import gpu_throughput  # noqa: E402
-from lightning_mics import MiCSStrategy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +54,6 @@ def test_both_loops_train_the_same_model_on_the_same_batches(smoke):
     plain, strategy = (next(r for r in smoke["results"] if r["mode"] == m) for m in ("plain", "strategy"))
     for key in ("first_loss", "last_loss"):  # FSDP2's bf16 parameters vs autocast's casts: ~1e-5 apart
         assert strategy[key] == pytest.approx(plain[key], rel=1e-3)
-
-
-def test_modes_needing_missing_strategy_options_are_skipped_not_faked():
-    accepted = set(inspect.signature(MiCSStrategy.__init__).parameters)
-    cfg = gpu_throughput.BenchConfig(device="cpu", model="tiny", prefetch_depth=2, activation_checkpointing=True)
-    if {"compile_blocks", "prefetch_depth", "activation_checkpointing_policy"} <= accepted:
-        options = gpu_throughput.strategy_options(cfg, compiled=True)
-        assert options["compile_blocks"] is True and options["prefetch_depth"] == 2
-        assert options["activation_checkpointing_policy"] is True
-    else:
-        with pytest.raises(gpu_throughput.SkipMode, match="has no"):
-            gpu_throughput.strategy_options(cfg, compiled=True)
-    assert gpu_throughput.strategy_options(gpu_throughput.BenchConfig(device="cpu"), compiled=False) == {
-        "reshard_after_forward": False
-    }
 
 
 @pytest.mark.parametrize(

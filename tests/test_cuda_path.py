@@ -19,7 +19,6 @@ Every parameter is compared with the fp32 single-process reference of ``tests/to
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,9 +31,10 @@ from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters,
 
 from lightning_mics import MiCSStrategy
 
-pytestmark = pytest.mark.distributed  # every test here spawns rank processes
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.distributed,  # every test here spawns rank processes
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 WORLD = 4
 CLIP = 0.5  # the reference gradient norms are ~3-5, so this clips every step (see test_equivalence)
@@ -54,16 +54,12 @@ class Variant:
     rtol: float
     accumulate: int = 1
     clip: Optional[float] = None
-    #: ``MiCSStrategy`` options beyond the layout (the GPU-path ones may not exist yet; see ``missing_options``).
+    #: ``MiCSStrategy`` options beyond the layout.
     options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def cfg(self) -> RunConfig:
         return RunConfig(world_size=WORLD, accumulate=self.accumulate, clip=self.clip)
-
-    def missing_options(self) -> list[str]:
-        accepted = inspect.signature(MiCSStrategy.__init__).parameters
-        return [name for name, _ in self.options if name not in accepted]
 
 
 VARIANTS: dict[str, Variant] = {
@@ -114,21 +110,14 @@ def _train_variants(rank: int, world: int, device_type: str, names: tuple[str, .
     return results
 
 
-def _runnable() -> tuple[str, ...]:
-    return tuple(name for name, variant in VARIANTS.items() if not variant.missing_options())
-
-
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict[str, dict[str, Any]]]:
-    return run_ranks(_train_variants, WORLD, "cuda", _runnable())
+    return run_ranks(_train_variants, WORLD, "cuda", tuple(VARIANTS))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_ranks_on_one_gpu_match_single_process(per_rank, name):
     variant = VARIANTS[name]
-    missing = variant.missing_options()
-    if missing:
-        pytest.skip(f"MiCSStrategy has no {', '.join(missing)} option in this checkout")
     runs = [rank[name] for rank in per_rank]
     for run in runs:
         assert run["local_devices"] == {"cuda"}  # the shards live on the GPU, not left behind on CPU

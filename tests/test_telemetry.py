@@ -86,6 +86,15 @@ def test_calls_are_split_by_the_group_they_ran_on() -> None:
     assert classify_calls(calls, None, rank=1).by_group == {}  # other strategies: by kind only
 
 
+def test_topology_comes_from_a_set_up_mics_strategy_only() -> None:
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from lightning_mics.telemetry import _topology_of
+
+    assert _topology_of(SingleDeviceStrategy(torch.device("cpu"))) is None  # other strategies: by kind only
+    assert _topology_of(MiCSStrategy()) is None  # not set up: no layout yet, and no error
+
+
 def test_bad_peak_flops_is_rejected_with_the_accepted_forms() -> None:
     with pytest.raises(ValueError, match="'auto' or None"):
         TrainingTelemetry(peak_flops="fast")
