@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_args
 
 from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
 
@@ -65,14 +65,7 @@ GroupRole = Literal[
 ]
 #: Roles whose collectives stay inside the partition (telemetry's "intra-partition" traffic).
 PARTITION_ROLES: frozenset[str] = frozenset(
-    {
-        "partition",
-        "partition_across_nodes",
-        "partition_within_node",
-        "param_group",
-        "param_group_across_nodes",
-        "param_group_within_node",
-    }
+    role for role in get_args(GroupRole) if role.startswith(("partition", "param_group"))
 )
 Number = Union[int, float]
 
