@@ -315,6 +315,7 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_sync_batchnorm()
         if not self.cluster_environment.creates_processes_externally:
             self._check_layout_before_launch()
             limit_intra_op_threads(self.num_processes)
@@ -332,6 +333,16 @@ class MiCSStrategy(ParallelStrategy):
             self.sharding,
             self.reshard_after_forward,
         )
+
+    def _check_sync_batchnorm(self) -> None:
+        """``Trainer(sync_batchnorm=True)`` converts BatchNorm layers to ``torch.nn.SyncBatchNorm``
+        (in :meth:`setup`, before sharding, as Lightning's DDP and FSDP strategies do). SyncBatchNorm
+        runs on GPUs only; on CPU ranks refuse it now rather than fail in every rank's first forward."""
+        if self._layer_sync is not None and self.parallel_devices and self.parallel_devices[0].type == "cpu":
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) converts BatchNorm to torch.nn.SyncBatchNorm, which torch runs on GPUs "
+                "only; on CPU ranks remove sync_batchnorm=True (each rank then keeps its own BatchNorm statistics)."
+            )
 
     def set_world_ranks(self) -> None:
         process_groups.assign_world_ranks(self)
@@ -398,6 +409,8 @@ class MiCSStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         root = self._root
         if root is None or root.module is not self.lightning_module:
+            if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+                self._layer_sync.apply(self.lightning_module)  # BatchNorm -> SyncBatchNorm, before sharding
             root = self._root = self._shard(self.lightning_module)
         # else: sharded by an earlier stage of this trainer (fit, then validate/test): reuse it
         self.model = root

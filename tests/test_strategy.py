@@ -311,3 +311,10 @@ def test_validate_after_fit_reuses_the_sharded_model(misc):
     losses = {round(out["validate_loss"], 6) for out in misc}
     assert len(losses) == 1 and all(torch.isfinite(torch.tensor(list(losses))))  # synced across ranks
     assert all(out["validate_kept_params"] for out in misc)
+
+
+def test_sync_batchnorm_on_cpu_ranks_is_refused_not_ignored() -> None:
+    with pytest.raises(ValueError, match="SyncBatchNorm, which torch runs on GPUs only; on CPU ranks remove sync_batchnorm"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="mics", sync_batchnorm=True, logger=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="mics", logger=False)  # the default stays accepted
+    assert trainer.strategy._layer_sync is None
