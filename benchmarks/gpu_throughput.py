@@ -66,6 +66,7 @@ from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
+CPU_JSON = DEFAULT_JSON.with_name("gpu_throughput_cpu.json")
 
 #: The issue's targets: MFU through the strategy, and its throughput relative to the plain loop.
 TARGET_MFU = 0.55
@@ -496,7 +497,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
     parser.add_argument(
         "--reshard-after-forward", action="store_true", help="MiCSStrategy(reshard_after_forward=True); off by default"
     )
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the results")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help=f"where to write the results (default: {DEFAULT_JSON.name} under benchmarks/results/ for a GPU run, "
+        f"{CPU_JSON.name} for a CPU run, so a smoke run never overwrites a GPU measurement)",
+    )
     args = parser.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else DEFAULT_MODES[args.device]
     try:
@@ -516,7 +523,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
         )
     except ValueError as error:
         parser.error(str(error))
-    return cfg, args.json
+    return cfg, args.json or (CPU_JSON if cfg.device == "cpu" else DEFAULT_JSON)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -76,4 +76,6 @@ def test_defaults_are_the_issue_setting():
     assert (gpt.d_model, gpt.n_layers, gpt.n_heads, gpt.seq_len, cfg.micro_batch) == (2048, 24, 16, 2048, 8)
     assert cfg.modes == ("plain", "strategy", "plain-compiled", "strategy-compiled")
     assert path == REPO / "benchmarks" / "results" / "gpu_throughput.json"
+    # a CPU (smoke) run never lands on the GPU result
+    assert gpu_throughput.parse_args(["--device", "cpu"])[1] == REPO / "benchmarks" / "results" / "gpu_throughput_cpu.json"
     assert gpu_throughput.parse_args(["--device", "cpu"])[0].modes == ("plain", "strategy")
