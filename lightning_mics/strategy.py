@@ -590,7 +590,12 @@ class MiCSStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         if self._async_saver is not None:
             self._async_saver.wait()  # it may be the checkpoint still being written
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        # Only fitting resumes optimizers: validate/test/predict after a fit still hold the fit's
+        # optimizers, and must neither need their state (weights-only checkpoints) nor write it
+        # (under inference mode those writes fail).
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
         strict = self.lightning_module.strict_loading
         with optimizers_in_partition_form(self._optimizer_state_sharding, optimizers, write_back=True):
             return ckpt.load(

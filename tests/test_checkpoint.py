@@ -253,3 +253,30 @@ def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path: P
         ckpt.save(precious, {"state_dict": ckpt.model_state_dict(module), "global_step": 0})
     assert sorted(p.name for p in precious.iterdir()) == ["results.csv"]
     assert [p.name for p in tmp_path.iterdir()] == ["data"]  # no staging left behind
+
+
+def _weights_only_checkpoint_then_evaluate(rank: int, world: int, directory: str) -> dict[str, float]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lm_jobs import fit_small_gpt, quick_trainer, small_datamodule
+
+    from lightning_mics import MiCSStrategy
+
+    weights_only = ModelCheckpoint(dirpath=directory, save_weights_only=True, every_n_train_steps=2)
+    trainer = quick_trainer(
+        world, MiCSStrategy(partition_size=2), 2, callbacks=[weights_only], enable_checkpointing=True,
+        limit_test_batches=2, limit_val_batches=2,
+    )
+    model = fit_small_gpt(trainer)
+    # after fit the strategy still holds the fit's optimizers: evaluation must not want their state
+    # (the checkpoint has none) nor write it (test/validate run under inference mode)
+    tested = trainer.test(model, datamodule=small_datamodule(), ckpt_path=weights_only.last_model_path or "best",
+                          verbose=False)
+    validated = trainer.validate(model, datamodule=small_datamodule(), ckpt_path="best", verbose=False)
+    return {"test": float(tested[0]["test/loss"]), "val": float(validated[0]["val/loss"])}
+
+
+@pytest.mark.distributed
+def test_evaluation_loads_a_weights_only_checkpoint_after_fit(tmp_path: Path) -> None:
+    results = run_ranks(_weights_only_checkpoint_then_evaluate, 2, str(tmp_path / "ckpts"))
+    assert results[0] == results[1]  # synced metrics: one model, one answer
+    assert all(0 < value < 10 for value in results[0].values()), results[0]
