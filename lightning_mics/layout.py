@@ -243,6 +243,15 @@ class MiCSLayout:
                 "  cross-replica all-reduce in "
                 + ("the gradients' dtype" if self.cross_replica_dtype is None else str(self.cross_replica_dtype)),
             ]
+            + (
+                [
+                    "  wrapping: the whole model is one FSDP unit (no nn.ModuleList of blocks found), so it is "
+                    "gathered at once with nothing to overlap; pass auto_wrap_policy={YourBlockClass} to shard it "
+                    "block by block"
+                ]
+                if num_units == 1 and topology.partition_size > 1
+                else []
+            )
         )
 
 

@@ -100,3 +100,15 @@ def test_lightning_plugins_convert(plugin):
 def test_unsupported_precision_is_one_clear_error(plugin):
     with pytest.raises(ValueError, match="32-true, bf16-mixed, 16-mixed, bf16-true"):
         MiCSPrecision.from_plugin(plugin)
+
+
+def test_layout_log_says_when_the_whole_model_is_one_unit() -> None:
+    from lightning_mics.layout import MiCSLayout
+    from lightning_mics.topology import MiCSTopology
+
+    layout = MiCSLayout(MiCSTopology.create(4, 2, 2), None, None, True, "gloo")  # type: ignore[arg-type]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))  # no ModuleList
+    assert "pass auto_wrap_policy={YourBlockClass}" in layout.describe(model, num_units=1)
+    assert "auto_wrap_policy" not in layout.describe(model, num_units=3)
+    replicated = MiCSLayout(MiCSTopology.create(4, 2, 1), None, None, True, "gloo")  # type: ignore[arg-type]
+    assert "auto_wrap_policy" not in replicated.describe(model, num_units=1)  # nothing is gathered anyway
