@@ -176,12 +176,34 @@ def reference_training(
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded copies of a (possibly FSDP-sharded) module's parameters, by name."""
+    """Unsharded copies of a (possibly FSDP-sharded) module's parameters, by name.
+
+    Shards on a GPU are gathered through host memory, on a CPU twin of their device mesh: with
+    several ranks sharing one GPU over gloo (tests/test_cuda_path.py), ``DTensor.full_tensor()``
+    on the CUDA shards crashes the rank (SIGSEGV inside gloo's functional all-gather, torch 2.11 on
+    an H100), while the training collectives themselves run fine. A collective: every rank calls it.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
+    host_meshes: dict[int, DeviceMesh] = {}
     out = {}
     for name, p in module.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor) and p.device_mesh.device_type != "cpu":
+            mesh = p.device_mesh
+            if id(mesh) not in host_meshes:
+                host_meshes[id(mesh)] = DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+            on_host = DTensor.from_local(
+                p.to_local().detach().cpu(),
+                device_mesh=host_meshes[id(mesh)],
+                placements=p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            t = on_host.full_tensor()
+        else:
+            t = p.full_tensor() if isinstance(p, DTensor) else p
         out[name] = t.detach().cpu().clone()
     return out
 
