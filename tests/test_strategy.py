@@ -144,6 +144,26 @@ class AlreadySharded(ToyModule):
         fully_shard(self.model)
 
 
+class GradientLifetime(pl.Callback):
+    """Whether parameters hold gradients when the optimizer step starts and once it is over."""
+
+    def __init__(self) -> None:
+        #: per optimizer step, the names of the parameters holding a gradient
+        self.at_step: list[list[str]] = []
+        self.after_step: list[list[str]] = []
+
+    @staticmethod
+    def _with_grads(pl_module: pl.LightningModule) -> list[str]:
+        return [name for name, p in pl_module.named_parameters() if p.grad is not None]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.at_step.append(self._with_grads(pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # an optimizer step just ran
+            self.after_step.append(self._with_grads(pl_module))
+
+
 def _misc(rank: int, world: int) -> dict:
     out: dict = {}
     cfg = RunConfig(world_size=world, accumulate=1, steps=6, lr=0.2)
@@ -198,6 +218,21 @@ def _misc(rank: int, world: int) -> dict:
     before = full_parameters(module)
     out["validate_loss"] = trainer.validate(module, verbose=False)[0]["val_loss"]
     out["validate_kept_params"] = all(torch.equal(before[n], p) for n, p in full_parameters(module).items())
+
+    # release_gradients_after_step: gradients freed once the step used them, same training either way
+    accumulating = RunConfig(world_size=world, accumulate=2, steps=3, lr=0.2)
+    for release in (True, False):
+        lifetime = GradientLifetime()
+        module = ToyModule(accumulating)
+        fit_with_mics(
+            module,
+            accumulating,
+            callbacks=[lifetime],
+            partition_size=2,
+            ranks_per_node=2,
+            release_gradients_after_step=release,
+        )
+        out[f"grads_release={release}"] = (lifetime.at_step, lifetime.after_step, full_parameters(module))
 
     # a model that applied fully_shard itself is refused with a clear error
     try:
@@ -307,6 +342,24 @@ def test_mesh_groups_use_the_strategy_timeout():
 
 
 @pytest.mark.distributed
+def test_gradients_are_released_right_after_the_optimizer_step(misc):
+    for rank in misc:
+        at_step, after_step, released_params = rank["grads_release=True"]
+        kept_at_step, kept_after_step, kept_params = rank["grads_release=False"]
+        trained = kept_at_step[0]  # every trainable parameter (the toy freezes one gate)
+        assert len(trained) == len(kept_params) - 1
+        assert at_step == [trained] * 3  # hooks before the step (clipping, logging) still see every gradient
+        assert after_step == [[]] * 3  # freed before the next forward, not after it
+        assert kept_at_step == [trained] * 3 and kept_after_step == [trained] * 3  # Lightning's own order
+        for name, value in kept_params.items():
+            assert torch.equal(released_params[name], value), name  # the same training, bit for bit
+
+
+def test_release_gradients_after_step_must_be_a_bool():
+    with pytest.raises(TypeError, match="release_gradients_after_step must be True or False"):
+        MiCSStrategy(release_gradients_after_step="yes")
+
+
 def test_validate_after_fit_reuses_the_sharded_model(misc):
     losses = {round(out["validate_loss"], 6) for out in misc}
     assert len(losses) == 1 and all(torch.isfinite(torch.tensor(list(losses))))  # synced across ranks
