@@ -63,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: the demo model lives in the re
 
 from examples.models import GPTConfig, GPTLightningModule  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.telemetry import KNOWN_PEAK_FLOPS_16BIT  # noqa: E402
+from lightning_mics.telemetry import dense_peak_flops  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "gpu_throughput.json"
 CPU_JSON = DEFAULT_JSON.with_name("gpu_throughput_cpu.json")
@@ -334,14 +334,14 @@ TRAINERS = {"plain": train_plain, "strategy": train_strategy}
 
 # ---------------------------------------------------------------------------------- measuring
 def resolve_peak_flops(cfg: BenchConfig) -> Optional[float]:
-    """FLOP/s that MFU is relative to: ``--peak-tflops``, else the GPU's dense bf16 peak by name
-    (989 TFLOP/s for H100/H200 SXM); ``None`` on CPU, whose peak is not a meaningful reference."""
+    """FLOP/s that MFU is relative to: ``--peak-tflops``, else the GPU's dense bf16 peak
+    (:func:`lightning_mics.telemetry.dense_peak_flops`: Lightning's table, 989.4 TFLOP/s for an H100
+    SXM); ``None`` on CPU, whose peak is not a meaningful reference."""
     if cfg.peak_tflops is not None:
         return cfg.peak_tflops * 1e12
     if cfg.device != "cuda":
         return None
-    name = torch.cuda.get_device_name()
-    return next((flops for key, flops in KNOWN_PEAK_FLOPS_16BIT.items() if key in name), None)
+    return dense_peak_flops(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
 
 
 def release_memory(device: torch.device, compiled: bool) -> None:

@@ -8,6 +8,7 @@ Importing the package registers the strategy names ``"mics"``, ``"mics_zero3"`` 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_mics.checkpoint import load_from_checkpoint
 from lightning_mics.collectives import CollectiveRecorder
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.grad_sync import clip_grad_norm_, defer_cross_replica_sync
@@ -27,6 +28,7 @@ __all__ = [
     "ShardingSpec",
     "clip_grad_norm_",
     "defer_cross_replica_sync",
+    "load_from_checkpoint",
 ]
 
 if "mics" not in StrategyRegistry:

@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
@@ -43,17 +44,33 @@ from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
 
-#: Dense bf16/fp16 tensor-core peak FLOP/s per device, by a substring of ``torch.cuda.get_device_name()``.
-#: Used when ``peak_flops="auto"`` and the run uses 16-bit compute; anything else needs an explicit value.
-KNOWN_PEAK_FLOPS_16BIT: dict[str, float] = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "V100": 125e12,
-}
+#: Lightning's table lists the H200 at its 2:4-sparse peak (2 PFLOP/s); MFU is relative to the dense one.
+_DENSE_H200_16BIT = 989e12
+
+
+def dense_peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """Peak dense FLOP/s of one ``device`` computing in ``dtype``, for MFU; ``None`` where unknown
+    (and on CPU, whose peak is no meaningful reference).
+
+    Lightning's :func:`~lightning.fabric.utilities.throughput.get_available_flops` is the source: it
+    tells H100 SXM from PCIe and NVL, and uses TF32 for fp32 when ``torch.set_float32_matmul_precision``
+    allows it. Its H200 entries are sparse peaks, so the dense figure replaces them for 16-bit compute.
+    """
+    if device.type != "cuda":
+        return None
+    if dtype in (torch.bfloat16, torch.float16) and "h200" in torch.cuda.get_device_name(device).lower():
+        return _DENSE_H200_16BIT
+    flops = get_available_flops(device, dtype)
+    return float(flops) if flops is not None else None
+
+
+def compute_dtype(precision: str) -> Optional[torch.dtype]:
+    """The matmul dtype of a Lightning precision setting (``"bf16-mixed"`` -> bf16, ...)."""
+    for prefix, dtype in (("bf16", torch.bfloat16), ("16", torch.float16), ("32", torch.float32), ("64", torch.float64)):
+        if precision.startswith(prefix):
+            return dtype
+    return None
+
 
 INTRA_PARTITION, CROSS_REPLICA, OTHER = "intra_partition", "cross_replica", "other"
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -305,7 +322,8 @@ class TrainingTelemetry(Callback):
 
     Args:
         peak_flops: peak FLOP/s of *one* device, for MFU. ``"auto"``: looked up for known GPUs when
-            training in 16-bit precision (:data:`KNOWN_PEAK_FLOPS_16BIT`); ``None``: no MFU.
+            GPUs, for the trainer's precision (:func:`dense_peak_flops`, from Lightning's
+            ``get_available_flops``); ``None``: no MFU.
         flops_per_token: training FLOPs per token; default: the LightningModule's
             ``flops_per_token`` attribute (e.g. :class:`~examples.models.GPTLightningModule`).
         tokens_in_batch: counts a micro-batch's tokens on this rank (default: first tensor's numel).
@@ -456,15 +474,13 @@ class TrainingTelemetry(Callback):
     def _resolve_peak_flops(self, trainer: pl.Trainer) -> Optional[float]:
         if self.peak_flops_setting != "auto":
             return float(self.peak_flops_setting) if self.peak_flops_setting is not None else None
-        precision = str(getattr(trainer, "precision", ""))
-        if self._device.type != "cuda" or not precision.startswith(("bf16", "16")):
+        dtype = compute_dtype(str(getattr(trainer, "precision", "")))
+        if self._device.type != "cuda" or dtype is None:
             return None
-        name = torch.cuda.get_device_name(self._device)
-        for key, flops in KNOWN_PEAK_FLOPS_16BIT.items():
-            if key in name:
-                return flops
-        log.info("No known peak FLOP/s for %r; pass TrainingTelemetry(peak_flops=...) to get MFU.", name)
-        return None
+        flops = dense_peak_flops(self._device, dtype)
+        if flops is None:
+            log.info("No known peak FLOP/s for this device; pass TrainingTelemetry(peak_flops=...) to get MFU.")
+        return flops
 
     # ------------------------------------------------------------------ reporting
     def summary(self, skip_first: int = 1) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from checkpoint_helpers import (
 from distributed import run_ranks
 from toy import RunConfig, ToyLM, ToyModule
 
+import lightning_mics
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import consolidate
 from lightning_mics.checkpoint.format import PARTIAL_MARK
@@ -98,6 +99,19 @@ def test_load_in_one_process_without_distributed(reference: tuple[Path, dict[str
     module, momentum = _load_plain_toy(root / name)
     assert_same_tensors(dict(module.named_parameters()), states["toy"].params)
     assert_same_tensors(momentum, states["toy"].momentum)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["sharded", "full.ckpt"])
+def test_load_from_checkpoint_takes_either_kind(reference: tuple[Path, dict[str, Any]], name: str) -> None:
+    root, states = reference
+    with pytest.raises(IsADirectoryError):  # why the helper exists: Lightning's classmethod opens one file
+        ToyModule.load_from_checkpoint(root / "sharded", cfg=RunConfig())
+    module = lightning_mics.load_from_checkpoint(ToyModule, root / name, cfg=RunConfig())
+    assert isinstance(module, ToyModule) and not torch.distributed.is_initialized()
+    assert_same_tensors(dict(module.named_parameters()), states["toy"].params)
+    with pytest.raises(TypeError, match="pass a LightningModule"):
+        lightning_mics.load_from_checkpoint(torch.nn.Linear, root / name)
 
 
 def _consolidate_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

@@ -22,6 +22,8 @@ from lightning_mics.telemetry import (
     UnitShapes,
     analytic_comm_bytes,
     classify_calls,
+    compute_dtype,
+    dense_peak_flops,
     fsdp_unit_shapes,
     padded_numel,
 )
@@ -100,6 +102,25 @@ def test_bad_peak_flops_is_rejected_with_the_accepted_forms() -> None:
         TrainingTelemetry(peak_flops="fast")
     with pytest.raises(ValueError, match="positive"):
         TrainingTelemetry(peak_flops=0)
+
+
+def test_peak_flops_come_from_lightnings_table_with_dense_h200(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [compute_dtype(p) for p in ("bf16-mixed", "16-mixed", "32-true", "64-true", "transformer-engine")] == [
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        None,
+    ]
+    assert dense_peak_flops(torch.device("cpu"), torch.bfloat16) is None
+    cuda = torch.device("cuda", 0)
+    # the names torch reports on those GPUs; Lightning's table tells SXM (HBM3) from PCIe
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert dense_peak_flops(cuda, torch.bfloat16) == pytest.approx(989.4e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert dense_peak_flops(cuda, torch.bfloat16) == pytest.approx(756e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert dense_peak_flops(cuda, torch.bfloat16) == pytest.approx(989e12)  # not the sparse 2 PFLOP/s
 
 
 def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:

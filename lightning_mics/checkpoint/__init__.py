@@ -23,6 +23,7 @@ One module per concern:
   metadata classes, DCP's non-tensor entries through weights-only planners.
 * :mod:`.loading` -- all-or-nothing loads onto any mesh (other world or partition size) or into a
   plain module in one process; :func:`read_full_state` for consolidation.
+* :mod:`.from_checkpoint` -- ``LightningModule.load_from_checkpoint`` for sharded directories too.
 * :mod:`.state_dicts`, :mod:`.rng`, :mod:`.coordination` -- state dicts of sharded modules, RNG
   states, and the few collectives (no-ops without ``torch.distributed``).
 
@@ -53,6 +54,7 @@ from lightning_mics.checkpoint.format import (
     read_record,
 )
 from lightning_mics.checkpoint.integrity import VERIFY_MODES, VerifyMode
+from lightning_mics.checkpoint.from_checkpoint import load_from_checkpoint
 from lightning_mics.checkpoint.loading import inspect_checkpoint, load, read_full_state
 from lightning_mics.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mics.checkpoint.saving import AsyncCheckpointSaver, save
@@ -81,6 +83,7 @@ __all__ = [
     "capture_rng_state",
     "inspect_checkpoint",
     "load",
+    "load_from_checkpoint",
     "model_state_dict",
     "optimizer_state_dict",
     "read_full_state",
