@@ -7,7 +7,8 @@
 
 Configs live in ``conf/`` (groups: strategy, model, data, trainer). Each run writes to Hydra's run
 directory (``outputs/<date>/<time>/`` or ``multirun/.../<job>/``): the composed config, CSV (and
-TensorBoard) logs, the sharded checkpoint, and ``summary.txt`` with what is printed at the end.
+TensorBoard) logs, ``logs/training.png`` (loss and tokens/s per step, drawn from the CSV), the
+sharded checkpoint, and ``summary.txt`` with what is printed at the end.
 
 Ranks: Lightning's launcher re-runs this script once per extra rank (with Hydra's run directory
 pinned so all ranks share it). Under ``-m`` each sweep job re-runs only its own overrides.
@@ -218,6 +219,12 @@ def train(cfg: DictConfig) -> Optional[float]:
         val_loss = trainer.callback_metrics.get("val/loss")
         if trainer.is_global_zero:
             summary = format_summary(trainer, model, datamodule, telemetry, output_dir)
+            metrics_csv = output_dir / "logs" / "metrics.csv"
+            if cfg.logging.csv and metrics_csv.is_file():
+                from examples.plots import write_training_plot  # matplotlib: rank 0, at the end only
+
+                plot = write_training_plot(metrics_csv)
+                summary += f"\nplot: {plot}" if plot else ""
             print(summary, flush=True)
             (output_dir / "summary.txt").write_text(summary.strip() + "\n")
             if HydraConfig.get().output_subdir is not None:

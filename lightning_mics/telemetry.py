@@ -258,9 +258,13 @@ def _nbytes(t: Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for p in module.parameters()}.values())
+
+
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
     """Bytes this rank holds of parameters, gradients and optimizer states (its shards, under MiCS)."""
-    params = list({id(p): p for p in module.parameters()}.values())
+    params = _unique_parameters(module)
     state = {
         "params": sum(_nbytes(p) for p in params),
         "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
@@ -362,6 +366,8 @@ class TrainingTelemetry(Callback):
         self._window_micro_steps = 0
         self._window_loss: Optional[Tensor] = None
         self._last_global_step = 0
+        #: the most gradient bytes this rank held at an optimizer step
+        self._grad_bytes = 0
         self._world_size = 1
         self._rank = 0
         self._device = torch.device("cpu")
@@ -369,6 +375,7 @@ class TrainingTelemetry(Callback):
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.clear()
+        self._grad_bytes = 0
         self._world_size, self._rank = trainer.world_size, trainer.global_rank
         self._device = pl_module.device
         self.topology = _topology_of(trainer.strategy)
@@ -378,9 +385,20 @@ class TrainingTelemetry(Callback):
         self._window_start = None
         self._recorder = CollectiveRecorder().__enter__()
 
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Gradients exist from the backward to the optimizer step only (MiCSStrategy frees them right
+        # after it): this is where they are counted.
+        grads = sum(_nbytes(p.grad) for p in _unique_parameters(pl_module) if p.grad is not None)
+        self._grad_bytes = max(self._grad_bytes, grads)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_recording()
         local = model_state_bytes(pl_module, trainer.optimizers)
+        if self._grad_bytes > local["grads"]:
+            local["total"] += self._grad_bytes - local["grads"]
+            local["grads"] = self._grad_bytes
         if dist.is_available() and dist.is_initialized():
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)

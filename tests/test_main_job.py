@@ -47,6 +47,7 @@ def test_main_job_trains_logs_checkpoints_and_summarises(tmp_path: Path) -> None
 
     summary = (run_dir / "summary.txt").read_text()
     assert summary in done.stdout  # printed at the end, and kept with the run
-    for expected in ("MiCS layout", "tokens/s", "model states per rank", "intra-partition", "checkpoint:"):
+    for expected in ("MiCS layout", "tokens/s", "model states per rank", "intra-partition", "checkpoint:", "plot:"):
         assert expected in summary
+    assert (run_dir / "logs" / "training.png").read_bytes().startswith(b"\x89PNG")  # next to metrics.csv
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own record of the composed config
