@@ -14,6 +14,7 @@ the library's own command: ``lightning-mics plan ...``.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -25,16 +26,23 @@ if __package__ in (None, ""):  # run as a script: make the ``examples`` package 
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_mics  # noqa: F401,E402  (registers strategy="mics", "mics_zero3", "mics_replicate")
+from examples.console import configure_console, format_summary  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTLightningModule  # noqa: E402
 from lightning_mics.telemetry import TrainingTelemetry  # noqa: E402
 
 
 class MiCSCLI(LightningCLI):
-    """LightningCLI with the sequence length linked from the model to the data and telemetry on."""
+    """LightningCLI with the sequence length linked from the model to the data, telemetry on, and
+    the main job's closing summary after ``fit`` (rank 0)."""
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(TrainingTelemetry, "telemetry")
         parser.link_arguments("model.config", "data.seq_len", compute_fn=_seq_len_of)
+
+    def after_fit(self) -> None:
+        output_dir = Path(self.trainer.log_dir or ".")  # a broadcast: every rank asks
+        if self.trainer.is_global_zero:
+            print(format_summary(self.trainer, self.model, self.datamodule, output_dir), flush=True)
 
 
 def _seq_len_of(config: Any) -> int:
@@ -61,9 +69,61 @@ def check_strategy_arguments(argv: list[str]) -> None:
         )
 
 
+def _config_files(argv: list[str]) -> list[Path]:
+    files = []
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            files.append(Path(argv[i + 1]))
+        elif arg.startswith("--config="):
+            files.append(Path(arg.split("=", 1)[1]))
+    return files
+
+
+def _resolve_class(dotted: str) -> Any:
+    module_name, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError):
+        return None
+
+
+def keep_configured_strategy_options(argv: list[str]) -> list[str]:
+    """Drop ``--trainer.strategy=<class>`` when a ``--config`` file already configures that class.
+
+    jsonargparse starts a class named on the command line from its defaults, so repeating the
+    config's class (``--trainer.strategy=lightning_mics.MiCSStrategy --trainer.strategy.partition_size=2``)
+    would silently lose the file's other options (``ranks_per_node``). Without the repeat, the
+    ``--trainer.strategy.*`` options are merged into the file's. Naming another class still starts
+    from that class's defaults, with a note saying so."""
+    named = [arg for arg in argv if arg.startswith("--trainer.strategy=")]
+    if not named:
+        return argv
+    import yaml
+
+    configured = None
+    for file in _config_files(argv):
+        if file.is_file():
+            strategy = ((yaml.safe_load(file.read_text()) or {}).get("trainer") or {}).get("strategy")
+            if isinstance(strategy, dict) and "class_path" in strategy:
+                configured = strategy["class_path"]
+    given = named[-1].split("=", 1)[1]
+    if configured is None or "." not in given:
+        return argv
+    if _resolve_class(given) is not None and _resolve_class(given) is _resolve_class(configured):
+        return [arg for arg in argv if arg not in named]
+    print(
+        f"note: --trainer.strategy={given} replaces the config's {configured}: its init_args are not carried over.",
+        file=sys.stderr,
+    )
+    return argv
+
+
 def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
     """Run LightningCLI on the demo model; ``args`` replaces ``sys.argv[1:]`` (tests)."""
-    check_strategy_arguments(list(sys.argv[1:] if args is None else args))
+    configure_console()
+    argv = list(sys.argv[1:] if args is None else args)
+    check_strategy_arguments(argv)
+    args = keep_configured_strategy_options(argv)
     return MiCSCLI(
         GPTLightningModule,
         ByteCorpusDataModule,

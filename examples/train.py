@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import hydra
 import lightning.pytorch as pl
@@ -34,7 +33,6 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, Logger
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-import lightning_mics
 from lightning_mics.telemetry import TrainingTelemetry
 from lightning_mics.topology import MiCSTopology
 
@@ -44,6 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the configs' _target_s name the demo package `examples.*`
     sys.path.insert(0, str(REPO_ROOT))
 CONFIG_DIR = str(REPO_ROOT / "conf")
+from examples.console import configure_console, format_summary  # noqa: E402  (needs REPO_ROOT on sys.path)
 MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
 #: Hydra options that must survive when a sweep job's command line is rebuilt for its ranks.
 _HYDRA_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -152,51 +151,11 @@ def _isolated_launch_environment() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def format_summary(
-    trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any, telemetry: TrainingTelemetry, output_dir: Path
-) -> str:
-    strategy = trainer.strategy
-    layout = strategy.topology.describe() if isinstance(strategy, lightning_mics.MiCSStrategy) else type(strategy).__name__
-    lines = ["", "=" * 30 + " MiCS main job summary " + "=" * 30, layout]
-    config = getattr(model, "config", None)
-    if config is not None:
-        lines.append(
-            f"model: GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads} seq={config.seq_len}, "
-            f"{config.num_params:,} parameters, {config.flops_per_token / 1e6:,.1f} MFLOP/token"
-        )
-    lines.append(
-        f"data: {datamodule.source}, {datamodule.train_tokens.numel():,} train / {datamodule.val_tokens.numel():,} val "
-        f"bytes; {trainer.world_size} ranks x {datamodule.batch_size} x {datamodule.seq_len} tokens x "
-        f"{trainer.accumulate_grad_batches} micro-steps per optimizer step"
-    )
-    losses = [s.loss for s in telemetry.steps if s.loss is not None]
-    metrics = trainer.callback_metrics
-    if losses:
-        val = ""
-        if "val/loss" in metrics:
-            val = f"; val loss {float(metrics['val/loss']):.3f}, perplexity {float(metrics['val/perplexity']):.2f}"
-        lines.append(
-            f"loss: train {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {telemetry.steps[-1].step}){val}"
-        )
-    lines.append(telemetry.format_summary())
-    checkpoint = trainer.checkpoint_callback
-    if checkpoint is not None and checkpoint.best_model_path:
-        lines.append(f"checkpoint: {checkpoint.best_model_path}")
-    stalls = getattr(strategy, "checkpoint_stall_s", [])
-    if stalls:
-        how = "in the background" if strategy.async_save else "in the foreground"
-        lines.append(
-            f"checkpoint saves: {len(stalls)} {how}; training stalled "
-            f"{statistics.median(stalls) * 1e3:,.0f} ms per save (median), {sum(stalls):.2f} s in all"
-        )
-    lines.append(f"logs: {output_dir}")
-    return "\n".join(lines)
-
-
 def train(cfg: DictConfig) -> Optional[float]:
     """Run one job; return the final validation loss (what a Hydra sweeper would minimise)."""
     with _isolated_launch_environment():
         _route_rank_relaunch_to_this_job()
+        configure_console()
         validate_trainer_numbers(cfg)
         validate_layout(cfg)
         output_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -218,7 +177,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 
         val_loss = trainer.callback_metrics.get("val/loss")
         if trainer.is_global_zero:
-            summary = format_summary(trainer, model, datamodule, telemetry, output_dir)
+            summary = format_summary(trainer, model, datamodule, output_dir)
             metrics_csv = output_dir / "logs" / "metrics.csv"
             if cfg.logging.csv and metrics_csv.is_file():
                 from examples.plots import write_training_plot  # matplotlib: rank 0, at the end only

@@ -225,7 +225,9 @@ class MiCSStrategy(ParallelStrategy):
             raise TypeError(f"async_save must be True or False, got {async_save!r}.")
         self.checkpoint_verify: ckpt.VerifyMode = checkpoint_verify
         if not isinstance(release_gradients_after_step, bool):
-            raise TypeError(f"release_gradients_after_step must be True or False, got {release_gradients_after_step!r}.")
+            raise TypeError(
+                f"release_gradients_after_step must be True or False, got {release_gradients_after_step!r}."
+            )
         self.release_gradients_after_step = release_gradients_after_step
         self._async_saver = ckpt.AsyncCheckpointSaver(timeout) if async_save else None
         #: Seconds the training loop spent in each checkpoint save (with ``async_save``: the copy of

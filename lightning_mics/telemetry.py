@@ -66,7 +66,8 @@ def dense_peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float
 
 def compute_dtype(precision: str) -> Optional[torch.dtype]:
     """The matmul dtype of a Lightning precision setting (``"bf16-mixed"`` -> bf16, ...)."""
-    for prefix, dtype in (("bf16", torch.bfloat16), ("16", torch.float16), ("32", torch.float32), ("64", torch.float64)):
+    prefixes = (("bf16", torch.bfloat16), ("16", torch.float16), ("32", torch.float32), ("64", torch.float64))
+    for prefix, dtype in prefixes:
         if precision.startswith(prefix):
             return dtype
     return None

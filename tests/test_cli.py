@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from distributed import run_ranks
-from lm_jobs import CLI_CONFIG, SMALL_GPT
+from lm_jobs import CLI_CONFIG, REPO, SMALL_GPT
 
 from examples.cli import main
 from lightning_mics import MiCSStrategy
@@ -81,3 +84,46 @@ def test_cli_runs_both_strategy_spellings_and_every_stage(tmp_path: Path) -> Non
         assert {"test/loss", "test/perplexity"} <= set(result["test_metrics"])
     assert (tmp_path / "class_path").is_dir()  # LightningCLI saved its config under the run directory
     assert list((tmp_path / "class_path").rglob("config.yaml"))
+
+
+def test_naming_the_configs_strategy_class_keeps_the_configs_options() -> None:
+    # the config's class with one option changed: ranks_per_node=2 from the YAML must survive
+    cli = main(
+        [
+            f"--config={CLI_CONFIG}",
+            "--trainer.strategy=lightning_mics.strategy.MiCSStrategy",  # the same class, spelled another way
+            "--trainer.strategy.partition_size=2",
+        ],
+        run=False,
+    )
+    assert cli.trainer.strategy.ranks_per_node_override == 2
+    assert cli.trainer.strategy.partition_size_spec == 2
+
+
+@pytest.mark.distributed
+def test_cli_command_succeeds_with_one_voice_and_a_summary(tmp_path: Path) -> None:
+    command = [sys.executable, "examples/cli.py", *_quick_args("fit", str(tmp_path), "--trainer.strategy=mics")]
+    done = subprocess.run(
+        command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "object at 0x" not in output  # no object repr for an exit status
+    assert output.count("Initializing distributed") == 1  # rank 1 is quiet
+    assert output.count("Seed set") == 1
+    assert output.count("MiCS main job summary") == 1 and "tokens/s" in done.stdout
+    assert output.count("MiCS layout") == 2  # the layout line when sharding, and in the summary
+
+
+def test_cli_layout_error_is_one_line_with_the_fix() -> None:
+    command = [
+        sys.executable,
+        "examples/cli.py",
+        "fit",
+        f"--config={CLI_CONFIG}",
+        "--trainer.strategy.partition_size=3",
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "partition_size" in done.stderr.strip().splitlines()[-1]

@@ -51,3 +51,9 @@ def test_main_job_trains_logs_checkpoints_and_summarises(tmp_path: Path) -> None
         assert expected in summary
     assert (run_dir / "logs" / "training.png").read_bytes().startswith(b"\x89PNG")  # next to metrics.csv
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own record of the composed config
+
+    # one voice: rank 1 says nothing at INFO level, and leaves no empty log file of its own
+    output = done.stdout + done.stderr
+    assert output.count("Initializing distributed") == 1, output[-3000:]
+    assert output.count("MiCS layout") == 2  # the layout line, and the summary's copy of it
+    assert not list(run_dir.glob("train_ddp_process_*.log"))

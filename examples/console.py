@@ -1,0 +1,96 @@
+"""What the demo's entry points print: one voice (rank 0), the MiCS layout line, a closing summary.
+
+Both ``examples/train.py`` (Hydra) and ``examples/cli.py`` (LightningCLI) use this module, so the two
+print the same things. Every rank runs the same script, and Lightning, the launcher and Python's
+warnings speak on each of them ("Seed set", "Initializing distributed", deprecation warnings...):
+ranks other than 0 keep only warnings from our own code and errors, unless ``MICS_VERBOSE_RANKS=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+
+import lightning_mics
+from lightning_mics.telemetry import TrainingTelemetry
+
+#: loggers whose INFO lines repeat on every rank
+_CHATTY_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_mics")
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is global rank 0 as the launcher set it (the process a user started is)."""
+    if "RANK" in os.environ:  # torchrun, SLURM-style launchers
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0  # Lightning's
+
+
+def configure_console() -> None:
+    """Rank 0: show MiCS's INFO lines (the layout line). Other ranks: warnings and errors only."""
+    if is_rank_zero() or os.environ.get("MICS_VERBOSE_RANKS") == "1":
+        mics = logging.getLogger("lightning_mics")
+        if not mics.handlers and not logging.getLogger().handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            mics.addHandler(handler)
+        mics.setLevel(logging.INFO)
+        return
+    for name in _CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", module="lightning")  # rank 0 shows Lightning's advice once
+
+
+def find_telemetry(trainer: pl.Trainer) -> Optional[TrainingTelemetry]:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, TrainingTelemetry)), None)  # type: ignore[attr-defined]
+
+
+def format_summary(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any, output_dir: Path) -> str:
+    """The closing summary of a fit: layout, model, data, losses, throughput, memory, checkpoint."""
+    strategy = trainer.strategy
+    is_mics = isinstance(strategy, lightning_mics.MiCSStrategy)
+    layout = strategy.topology.describe() if is_mics else type(strategy).__name__
+    lines = ["", "=" * 30 + " MiCS main job summary " + "=" * 30, layout]
+    config = getattr(model, "config", None)
+    if config is not None:
+        lines.append(
+            f"model: GPT d_model={config.d_model} layers={config.n_layers} heads={config.n_heads} "
+            f"seq={config.seq_len}, {config.num_params:,} parameters, {config.flops_per_token / 1e6:,.1f} MFLOP/token"
+        )
+    if hasattr(datamodule, "train_tokens"):
+        lines.append(
+            f"data: {datamodule.source}, {datamodule.train_tokens.numel():,} train / "
+            f"{datamodule.val_tokens.numel():,} val bytes; {trainer.world_size} ranks x {datamodule.batch_size} x "
+            f"{datamodule.seq_len} tokens x {trainer.accumulate_grad_batches} micro-steps per optimizer step"
+        )
+    telemetry = find_telemetry(trainer)
+    metrics = trainer.callback_metrics
+    if telemetry is not None:
+        losses = [s.loss for s in telemetry.steps if s.loss is not None]
+        if losses:
+            val = ""
+            if "val/loss" in metrics:
+                val = f"; val loss {float(metrics['val/loss']):.3f}, perplexity {float(metrics['val/perplexity']):.2f}"
+            lines.append(
+                f"loss: train {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {telemetry.steps[-1].step}){val}"
+            )
+        lines.append(telemetry.format_summary())
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and checkpoint.best_model_path:
+        lines.append(f"checkpoint: {checkpoint.best_model_path}")
+    stalls = getattr(strategy, "checkpoint_stall_s", [])
+    if stalls:
+        how = "in the background" if strategy.async_save else "in the foreground"
+        lines.append(
+            f"checkpoint saves: {len(stalls)} {how}; training stalled "
+            f"{statistics.median(stalls) * 1e3:,.0f} ms per save (median), {sum(stalls):.2f} s in all"
+        )
+    lines.append(f"logs: {output_dir}")
+    return "\n".join(lines)
