@@ -237,7 +237,7 @@ class MiCSStrategy(ParallelStrategy):
         #: The topology, mesh and extra groups, created once the processes exist (see `setup_environment`).
         self._layout: Optional[MiCSLayout] = None
         self._fsdp_units: list[FSDPModule] = []
-        self._wrap_plan: Optional[WrapPlan] = None  # which modules became units, and why (for the layout log)
+        self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
         self._root: Optional[_MiCSRoot] = None
 
     # ------------------------------------------------------------------ properties

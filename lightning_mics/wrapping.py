@@ -206,9 +206,8 @@ def plan_wrapping(root: nn.Module, policy: AutoWrapPolicy) -> WrapPlan:
             by_rule.append((name, module, rule))
     by_rule = _drop_units_without_own_parameters(by_rule)
     if by_rule:
-        return WrapPlan(
-            root, tuple((name, module) for name, module, _ in reversed(by_rule)), tuple(r for *_, r in reversed(by_rule))
-        )
+        children_first = list(reversed(by_rule))
+        return WrapPlan(root, tuple((name, m) for name, m, _ in children_first), tuple(r for *_, r in children_first))
 
     sized = _size_rule_modules(tree)
     if not sized:
@@ -235,16 +234,22 @@ class _ModuleTree:
         for module_name, module in root.named_modules(remove_duplicate=False):
             for param in module.parameters(recurse=False):
                 self._owners.setdefault(id(param), set()).add(module_name)
-        #: parameters (elements) under each module, a tied tensor counted once
+        #: parameters (elements) under each module, a tied tensor counted once; a module reused
+        #: under several names appears under the first only, as in ``named_modules()``
         self.sizes: dict[str, int] = {name: _numel(module) for name, module in self.modules}
+        self._shares_outside: dict[str, bool] = {}
 
     def shares_parameters_outside(self, name: str, module: nn.Module) -> bool:
-        prefix = name + "."
-        return any(
-            owner != name and not owner.startswith(prefix)
-            for pid in {id(p) for p in module.parameters()}
-            for owner in self._owners[pid]
-        )
+        """Whether a parameter under ``module`` also belongs to a module outside it (tied weights,
+        or a submodule reused elsewhere). Cached: the size rule asks once per budget tried."""
+        if name not in self._shares_outside:
+            prefix = name + "."
+            self._shares_outside[name] = any(
+                owner != name and not owner.startswith(prefix)
+                for pid in {id(p) for p in module.parameters()}
+                for owner in self._owners[pid]
+            )
+        return self._shares_outside[name]
 
     def can_wrap(self, name: str, module: nn.Module) -> bool:
         if self.shares_parameters_outside(name, module):
@@ -306,32 +311,31 @@ def _size_rule_modules(tree: _ModuleTree) -> list[tuple[str, nn.Module]]:
     ``SIZE_RULE_MIN_UNITS`` units; if no budget gives that many, the one giving the most (the
     larger budget on ties). Pre-order in, pre-order out; deterministic for a given model.
     """
-    budgets = sorted({size for size in tree.sizes.values() if size > 0}, reverse=True)
     best: list[str] = []
-    for budget in budgets:
+    for budget in sorted({size for size in tree.sizes.values() if size > 0}, reverse=True):
         cut = _cut(tree, budget)
-        if len(cut) > len(best):
-            best = cut
         if len(cut) >= SIZE_RULE_MIN_UNITS:
             best = cut
             break
+        if len(cut) > len(best):
+            best = cut
     modules = dict(tree.modules)
     return [(name, modules[name]) for name in best]
 
 
 def _cut(tree: _ModuleTree, budget: int) -> list[str]:
+    """The size rule's units for one budget (see :func:`_size_rule_modules`), in pre-order."""
     modules = dict(tree.modules)
     floor = budget / SIZE_RULE_SPREAD
     chosen: list[str] = []
-    seen: set[int] = set()
 
     def visit(parent: str) -> None:
         for name in tree.children.get(parent, []):
-            module, size = modules[name], tree.sizes[name]
-            if size == 0 or id(module) in seen:
+            size = tree.sizes.get(name, 0)  # a reused module's second name has no entry: visited once
+            if size == 0:
                 continue
-            seen.add(id(module))
-            splittable = any(tree.sizes[child] > 0 for child in tree.children.get(name, []))
+            module = modules[name]
+            splittable = any(tree.sizes.get(child, 0) > 0 for child in tree.children.get(name, []))
             tied = tree.shares_parameters_outside(name, module)
             if splittable and (tied or size > budget):
                 visit(name)

@@ -144,7 +144,9 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = norm(cout)
         self.downsample = (
-            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout)) if stride != 1 or cin != cout else None
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm(cout))
+            if stride != 1 or cin != cout
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +194,9 @@ def test_resnet_without_module_list_is_split_by_size_into_blocks_and_convolution
 
 def test_size_rule_keeps_whole_blocks_when_they_split_the_model() -> None:
     """Eight equal blocks in one nn.Sequential: each block is a unit, never a layer inside one."""
-    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)) for _ in range(8)])
+    blocks = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.LayerNorm(16)) for _ in range(8)]
+    )
     model = nn.Sequential(nn.Embedding(50, 16), blocks, nn.LayerNorm(16))
     plan = plan_wrapping(model, None)
     assert [name for name, _ in plan.modules] == [f"1.{i}" for i in reversed(range(8))] + ["0"]
@@ -230,7 +234,7 @@ def test_no_split_modules_name_the_units_wherever_the_layers_sit() -> None:
             self.classifier = nn.Linear(8, 2)
 
     plan = plan_wrapping(Holder(), None)
-    assert [name for name, _ in plan.modules] == ["backbone.encoder.1.0", "backbone.encoder.0.1", "backbone.encoder.0.0"]
+    assert [name for name, _ in plan.modules] == [f"backbone.encoder.{i}" for i in ("1.0", "0.1", "0.0")]
     assert plan.summary() == "3 x MyLayer by _no_split_modules, root"
 
 
@@ -240,7 +244,9 @@ def test_no_split_modules_inside_module_list_stages_replace_the_empty_stages() -
 
         def __init__(self) -> None:
             super().__init__()
-            self.stages = nn.ModuleList([nn.Sequential(MyLayer(), MyLayer()), nn.Sequential(MyLayer(), nn.LayerNorm(8))])
+            self.stages = nn.ModuleList(
+                [nn.Sequential(MyLayer(), MyLayer()), nn.Sequential(MyLayer(), nn.LayerNorm(8))]
+            )
 
     plan = plan_wrapping(Staged(), None)
     # stage 0 would own no parameter of its own (both layers are units): not a unit; stage 1 keeps its norm
@@ -269,6 +275,10 @@ def test_size_rule_never_wraps_tied_modules_separately() -> None:
     model = nn.Sequential(embed, body, nn.Sequential(nn.LayerNorm(16), head))  # the head sits in a container
     names = _names(model, None)
     assert names == [f"1.{i}" for i in reversed(range(8))]  # embedding, head and the head's container stay in the root
+    shared = nn.Linear(16, 16)  # one module reused under two names: its parameters are tied to itself
+    layers = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)]
+    reused = nn.Sequential(*layers, shared, nn.Sequential(shared))
+    assert _names(reused, None) == [str(i) for i in reversed(range(8))]
     assert _names(ToyLM(), None) == ["blocks.2", "blocks.1", "blocks.0"]  # ModuleList models: unchanged
 
 
@@ -328,7 +338,8 @@ def _train_cnn_sharded(rank: int, world_size: int) -> dict[str, Any]:
     )
     trainer.fit(module)
     plan = trainer.strategy._wrap_plan
-    return {"params": strip_prefix(full_parameters(module)), "units": len(trainer.strategy._fsdp_units), "summary": plan.summary()}
+    units = trainer.strategy._fsdp_units
+    return {"params": strip_prefix(full_parameters(module)), "units": len(units), "summary": plan.summary()}
 
 
 def _train_cnn_in_one_process() -> dict[str, torch.Tensor]:
@@ -355,6 +366,6 @@ def test_cnn_without_module_list_trains_sharded_in_several_units_as_in_one_proce
         params = result["params"]
         assert sorted(params) == sorted(reference)
         for name, expected in reference.items():
-            assert not torch.equal(expected, initial[name]), name  # the step changed it, so the comparison is not vacuous
+            assert not torch.equal(expected, initial[name]), name  # training moved it: the comparison is not vacuous
             error = ((params[name] - expected).norm() / expected.norm()).item()
             assert error < 1e-5, f"rank {rank}, {name}: relative error {error:.2e}"
