@@ -77,7 +77,7 @@ from lightning_mics.layout import (
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSFabricPrecision
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
-from lightning_mics.wrapping import AutoWrapPolicy
+from lightning_mics.wrapping import AutoWrapPolicy, plan_wrapping
 
 log = logging.getLogger(__name__)
 
@@ -378,12 +378,13 @@ class MiCSStrategy(ParallelStrategy):
             self._layout = self._create_layout(module)
         self.precision.device_type = self.root_device.type
         originals = {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}
+        wrap_plan = plan_wrapping(module, self.auto_wrap_policy)
         units = shard_module(
             module,
             self.layout,
             self.root_device,
             mp_policy=self.precision.mixed_precision_policy(),
-            auto_wrap_policy=self.auto_wrap_policy,
+            auto_wrap_policy=wrap_plan,
             activation_checkpointing=self.activation_checkpointing_policy,
             compile_blocks=self.compile_blocks,
             prefetch_depth=self.prefetch_depth,
@@ -400,7 +401,7 @@ class MiCSStrategy(ParallelStrategy):
         self._fsdp_units.extend(units)
         self._modules.add(module)
         if self.is_global_zero:
-            log.info(self.layout.describe(module, len(units)))
+            self.layout.log_description(log, module, len(units), wrap_plan)
         return module
 
     @override

@@ -52,6 +52,7 @@ from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
 from lightning_mics.wrapping import (
     AutoWrapPolicy,
+    WrapPlan,
     broadcast_module_states,
     broadcast_shards_across_replicas,
     check_reshard_group,
@@ -223,18 +224,20 @@ class MiCSLayout:
         t = self.topology
         return ckpt.CheckpointLayout(t.world_size, t.partition_size, t.ranks_per_node)
 
-    def describe(self, module: nn.Module, num_units: int) -> str:
-        """Log lines: the groups, and what each rank holds of ``module``."""
+    def describe(self, module: nn.Module, num_units: int, wrapping: Optional[WrapPlan] = None) -> str:
+        """Log lines: the groups, and what each rank holds of ``module`` -- in ``num_units`` FSDP
+        units, chosen as ``wrapping`` (the plan they were sharded with, when known) says."""
         topology = self.topology
         total = sum(p.numel() for p in module.parameters())
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
         optim_degree = self.optim_degree or topology.partition_size
+        units = f"{num_units} FSDP units" + (f" ({wrapping.summary()})" if wrapping is not None else "")
         return "\n".join(
             [
                 topology.describe(),
                 f"  model states per rank: 1/{topology.partition_size} of {total:,} parameters ({trainable:,} "
                 f"trainable) -> ~{total // topology.partition_size:,} params and grads, optimizer states for "
-                f"~{trainable // optim_degree:,} (1/{optim_degree}); {num_units} FSDP units",
+                f"~{trainable // optim_degree:,} (1/{optim_degree}); {units}",
                 f"  hierarchical collectives: {'on' if self.hierarchical_groups is not None else 'off'}; "
                 f"reshard after forward: {self.reshard_after_forward}"
                 + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
@@ -243,16 +246,29 @@ class MiCSLayout:
                 "  cross-replica all-reduce in "
                 + ("the gradients' dtype" if self.cross_replica_dtype is None else str(self.cross_replica_dtype)),
             ]
-            + (
-                [
-                    "  wrapping: the whole model is one FSDP unit (no nn.ModuleList of blocks found), so it is "
-                    "gathered at once with nothing to overlap; pass auto_wrap_policy={YourBlockClass} to shard it "
-                    "block by block"
-                ]
-                if num_units == 1 and topology.partition_size > 1
-                else []
-            )
         )
+
+    def single_unit_warning(self, num_units: int) -> Optional[str]:
+        """What to do when the whole model is one FSDP unit in a partition of several ranks, or
+        ``None``: then every rank gathers the whole model at once, with nothing to overlap."""
+        if num_units != 1 or self.topology.partition_size == 1:
+            return None
+        return (
+            "wrapping: the whole model is one FSDP unit, so it is gathered at once with nothing to overlap "
+            "(auto_wrap_policy=False, a policy that matched no module, or a model without submodules of its own "
+            "that can be split off); pass auto_wrap_policy={YourBlockClass} or a callable (name, module) -> bool to "
+            "shard it block by block"
+        )
+
+    def log_description(
+        self, logger: logging.Logger, module: nn.Module, num_units: int, wrapping: Optional[WrapPlan] = None
+    ) -> None:
+        """Log :meth:`describe` (info) and, when the model is one unit in a multi-rank partition,
+        :meth:`single_unit_warning` (warning). The strategies call it on global rank 0."""
+        logger.info(self.describe(module, num_units, wrapping))
+        warning = self.single_unit_warning(num_units)
+        if warning is not None:
+            logger.warning(warning)
 
 
 def create_layout(
@@ -384,7 +400,7 @@ def shard_module(
     *,
     root: Optional[nn.Module] = None,
     mp_policy: Optional[MixedPrecisionPolicy] = None,
-    auto_wrap_policy: AutoWrapPolicy = None,
+    auto_wrap_policy: Union[AutoWrapPolicy, WrapPlan] = None,
     activation_checkpointing: AutoWrapPolicy = None,
     compile_blocks: bool = False,
     prefetch_depth: int = 0,
@@ -393,7 +409,8 @@ def shard_module(
     """Shard ``module`` onto ``layout`` in place and return its FSDP units (blocks, then the root).
 
     ``root`` is the module that becomes the FSDP root unit (default: ``module`` itself; the Trainer
-    passes a thin wrapper whose ``forward`` Lightning calls). In order:
+    passes a thin wrapper whose ``forward`` Lightning calls). ``auto_wrap_policy`` may be the
+    :class:`~lightning_mics.wrapping.WrapPlan` made for ``root`` (to log it afterwards). In order:
 
     1. every rank takes global rank 0's parameters and buffers (``sync_module_states``), as DDP
        does, so that all replicas of a shard hold the same values;

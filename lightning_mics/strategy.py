@@ -58,7 +58,7 @@ from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
-from lightning_mics.wrapping import AutoWrapPolicy
+from lightning_mics.wrapping import AutoWrapPolicy, WrapPlan, plan_wrapping
 
 __all__ = ["MiCSStrategy", "limit_intra_op_threads"]  # the latter lives in lightning_mics.layout
 
@@ -93,8 +93,10 @@ class MiCSStrategy(ParallelStrategy):
             Open MPI equivalent), else the number of devices per node. Set it to emulate a
             multi-node layout on one machine.
         auto_wrap_policy: which modules become FSDP units. ``None``: children of every
-            ``nn.ModuleList`` (e.g. transformer blocks); module class(es); a callable
-            ``(name, module) -> bool``; ``False``: only the root.
+            ``nn.ModuleList`` (e.g. transformer blocks) and the classes a Hugging Face style
+            ``_no_split_modules`` names; if neither exists, the largest modules that split the
+            model into at least 8 units (see :func:`lightning_mics.wrapping.plan_wrapping`);
+            module class(es); a callable ``(name, module) -> bool``; ``False``: only the root.
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3 style,
             least memory) or keep them until backward (``False``, less communication); an int
             reshards to that many ranks instead (must divide the partition size).
@@ -237,6 +239,7 @@ class MiCSStrategy(ParallelStrategy):
         #: The topology, mesh and extra groups, created once the processes exist (see `setup_environment`).
         self._layout: Optional[MiCSLayout] = None
         self._fsdp_units: list[FSDPModule] = []
+        self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
         self._root: Optional[_MiCSRoot] = None
 
     # ------------------------------------------------------------------ properties
@@ -442,13 +445,14 @@ class MiCSStrategy(ParallelStrategy):
         converted = self.precision_plugin.convert_module(module)
         assert converted is module
         root = _MiCSRoot(module)
+        self._wrap_plan = plan_wrapping(root, self.auto_wrap_policy)
         self._fsdp_units = shard_module(
             module,
             self.layout,
             self.root_device,
             root=root,
             mp_policy=self.precision_plugin.mixed_precision_policy(),
-            auto_wrap_policy=self.auto_wrap_policy,
+            auto_wrap_policy=self._wrap_plan,
             activation_checkpointing=self.activation_checkpointing_policy,
             compile_blocks=self.compile_blocks,
             prefetch_depth=self.prefetch_depth,
@@ -525,7 +529,7 @@ class MiCSStrategy(ParallelStrategy):
     def _log_layout(self) -> None:
         if self.is_global_zero:
             assert self.lightning_module is not None
-            log.info(self.layout.describe(self.lightning_module, len(self._fsdp_units)))
+            self.layout.log_description(log, self.lightning_module, len(self._fsdp_units), self._wrap_plan)
 
     # ------------------------------------------------------------------ gradient sync
     @contextmanager
