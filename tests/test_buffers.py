@@ -3,7 +3,7 @@
 Buffers are not sharded: every rank keeps and updates its own copy from its own data, so the copies
 drift apart, and DCP deduplicates a replicated tensor by picking one writer per tensor -- without a
 sync, a checkpoint mixes ranks' ``running_mean``/``running_var``. Four CPU ranks (partition 2), each
-seeing different data, fit a small CNN with BatchNorm and save; this process then loads the checkpoint
+seeing different data, fit a small CNN with BatchNorm and save (Trainer, and Fabric); this process then loads the checkpoint
 into a plain model and checks it against what the ranks logged and held.
 """
 
@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
+from test_fabric import launch
 from toy import RunConfig, trainer_kwargs
 
 from lightning_mics import MiCSStrategy
@@ -134,7 +135,24 @@ def fit_and_save_each_case(rank: int, world_size: int, root: str) -> dict[str, d
             "before_sync": recorder.before_validation if validate else recorder.after_last_batch,
             "after_fit": buffers_of(module),
         }
+    results["fabric_average"] = fabric_train_and_save(Path(root) / "fabric")
     return results
+
+
+def fabric_train_and_save(path: Path) -> dict[str, Any]:
+    """The Fabric strategy, ``buffer_sync="average"``: ``fabric.save`` syncs before taking the state."""
+    fabric = launch(partition_size=2, buffer_sync="average")
+    module = BatchNormCNN()
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    for inputs, labels in fabric.setup_dataloaders(module.train_dataloader()):  # each rank its own share
+        fabric.backward(F.cross_entropy(model(inputs), labels))
+        optimizer.step()
+        optimizer.zero_grad()
+    before_sync = buffers_of(module)
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    after_save = buffers_of(module)
+    fabric.strategy.sync_buffers(model)  # the public call, given the model fabric.setup returned
+    return {"path": str(path), "before_sync": before_sync, "after_fit": after_save}
 
 
 @pytest.fixture(scope="module")
@@ -195,10 +213,10 @@ def test_broadcast_saves_and_keeps_rank_zeros_buffers(ranks: list[dict[str, dict
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["average", "average_full_no_validation"])
+@pytest.mark.parametrize("case", ["average", "average_full_no_validation", "fabric_average"])
 def test_average_saves_and_keeps_the_mean_over_ranks(ranks: list[dict[str, dict[str, Any]]], case: str) -> None:
-    """Sharded after a validation, and full-state right after a training step (no validation: only
-    the sync at save time can have averaged them)."""
+    """Sharded after a validation; full-state right after a training step (no validation: only the
+    sync at save time can have averaged them); ``fabric.save``."""
     expected = mean_over_ranks([rank[case]["before_sync"] for rank in ranks])
     saved = buffers_of(load_in_one_process(ranks[0][case]["path"]))
     assert sorted(saved) == sorted(expected)
