@@ -3,8 +3,8 @@
 Buffers are not sharded: every rank keeps and updates its own copy from its own data, so the copies
 drift apart, and DCP deduplicates a replicated tensor by picking one writer per tensor -- without a
 sync, a checkpoint mixes ranks' ``running_mean``/``running_var``. Four CPU ranks (partition 2), each
-seeing different data, fit a small CNN with BatchNorm and save (Trainer, and Fabric); this process then loads the checkpoint
-into a plain model and checks it against what the ranks logged and held.
+seeing different data, fit a small CNN with BatchNorm and save (Trainer, then Fabric); this process
+then loads each checkpoint into a plain model and checks it against what the ranks logged and held.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from toy import RunConfig, trainer_kwargs
 
 from lightning_mics import MiCSStrategy
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.buffer_sync import persistent_buffers, sync_buffers
 
 WORLD_SIZE, MICRO_BATCH, STEPS, VAL_BATCHES_PER_RANK = 4, 4, 3, 2
 CHANNELS, CLASSES, SIDE = 8, 4, 6
@@ -226,3 +227,17 @@ def test_average_saves_and_keeps_the_mean_over_ranks(ranks: list[dict[str, dict[
             assert not torch.allclose(value, ranks[0][case]["before_sync"][name], rtol=1e-3), name
     for rank in ranks:
         assert_same_tensors(rank[case]["after_fit"], ranks[0][case]["after_fit"])
+
+
+def test_only_persistent_buffers_are_synced_each_once() -> None:
+    """What a checkpoint holds: non-persistent buffers (caches rebuilt from constants) are left alone,
+    a buffer shared by two modules is one tensor; without torch.distributed nothing is synced."""
+    shared = nn.BatchNorm1d(3)
+    model = nn.Sequential(shared, shared, nn.BatchNorm1d(2))
+    model.register_buffer("cache", torch.zeros(4), persistent=False)
+    expected = [shared.running_mean, shared.running_var, shared.num_batches_tracked]
+    expected += [model[2].running_mean, model[2].running_var, model[2].num_batches_tracked]
+    assert [id(b) for b in persistent_buffers(model)] == [id(b) for b in expected]
+    assert sync_buffers(model, "average") == 0
+    with pytest.raises(ValueError, match="buffer_sync='mean' is not one of"):
+        sync_buffers(model, "mean")  # type: ignore[arg-type]
