@@ -156,7 +156,8 @@ class MiCSStrategy(ParallelStrategy):
             sync the saved model is a per-tensor mix of ranks that none of them evaluated.
             ``"broadcast"`` (default): global rank 0's buffers, as DDP's ``broadcast_buffers`` does at
             every forward -- exact for every dtype (``num_batches_tracked``), leaves buffers that are
-            already equal bit for bit (a mean over, say, 3 ranks may round them), and the checkpoint is the model rank 0 trained.
+            already equal bit for bit (a mean over, say, 3 ranks may round them), and the checkpoint
+            is the model rank 0 trained.
             ``"average"``: the mean over ranks of floating-point buffers (integer ones from rank 0):
             running statistics estimated from every rank's data, closer to what SyncBatchNorm would
             give. ``"none"``: each rank keeps its own (buffers meant to differ per rank; no collective).
