@@ -41,6 +41,7 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -52,6 +53,7 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
+from lightning_mics.buffer_sync import BufferSync, sync_buffers
 from lightning_mics.grad_sync import CompressedCrossReplicaSync as CompressedSync
 from lightning_mics.grad_sync import (
     GradAccumulation,
@@ -125,6 +127,10 @@ class MiCSStrategy(ParallelStrategy):
         grad_accumulation, cross_replica_dtype, activation_checkpointing_policy, prefetch_depth, compile_blocks,
         process_group_backend, timeout, save_full_state_dict, sync_module_states, checkpoint_verify: as for the
         Trainer strategy.
+        buffer_sync: as for the Trainer strategy, applied by ``fabric.save`` before the model's state is
+            taken (the live model's buffers become the saved ones). Fabric has no evaluation hooks:
+            call ``fabric.strategy.sync_buffers(model)`` before evaluating so that the evaluated model is
+            the one the next save writes.
         accelerator, parallel_devices, cluster_environment, precision: set by Fabric.
     """
 
@@ -148,6 +154,7 @@ class MiCSStrategy(ParallelStrategy):
         save_full_state_dict: bool = False,
         sync_module_states: bool = True,
         checkpoint_verify: ckpt.VerifyMode = "checksum",
+        buffer_sync: BufferSync = "broadcast",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -171,6 +178,7 @@ class MiCSStrategy(ParallelStrategy):
             hierarchical=hierarchical,
             timeout=timeout,
             checkpoint_verify=checkpoint_verify,
+            buffer_sync=buffer_sync,
         )
         if grad_accumulation == "auto":
             raise ValueError(
@@ -193,6 +201,7 @@ class MiCSStrategy(ParallelStrategy):
         self.save_full_state_dict = save_full_state_dict
         self.sync_module_states = sync_module_states
         self.checkpoint_verify: ckpt.VerifyMode = checkpoint_verify
+        self.buffer_sync: BufferSync = buffer_sync
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._layout: Optional[MiCSLayout] = None
@@ -577,6 +586,7 @@ class MiCSStrategy(ParallelStrategy):
                     schedulers.append(checkpoint[name])
             else:
                 checkpoint[name] = value
+        self.sync_buffers(module)  # one model's buffers, not a per-tensor mix of ranks
         checkpoint["state_dict"] = ckpt.model_state_dict(module, full=self.save_full_state_dict)
         if optimizers:
             with optimizers_in_partition_form(self._optimizer_hooks, optimizers.values(), write_back=False):
@@ -588,6 +598,13 @@ class MiCSStrategy(ParallelStrategy):
         checkpoint[SCHEDULERS_KEY] = schedulers
         checkpoint[FABRIC_KEY] = {"model": key, "optimizers": list(optimizers), "entries": list(others)}
         ckpt.save(path, checkpoint, self.layout.checkpoint_layout, full=self.save_full_state_dict)
+
+    def sync_buffers(self, module: nn.Module) -> None:
+        """Make every rank's persistent buffers of ``module`` (the model ``fabric.setup`` returned) equal
+        now, as ``buffer_sync`` says. A collective. ``fabric.save`` calls it; call it before evaluating too."""
+        module = _unwrap_objects(module)
+        self._check_set_up(module, "sync_buffers(module)")
+        sync_buffers(module, self.buffer_sync, device=self.root_device)
 
     @override
     def load_checkpoint(

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.buffer_sync import check_buffer_sync
 from lightning_mics.collectives import (
     HierarchicalGroups,
     create_hierarchical_groups,
@@ -100,6 +101,7 @@ def validate_options(
     hierarchical: Hierarchical,
     timeout: Union[timedelta, float, None],
     checkpoint_verify: str,
+    buffer_sync: str,
 ) -> Optional[timedelta]:
     """Refuse malformed strategy options when the strategy is built -- not in every rank after launch.
 
@@ -143,6 +145,7 @@ def validate_options(
             f"checkpoint_verify={checkpoint_verify!r} is not one of {list(ckpt.VERIFY_MODES)}: 'checksum' checks "
             "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
         )
+    check_buffer_sync(buffer_sync)
     return timeout
 
 

@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
+from lightning_mics.buffer_sync import BufferSync, sync_buffers
 from lightning_mics.layout import (
     MiCSLayout,
     accumulation_context,
@@ -150,6 +151,20 @@ class MiCSStrategy(ParallelStrategy):
             GPT, the difference between 4.4 GiB more peak memory than a plain PyTorch loop and
             none. ``False`` keeps Lightning's order, for code that reads ``.grad`` after the step
             (``on_train_batch_end``, ``on_before_zero_grad``). Manual optimization is never touched.
+        buffer_sync: how buffers (BatchNorm running statistics, ...) are made equal on every rank before
+            each checkpoint's state is taken, at the start of each validation / test / predict run and
+            at the end of fit. Buffers are not sharded: each rank keeps and updates its own copy from its
+            own data, and a sharded save takes each buffer from whichever rank DCP picks -- without a
+            sync the saved model is a per-tensor mix of ranks that none of them evaluated.
+            ``"broadcast"`` (default): global rank 0's buffers, as DDP's ``broadcast_buffers`` does at
+            every forward -- exact for every dtype (``num_batches_tracked``), leaves buffers that are
+            already equal bit for bit (a mean over, say, 3 ranks may round them), and the checkpoint
+            is the model rank 0 trained.
+            ``"average"``: the mean over ranks of floating-point buffers (integer ones from rank 0):
+            running statistics estimated from every rank's data, closer to what SyncBatchNorm would
+            give. ``"none"``: each rank keeps its own (buffers meant to differ per rank; no collective).
+            Only persistent buffers (those a checkpoint holds) are synced. BatchNorm's training forward is
+            not affected (it normalises training batches with their own statistics).
     """
 
     strategy_name = "mics"
@@ -174,6 +189,7 @@ class MiCSStrategy(ParallelStrategy):
         async_save: bool = False,
         checkpoint_verify: ckpt.VerifyMode = "checksum",
         release_gradients_after_step: bool = True,
+        buffer_sync: BufferSync = "broadcast",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -199,7 +215,9 @@ class MiCSStrategy(ParallelStrategy):
             hierarchical=hierarchical,
             timeout=timeout,
             checkpoint_verify=checkpoint_verify,
+            buffer_sync=buffer_sync,
         )
+        self.buffer_sync: BufferSync = buffer_sync
         self.sharding = sharding
         self.activation_checkpointing_policy = activation_checkpointing_policy
         self.prefetch_depth = prefetch_depth
@@ -576,11 +594,36 @@ class MiCSStrategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
+    # ------------------------------------------------------------------ buffers: one model on every rank
+    # The evaluation that is logged and the checkpoint that is saved must use the same buffers, so they
+    # are synced before each evaluation run and again before each save (see `buffer_sync`).
+    def sync_buffers(self) -> None:
+        """Make every rank's persistent buffers equal now, as ``buffer_sync`` says (a collective)."""
+        if self.lightning_module is not None:
+            sync_buffers(self.lightning_module, self.buffer_sync, device=self.root_device)
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        self.sync_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.sync_buffers()
+
+    @override
+    def on_train_end(self) -> None:
+        self.sync_buffers()  # the model left in memory after fit is one model too
+
     # ------------------------------------------------------------------ checkpoints
     # The logic lives in lightning_mics.checkpoint; these hooks only hand it the module and layout.
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self.sync_buffers()  # called on every rank, before any state is taken (sharded or full, sync or async)
         return ckpt.model_state_dict(self.lightning_module, full=self.save_full_state_dict)
 
     @override

@@ -491,6 +491,7 @@ def test_unsupported_precision_is_refused_naming_the_supported_ones(precision):
         ({"timeout": "30"}, ValueError, "timedelta or a positive number of seconds"),
         ({"hierarchical": "yes"}, ValueError, "hierarchical must be True, False or 'auto'"),
         ({"checkpoint_verify": "sha"}, ValueError, "checkpoint_verify='sha' is not one of"),
+        ({"buffer_sync": True}, ValueError, r"buffer_sync=True is not one of \['broadcast', 'average', 'none'\]"),
         ({"grad_accumulation": "full"}, ValueError, "grad_accumulation='full' is not one of"),
         ({"cross_replica_dtype": "int8"}, ValueError, r"cross_replica_dtype='int8' is not one of \[None, 'bf16'"),
         ({"grad_accumulation": "auto"}, ValueError, "needs the number of micro-steps .* choose 'sharded'"),

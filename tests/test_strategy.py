@@ -51,6 +51,7 @@ def test_unsupported_precision_is_rejected_at_construction():
         ({"checkpoint_verify": "sha"}, "checkpoint_verify='sha' is not one of \\['checksum', 'size', 'none'\\]"),
         ({"grad_accumulation": "full"}, "grad_accumulation='full' is not one of .*'unsharded' keeps full gradients"),
         ({"cross_replica_dtype": "int8"}, "cross_replica_dtype='int8' is not one of \\[None, 'bf16', 'fp16'\\]"),
+        ({"buffer_sync": "mean"}, "buffer_sync='mean' is not one of \\['broadcast', 'average', 'none'\\]"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, message):
