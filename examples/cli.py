@@ -27,7 +27,9 @@ from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_mics  # noqa: F401,E402  (registers strategy="mics", "mics_zero3", "mics_replicate")
 from examples.console import configure_console, format_summary  # noqa: E402
+from examples.memory_check import check_fits_memory  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTLightningModule  # noqa: E402
+from lightning_mics import MiCSStrategy, MiCSTopology  # noqa: E402
 from lightning_mics.telemetry import TrainingTelemetry  # noqa: E402
 
 
@@ -38,6 +40,27 @@ class MiCSCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_lightning_class_args(TrainingTelemetry, "telemetry")
         parser.link_arguments("model.config", "data.seq_len", compute_fn=_seq_len_of)
+
+    def before_fit(self) -> None:
+        """Refuse a run whose CPU ranks cannot fit in this machine's memory before they start."""
+        strategy, trainer = self.trainer.strategy, self.trainer
+        if not isinstance(strategy, MiCSStrategy) or strategy.partition_size_spec == "auto":
+            return
+        world_size = trainer.num_devices * trainer.num_nodes
+        ranks_per_node = strategy.ranks_per_node_override or trainer.num_devices
+        topology = MiCSTopology.create(world_size, ranks_per_node, strategy.partition_size_spec)
+        check_fits_memory(
+            self.model.config,
+            micro_batch=self.datamodule.batch_size,
+            precision=str(trainer.precision),
+            world_size=world_size,
+            ranks_per_node=ranks_per_node,
+            partition_size=topology.partition_size,
+            ranks_on_this_host=trainer.num_devices,
+            on_gpu=strategy.root_device.type == "cuda",
+            activation_checkpointing=bool(strategy.activation_checkpointing_policy),
+            flags=("--trainer.accelerator=gpu", "--data.batch_size"),
+        )
 
     def after_fit(self) -> None:
         output_dir = Path(self.trainer.log_dir or ".")  # a broadcast: every rank asks

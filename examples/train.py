@@ -43,6 +43,7 @@ if str(REPO_ROOT) not in sys.path:  # the configs' _target_s name the demo packa
     sys.path.insert(0, str(REPO_ROOT))
 CONFIG_DIR = str(REPO_ROOT / "conf")
 from examples.console import configure_console, format_summary  # noqa: E402  (needs REPO_ROOT on sys.path)
+from examples.memory_check import check_fits_memory  # noqa: E402
 MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
 #: Hydra options that must survive when a sweep job's command line is rebuilt for its ranks.
 _HYDRA_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -67,6 +68,29 @@ def validate_layout(cfg: DictConfig) -> Optional[MiCSTopology]:
             f"ranks_per_node={ranks_per_node}: {error} Override strategy.partition_size (or cluster.ranks_per_node / "
             "trainer.devices) accordingly."
         ) from None
+
+
+class ConfigurationError(ValueError):
+    """A mistake in the job's configuration, found before any rank starts; its message names the fix."""
+
+
+def check_memory(cfg: DictConfig, topology: Optional[MiCSTopology]) -> None:
+    """Refuse, before any rank starts, a MiCS run whose CPU ranks cannot fit in this machine's memory
+    (see :mod:`examples.memory_check`); GPU runs and other strategies are not checked."""
+    if topology is None or not isinstance(cfg.data.get("batch_size"), int):
+        return
+    gpt = instantiate(cfg.model.config)
+    check_fits_memory(
+        gpt,
+        micro_batch=cfg.data.batch_size,
+        precision=str(cfg.trainer.precision),
+        world_size=topology.world_size,
+        ranks_per_node=topology.ranks_per_node,
+        partition_size=topology.partition_size,
+        ranks_on_this_host=cfg.trainer.devices,
+        on_gpu=str(cfg.trainer.accelerator) in ("gpu", "cuda"),
+        activation_checkpointing=bool(cfg.strategy.get("activation_checkpointing_policy")),
+    )
 
 
 #: Trainer options a command-line override could set to a non-number, and the type each needs.
@@ -156,8 +180,11 @@ def train(cfg: DictConfig) -> Optional[float]:
     with _isolated_launch_environment():
         _route_rank_relaunch_to_this_job()
         configure_console()
-        validate_trainer_numbers(cfg)
-        validate_layout(cfg)
+        try:
+            validate_trainer_numbers(cfg)
+            check_memory(cfg, validate_layout(cfg))
+        except ValueError as error:
+            raise ConfigurationError(str(error)) from None
         output_dir = Path(HydraConfig.get().runtime.output_dir)
         pl.seed_everything(cfg.seed, workers=True)
 
@@ -193,7 +220,12 @@ def train(cfg: DictConfig) -> Optional[float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
-    return train(cfg)
+    try:
+        return train(cfg)
+    except ConfigurationError as error:  # found before launch: one line with the fix, no traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"error: {error} (set HYDRA_FULL_ERROR=1 for the traceback)")
 
 
 if __name__ == "__main__":

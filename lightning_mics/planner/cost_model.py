@@ -273,11 +273,13 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec) -> float:
     5 a s^2 b for the attention scores, softmax and its dropout mask). With checkpointing only each
     layer's input (``2 sbh`` at 16-bit) is kept, plus one layer's full activations while it is
     recomputed. Other dtypes scale by ``bytes / 2``; known vocabularies add fp32 logits and their
-    gradient (``2 * 4 s b V``).
+    gradient (``2 * 4 s b V``). A fused attention kernel (``ModelSpec.fused_attention``) stores no
+    scores: the ``5 a s^2 b`` term goes.
     """
     s, bsz, h, a = model.seq_len, training.micro_batch, model.hidden, model.num_heads
     scale = training.bytes.activation_bytes / 2
-    per_layer = s * bsz * h * (34 + 5 * a * s / h) * scale
+    scores = 0.0 if model.fused_attention else 5 * a * s / h
+    per_layer = s * bsz * h * (34 + scores) * scale
     if training.activation_checkpointing:
         body = model.layers * 2 * s * bsz * h * scale + per_layer
     else:

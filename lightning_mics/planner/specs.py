@@ -182,6 +182,9 @@ class ModelSpec:
     vocab: int = 0  #: adds the logits to activation memory when known
     flops_per_token: Optional[float] = None  #: default: PaLM's 6 * params + 12 * layers * hidden * seq_len
     name: str = "custom"
+    #: attention by a fused kernel (FlashAttention, ``F.scaled_dot_product_attention``): the
+    #: ``s x s`` scores and softmax are recomputed in backward instead of stored
+    fused_attention: bool = False
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "seq_len"):
