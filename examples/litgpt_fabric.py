@@ -110,6 +110,20 @@ def lm_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def corpus_split() -> tuple[Tensor, Tensor]:
+    """Training bytes and the held-out tail of the embedded corpus (the same on every rank)."""
+    tokens = encode_bytes(load_pydoc_topics())[:CORPUS_BYTES]
+    return tokens[:-HELD_OUT_BYTES], tokens[-HELD_OUT_BYTES:]
+
+
+def fixed_batch(held_out: Tensor, seq_len: int, size: int) -> tuple[Tensor, Tensor]:
+    """The first ``size`` held-out windows: the batch on which the sharded model and its consolidated
+    copy are compared (a function, so a test can rebuild it without running the script)."""
+    windows = ByteWindows(held_out, seq_len)
+    inputs, targets = zip(*(windows[i] for i in range(size)))
+    return torch.stack(inputs), torch.stack(targets)
+
+
 def batches(loader: DataLoader) -> Iterator[tuple[Tensor, Tensor]]:
     """The loader's batches, epoch after epoch (a few steps may run past one epoch)."""
     for epoch in itertools.count():
@@ -140,14 +154,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)  # the optimizer now holds the shards
 
-    tokens = encode_bytes(load_pydoc_topics())[:CORPUS_BYTES]
-    train_tokens, held_out = tokens[:-HELD_OUT_BYTES], tokens[-HELD_OUT_BYTES:]
+    train_tokens, held_out = corpus_split()
     loader = DataLoader(ByteWindows(train_tokens, args.seq_len), batch_size=args.micro_batch, shuffle=True,
                         drop_last=True)
     data = batches(fabric.setup_dataloaders(loader))  # a DistributedSampler: each rank its own windows
-    fixed = ByteWindows(held_out, args.seq_len)
-    fixed_inputs = torch.stack([fixed[i][0] for i in range(args.micro_batch)])
-    fixed_targets = torch.stack([fixed[i][1] for i in range(args.micro_batch)])
+    fixed_inputs, fixed_targets = fixed_batch(held_out, args.seq_len, args.micro_batch)
 
     losses: list[float] = []
     for step in range(1, args.steps + 1):
