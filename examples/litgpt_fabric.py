@@ -78,6 +78,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--tie-embeddings", action="store_true",
+                        help="share the embedding and output weights, as litgpt's pretrain.py --train.tie_embeddings")
     args = parser.parse_args(argv)
     positive = ("devices", "ranks_per_node", "partition_size", "steps", "accumulate", "micro_batch", "layers", "width")
     if min(getattr(args, name) for name in positive + ("seq_len",)) < 1:
@@ -151,6 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         model = GPT(config)
     # litgpt's own init: it installs per-module `reset_parameters`, which MiCS calls on the shards
     initialize_weights(fabric, model, n_layer=config.n_layer, n_embd=config.n_embd)
+    if args.tie_embeddings:
+        model.transformer.wte.weight = model.lm_head.weight
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model, optimizer = fabric.setup(model, optimizer)  # the optimizer now holds the shards
 
@@ -191,6 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     weights = consolidate(checkpoint, args.out / "model.pt")  # = python -m lightning_mics.consolidate DIR FILE
     plain = GPT(config)  # fresh, unsharded, in this one process
+    if args.tie_embeddings:
+        plain.transformer.wte.weight = plain.lm_head.weight
     plain.load_state_dict(torch.load(weights, weights_only=True), strict=True)
     plain.eval()
     with torch.no_grad():
