@@ -16,19 +16,19 @@ with random weights, trained on the repository's embedded byte-level corpus), an
 3. gradient accumulation with ``fabric.no_backward_sync`` (the cross-replica all-reduce waits for
    the last micro-batch) and ``fabric.clip_gradients``; the loss falls;
 4. ``fabric.save`` writes the sharded checkpoint; ``lightning_mics.consolidate`` turns it into a bare
-   state dict (Fabric's checkpoint keeps the model's own key names: no ``--strip-prefix`` needed) that a fresh ``litgpt.GPT(config)`` loads with ``strict=True`` and that, in one plain
-   process, reproduces the sharded model's loss on a fixed held-out batch.
+   state dict (Fabric's checkpoint keeps the model's own key names: no ``--strip-prefix`` needed)
+   that a fresh ``litgpt.GPT(config)`` loads with ``strict=True`` and that, in one plain process,
+   reproduces the sharded model's loss on a fixed held-out batch.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -78,13 +78,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--tie-embeddings", action="store_true",
-                        help="share the embedding and output weights, as litgpt's pretrain.py --train.tie_embeddings")
+    parser.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        help="share the embedding and output weights, as litgpt's pretrain.py --train.tie_embeddings",
+    )
     args = parser.parse_args(argv)
     positive = ("devices", "ranks_per_node", "partition_size", "steps", "accumulate", "micro_batch", "layers", "width")
     if min(getattr(args, name) for name in positive + ("seq_len",)) < 1:
-        parser.error("--devices, --ranks-per-node, --partition-size, --steps, --accumulate, --micro-batch, --layers, "
-                     "--width and --seq-len must be positive.")
+        parser.error(
+            "--devices, --ranks-per-node, --partition-size, --steps, --accumulate, --micro-batch, --layers, "
+            "--width and --seq-len must be positive."
+        )
     if args.width % 4:
         parser.error("--width must be a multiple of the 4 attention heads.")
     return args
@@ -126,12 +131,10 @@ def fixed_batch(held_out: Tensor, seq_len: int, size: int) -> tuple[Tensor, Tens
     return torch.stack(inputs), torch.stack(targets)
 
 
-def batches(loader: DataLoader) -> Iterator[tuple[Tensor, Tensor]]:
-    """The loader's batches, epoch after epoch (a few steps may run past one epoch)."""
-    for epoch in itertools.count():
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+def batches(loader: Iterable[tuple[Tensor, Tensor]]) -> Iterator[tuple[Tensor, Tensor]]:
+    """The loader's batches, epoch after epoch (a few steps may run past one epoch); Fabric's loader
+    sets its distributed sampler's epoch on each pass, so every epoch is shuffled anew."""
+    while True:
         yield from loader
 
 
@@ -159,8 +162,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, optimizer = fabric.setup(model, optimizer)  # the optimizer now holds the shards
 
     train_tokens, held_out = corpus_split()
-    loader = DataLoader(ByteWindows(train_tokens, args.seq_len), batch_size=args.micro_batch, shuffle=True,
-                        drop_last=True)
+    loader = DataLoader(
+        ByteWindows(train_tokens, args.seq_len), batch_size=args.micro_batch, shuffle=True, drop_last=True
+    )
     data = batches(fabric.setup_dataloaders(loader))  # a DistributedSampler: each rank its own windows
     fixed_inputs, fixed_targets = fixed_batch(held_out, args.seq_len, args.micro_batch)
 
@@ -180,8 +184,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(step_loss, reduce_op="mean")))
-        fabric.print(f"step {step}: loss {losses[-1]:.4f} (mean of {fabric.world_size} ranks), "
-                     f"grad norm {float(grad_norm):.3f}")
+        fabric.print(
+            f"step {step}: loss {losses[-1]:.4f} (mean of {fabric.world_size} ranks), grad norm {float(grad_norm):.3f}"
+        )
 
     model.eval()
     with torch.no_grad():  # every rank: the forward gathers the shards collectively
@@ -201,8 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     plain.eval()
     with torch.no_grad():
         plain_loss = float(lm_loss(plain, fixed_inputs, fixed_targets))
-    print(f"train loss: {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {len(losses)}); "
-          f"{args.steps} steps x {args.accumulate} micro-batches on {fabric.world_size} ranks in {elapsed:.1f} s")
+    print(
+        f"train loss: {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {len(losses)}); "
+        f"{args.steps} steps x {args.accumulate} micro-batches on {fabric.world_size} ranks in {elapsed:.1f} s"
+    )
     print(f"fixed-batch loss: sharded run {sharded_loss:.6f}, consolidated litgpt.GPT {plain_loss:.6f}")
     if abs(plain_loss - sharded_loss) > 1e-5:
         print("error: the consolidated weights do not reproduce the sharded run", file=sys.stderr)

@@ -26,12 +26,26 @@ STEPS = 10
 
 
 def test_litgpt_blocks_are_found_the_loss_falls_and_the_weights_load_strictly_into_litgpt(tmp_path: Path) -> None:
-    argv = ["--out", str(tmp_path), "--devices", "4", "--steps", str(STEPS), "--accumulate", "2",
-            "--layers", str(LAYERS)]
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--devices",
+        "4",
+        "--steps",
+        str(STEPS),
+        "--accumulate",
+        "2",
+        "--layers",
+        str(LAYERS),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(
         [sys.executable, str(REPO / "examples" / "litgpt_fabric.py"), *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
