@@ -145,7 +145,7 @@ class WrapPlan:
         """``"2 x GPT2Block by nn.ModuleList children, root"``: how many units of which classes, and why."""
         groups: dict[str, Counter[str]] = {}
         for (_, module), rule in zip(self.modules, self.rules):
-            groups.setdefault(rule, Counter())[type(module).__name__] += 1
+            groups.setdefault(rule, Counter())[_class_name(module)] += 1
         parts = []
         for rule, classes in groups.items():
             counts = " + ".join(f"{n} x {name}" for name, n in sorted(classes.items(), key=lambda kv: (-kv[1], kv[0])))
@@ -154,6 +154,11 @@ class WrapPlan:
                 rule = f"size, {low if low == high else f'{low}-{high}'} params each"
             parts.append(f"{counts} by {rule}")
         return ", ".join([*parts, "root"])
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name, also once ``fully_shard`` has swapped its class for ``FSDP<Name>``."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _short_count(n: int) -> str:
