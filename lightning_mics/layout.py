@@ -531,8 +531,9 @@ def shard_module(
     if any(isinstance(m, FSDPModule) for m in root.modules()):
         raise TypeError(
             "MiCS applies `fully_shard` itself, but the model already contains FSDP2 modules (it called "
-            "`fully_shard`, or it was set up by a MiCS strategy before). Remove the `fully_shard` calls, choose the "
-            "units with `MiCSStrategy(auto_wrap_policy=...)`, and set each model up only once."
+            "`fully_shard`, or a MiCS Fabric strategy set it up before; a model a MiCSStrategy Trainer sharded is used "
+            "as it is by the next one). Remove the `fully_shard` calls, choose the units with "
+            "`MiCSStrategy(auto_wrap_policy=...)`, and set each model up only once."
         )
     on_meta = has_meta_tensors(root)
     if sync_module_states and not on_meta:
