@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -207,6 +207,9 @@ class MiCSLayout:
     hierarchical_groups: Optional[HierarchicalGroups] = None
     #: hop 2 in this 16-bit dtype (:class:`~lightning_mics.grad_sync.CompressedCrossReplicaSync`), or ``None``
     cross_replica_dtype: Optional[torch.dtype] = None
+    #: what the layout was built from (:func:`build_layout`); compared when a new strategy meets a
+    #: model an earlier one sharded
+    settings: Optional[LayoutSettings] = None
 
     @property
     def shards_optimizer_beyond_partition(self) -> bool:
@@ -274,7 +277,51 @@ class MiCSLayout:
             logger.warning(warning)
 
 
-def create_layout(
+@dataclass(frozen=True)
+class LayoutSettings:
+    """A layout resolved from the options, before any process group exists.
+
+    Two strategies whose settings are equal shard a model identically, so a model one of them sharded
+    can be used by the other (a new Trainer evaluating or fitting a model an earlier Trainer set up).
+    Everything that decides where each parameter's shards live, how gradients and optimizer states are
+    synced and over which backend is here; ``planner_reason`` (prose) is not compared."""
+
+    rank: int
+    topology: MiCSTopology
+    #: the per-state degrees in use, or ``None`` (no ShardingSpec)
+    sharding: Optional[ShardingSpec]
+    reshard_after_forward: Union[bool, int]
+    grad_accumulation: GradAccumulation
+    optim_degree: Optional[int]
+    keep_params_within_step: bool
+    #: whether two-stage collectives are installed (a partition spanning nodes, ``hierarchical`` on)
+    hierarchical: bool
+    cross_replica_dtype: Optional[torch.dtype]
+    device_type: str
+    backend: str
+    planner_reason: Optional[str] = field(default=None, compare=False)
+
+    def differences(self, other: LayoutSettings) -> list[str]:
+        """``"partition_size: 2 (earlier) vs 4 (now)"``-style lines for every setting that differs."""
+        mine, theirs = self._flat(), other._flat()
+        return [f"{name}: {mine[name]!r} vs {theirs[name]!r}" for name in mine if mine[name] != theirs[name]]
+
+    def _flat(self) -> dict[str, Any]:
+        t = self.topology
+        values: dict[str, Any] = {
+            "world_size": t.world_size,
+            "rank": self.rank,
+            "ranks_per_node": t.ranks_per_node,
+            "partition_size": t.partition_size,
+            "replicas": t.replication_degree,
+        }
+        for f in fields(self):
+            if f.compare and f.name not in ("rank", "topology"):
+                values[f.name] = getattr(self, f.name)
+        return values
+
+
+def resolve_layout(
     *,
     world_size: int,
     rank: int,
@@ -285,16 +332,13 @@ def create_layout(
     hierarchical: Hierarchical,
     device_type: str,
     backend: str,
-    timeout: Optional[timedelta],
     grad_accumulation: str = "sharded",
     cross_replica_dtype: Optional[torch.dtype] = None,
     plan_layout: Optional[LayoutPlanner] = None,
-) -> MiCSLayout:
+) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
-    given -- and create its mesh and extra process groups.
-
-    A collective: every rank calls it, in the same order relative to other group creations."""
+    given -- without creating any process group (see :func:`create_layout`, which does)."""
     planner_reason = None
     planned_partition = sharding is None and partition_size == "auto"
     if sharding == "auto" or planned_partition or grad_accumulation == "auto":
@@ -323,32 +367,90 @@ def create_layout(
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
-    mesh = build_device_mesh(topology, device_type, backend, timeout)
+    if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_dtype is not None:
+        raise ValueError(
+            "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
+            "(ShardingSpec optim > grads): drop one of the two."
+        )
+    return LayoutSettings(
+        rank=rank,
+        topology=topology,
+        sharding=sharding if isinstance(sharding, ShardingSpec) else None,
+        reshard_after_forward=reshard_after_forward,
+        grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
+        optim_degree=optim_degree,
+        keep_params_within_step=keep_params_within_step,
+        hierarchical=uses_hierarchical_collectives(topology, hierarchical),
+        cross_replica_dtype=cross_replica_dtype,
+        device_type=device_type,
+        backend=backend,
+        planner_reason=planner_reason,
+    )
+
+
+def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCSLayout:
+    """Create the mesh and extra process groups ``settings`` call for.
+
+    A collective: every rank calls it, in the same order relative to other group creations."""
+    topology = settings.topology
+    mesh = build_device_mesh(topology, settings.device_type, settings.backend, timeout)
     optim_groups = None
-    if optim_degree is not None and optim_degree > topology.partition_size:
-        if cross_replica_dtype is not None:
-            raise ValueError(
-                "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
-                "(ShardingSpec optim > grads): drop one of the two."
-            )
-        optim_groups = create_optimizer_state_groups(topology, optim_degree, timeout)
+    if settings.optim_degree is not None and settings.optim_degree > topology.partition_size:
+        optim_groups = create_optimizer_state_groups(topology, settings.optim_degree, timeout)
     hierarchical_groups = None
-    if uses_hierarchical_collectives(topology, hierarchical):
-        hierarchical_groups = create_hierarchical_groups(topology, rank, timeout=timeout)
+    if settings.hierarchical:
+        hierarchical_groups = create_hierarchical_groups(topology, settings.rank, timeout=timeout)
     return MiCSLayout(
         topology=topology,
         device_mesh=mesh,
-        sharding=sharding if isinstance(sharding, ShardingSpec) else None,
-        reshard_after_forward=reshard_after_forward,
-        backend=backend,
-        grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
-        planner_reason=planner_reason,
-        optim_degree=optim_degree,
-        keep_params_within_step=keep_params_within_step,
+        sharding=settings.sharding,
+        reshard_after_forward=settings.reshard_after_forward,
+        backend=settings.backend,
+        grad_accumulation=settings.grad_accumulation,
+        planner_reason=settings.planner_reason,
+        optim_degree=settings.optim_degree,
+        keep_params_within_step=settings.keep_params_within_step,
         optim_groups=optim_groups,
         hierarchical_groups=hierarchical_groups,
-        cross_replica_dtype=cross_replica_dtype,
+        cross_replica_dtype=settings.cross_replica_dtype,
+        settings=settings,
     )
+
+
+def create_layout(
+    *,
+    world_size: int,
+    rank: int,
+    ranks_per_node: int,
+    partition_size: PartitionSizeSpec,
+    reshard_after_forward: Union[bool, int],
+    sharding: ShardingOption,
+    hierarchical: Hierarchical,
+    device_type: str,
+    backend: str,
+    timeout: Optional[timedelta],
+    grad_accumulation: str = "sharded",
+    cross_replica_dtype: Optional[torch.dtype] = None,
+    plan_layout: Optional[LayoutPlanner] = None,
+) -> MiCSLayout:
+    """:func:`resolve_layout`, then :func:`build_layout`: the resolved layout with its mesh and groups.
+
+    A collective: every rank calls it, in the same order relative to other group creations."""
+    settings = resolve_layout(
+        world_size=world_size,
+        rank=rank,
+        ranks_per_node=ranks_per_node,
+        partition_size=partition_size,
+        reshard_after_forward=reshard_after_forward,
+        sharding=sharding,
+        hierarchical=hierarchical,
+        device_type=device_type,
+        backend=backend,
+        grad_accumulation=grad_accumulation,
+        cross_replica_dtype=cross_replica_dtype,
+        plan_layout=plan_layout,
+    )
+    return build_layout(settings, timeout)
 
 
 def layout_planner(
@@ -429,8 +531,9 @@ def shard_module(
     if any(isinstance(m, FSDPModule) for m in root.modules()):
         raise TypeError(
             "MiCS applies `fully_shard` itself, but the model already contains FSDP2 modules (it called "
-            "`fully_shard`, or it was set up by a MiCS strategy before). Remove the `fully_shard` calls, choose the "
-            "units with `MiCSStrategy(auto_wrap_policy=...)`, and set each model up only once."
+            "`fully_shard`, or a MiCS Fabric strategy set it up before; a model a MiCSStrategy Trainer sharded is used "
+            "as it is by the next one). Remove the `fully_shard` calls, choose the units with "
+            "`MiCSStrategy(auto_wrap_policy=...)`, and set each model up only once."
         )
     on_meta = has_meta_tensors(root)
     if sync_module_states and not on_meta:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
@@ -40,21 +43,23 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import BufferSync, sync_buffers
 from lightning_mics.layout import (
+    LayoutSettings,
     MiCSLayout,
     accumulation_context,
+    build_layout,
     check_layout,
-    create_layout,
     cross_replica_sync,
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
+    resolve_layout,
     resolve_ranks_per_node,
     shard_module,
     shard_optimizer_states,
     uses_hierarchical_collectives,
     validate_options,
 )
-from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, resolve_wire_dtype
+from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units, resolve_wire_dtype
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
@@ -81,6 +86,47 @@ class _MiCSRoot(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _ShardedModel:
+    """What a ``MiCSStrategy`` leaves behind about a LightningModule it sharded, so that a later
+    strategy -- a new Trainer given the same model, as ``pl.Trainer(...).test(model)`` after a fit --
+    uses the model as it is instead of refusing it (sharding twice is impossible) or re-sharding it.
+
+    Kept in :data:`_SHARDED_MODELS`, keyed weakly by the LightningModule. Nothing here may hold the
+    module strongly -- the record would then keep its own key, and the model, alive for the rest of
+    the process -- so the root wrapper (which holds the module) is referenced weakly: it lives while
+    a strategy holds it or, once the model has run a forward, through FSDP's own state (the units'
+    shared context references the root's). The layout holds only meshes and process groups."""
+
+    root: weakref.ReferenceType[_MiCSRoot]
+    layout: MiCSLayout
+    precision: str
+    #: whether ``Trainer(sync_batchnorm=True)`` converted BatchNorm layers before sharding
+    sync_batchnorm: bool
+    #: the default process group the layout's groups were created under: after
+    #: ``destroy_process_group()`` and a new ``init_process_group()`` they are gone
+    world: Any
+
+    def differences(self, settings: LayoutSettings, precision: str, sync_batchnorm: bool) -> list[str]:
+        """What a strategy with these settings would do differently from the one that sharded the model."""
+        assert self.layout.settings is not None
+        diffs = self.layout.settings.differences(settings)
+        if precision != self.precision:
+            diffs.append(f"precision: {self.precision!r} vs {precision!r}")
+        if sync_batchnorm and not self.sync_batchnorm:
+            diffs.append("sync_batchnorm: False vs True")
+        return diffs
+
+
+#: Models that a MiCSStrategy sharded, and how (see :class:`_ShardedModel`).
+_SHARDED_MODELS: weakref.WeakKeyDictionary[LightningModule, _ShardedModel] = weakref.WeakKeyDictionary()
+
+_REUSE_FIXES = (
+    "save a checkpoint with the earlier trainer (`trainer.save_checkpoint(path)`) and load it into a freshly "
+    "created model with this one (`trainer.fit/validate/test/predict(new_model, ckpt_path=path)`)"
+)
 
 
 class MiCSStrategy(ParallelStrategy):
@@ -391,16 +437,18 @@ class MiCSStrategy(ParallelStrategy):
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout
         )
         if self._layout is None:  # a later stage of the same trainer keeps the layout and groups
-            self._create_layout()
+            self._create_layout()  # or adopts the layout of an earlier strategy that sharded this model
         assert self.lightning_module is not None
         compat.expose_device_mesh(self.lightning_module, self.device_mesh)  # visible in configure_model()
 
     def _create_layout(self) -> None:
         """Resolve the layout (sharding spec or partition size, 'auto' via the planner) and create
-        its mesh and extra process groups -- collectively, on every rank."""
+        its mesh and extra process groups -- collectively, on every rank. A model an earlier
+        strategy sharded keeps that strategy's layout and groups (see :meth:`_sharded_before`):
+        none are created for it."""
         assert self._process_group_backend is not None and self.lightning_module is not None
         trainer = getattr(self.lightning_module, "_trainer", None)
-        layout = self._layout = create_layout(
+        settings = resolve_layout(
             world_size=self.world_size,
             rank=self.global_rank,
             ranks_per_node=resolve_ranks_per_node(self.ranks_per_node_override, self.num_processes, self.world_size),
@@ -410,7 +458,6 @@ class MiCSStrategy(ParallelStrategy):
             hierarchical=self.hierarchical,
             device_type=self.root_device.type,
             backend=self._process_group_backend,
-            timeout=self._timeout,
             grad_accumulation=self.grad_accumulation_spec,
             cross_replica_dtype=self.cross_replica_dtype,
             plan_layout=layout_planner(
@@ -423,6 +470,8 @@ class MiCSStrategy(ParallelStrategy):
                 log=log if self.is_global_zero else None,
             ),
         )
+        earlier = self._sharded_before(self.lightning_module, settings)
+        layout = self._layout = earlier.layout if earlier is not None else build_layout(settings, self._timeout)
         # the resolved values, as this strategy always exposed them
         if self.sharding is not None or "auto" in (self.partition_size_spec, self.grad_accumulation_spec):
             self.partition_size_spec = layout.topology.partition_size
@@ -443,10 +492,13 @@ class MiCSStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         root = self._root
         if root is None or root.module is not self.lightning_module:
-            if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
-                self._layer_sync.apply(self.lightning_module)  # BatchNorm -> SyncBatchNorm, before sharding
-            root = self._root = self._shard(self.lightning_module)
+            root = self._root = self._adopt(self.lightning_module) or self._shard(self.lightning_module)
         # else: sharded by an earlier stage of this trainer (fit, then validate/test): reuse it
+        for unit in self._fsdp_units:
+            # An evaluation leaves the root unit's parameters gathered (FSDP reshards the root after
+            # backward, and evaluation has none): register the sharded ones again, or the optimizers
+            # made below would hold the gathered copies and their steps would never reach the shards.
+            unit.reshard()
         self.model = root
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -457,8 +509,67 @@ class MiCSStrategy(ParallelStrategy):
             self._shard_optimizer_states()
         self._log_layout()
 
+    def _fitting(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+    def _sharded_before(self, module: LightningModule, settings: LayoutSettings) -> Optional[_ShardedModel]:
+        """The record of an earlier MiCSStrategy (another Trainer) that sharded ``module``, if one did
+        and this strategy would shard it the same way -- the model is then used as it is, on that
+        strategy's layout and process groups. ``None`` for a model no MiCSStrategy sharded.
+
+        A sharded model cannot be re-sharded onto another layout in place, so a different layout, or
+        groups that no longer exist, is refused with what to do instead."""
+        earlier = _SHARDED_MODELS.get(module)
+        if earlier is None:
+            return None
+        if not dist.is_initialized() or dist.group.WORLD is not earlier.world:
+            raise RuntimeError(
+                "This model was sharded by an earlier MiCSStrategy on process groups that no longer exist "
+                "(torch.distributed was shut down or re-initialised since), so it cannot be used again; "
+                + _REUSE_FIXES
+                + "."
+            )
+        if earlier.root() is None:
+            raise RuntimeError(
+                "This model was sharded by an earlier MiCSStrategy that is gone, and it never ran a step, so "
+                "its root unit went with it; " + _REUSE_FIXES + ", or set the model up with one trainer."
+            )
+        sync_batchnorm = self._layer_sync is not None and self._fitting()
+        diffs = earlier.differences(settings, self.precision_plugin.precision, sync_batchnorm)
+        if diffs:
+            raise ValueError(
+                "This model was sharded by an earlier MiCSStrategy (another Trainer) with a different layout ("
+                + "; ".join(diffs)
+                + ", earlier vs this strategy), and a sharded model keeps its layout. Either create this "
+                "Trainer's MiCSStrategy with the same options as the earlier one, or " + _REUSE_FIXES + "."
+            )
+        return earlier
+
+    def _adopt(self, module: LightningModule) -> Optional[_MiCSRoot]:
+        """The root unit an earlier MiCSStrategy made of ``module``, taken over with its FSDP units
+        and layout; ``None`` when no MiCSStrategy sharded the module (it is sharded then)."""
+        assert self._layout is not None and self._layout.settings is not None
+        earlier = self._sharded_before(module, self._layout.settings)
+        if earlier is None:
+            return None
+        root = earlier.root()
+        assert root is not None
+        self._layout = earlier.layout  # this strategy's own groups, if any, stay unused
+        self.precision_plugin.device_type = self.root_device.type
+        units = fsdp_units(root)
+        self._fsdp_units = [unit for unit in units if unit is not root] + [root]  # blocks, then the root
+        self._wrap_plan = None  # the plan it was sharded with is the earlier strategy's
+        if self.is_global_zero:
+            log.info("using the model as an earlier MiCSStrategy sharded it (same layout): not sharding it again")
+        return root
+
     def _shard(self, module: LightningModule) -> _MiCSRoot:
-        """Wrap ``module`` in the root unit and shard it onto the layout (see :func:`shard_module`)."""
+        """Wrap ``module`` in the root unit and shard it onto the layout (see :func:`shard_module`),
+        and record that this strategy did, so that a later one can use the model as it is."""
+        sync_batchnorm = self._layer_sync is not None and self._fitting()
+        if self._layer_sync is not None and sync_batchnorm:
+            self._layer_sync.apply(module)  # BatchNorm -> SyncBatchNorm, before sharding
         self.precision_plugin.device_type = self.root_device.type
         converted = self.precision_plugin.convert_module(module)
         assert converted is module
@@ -475,6 +586,13 @@ class MiCSStrategy(ParallelStrategy):
             compile_blocks=self.compile_blocks,
             prefetch_depth=self.prefetch_depth,
             sync_module_states=self.sync_module_states,
+        )
+        _SHARDED_MODELS[module] = _ShardedModel(
+            root=weakref.ref(root),
+            layout=self.layout,
+            precision=self.precision_plugin.precision,
+            sync_batchnorm=sync_batchnorm,
+            world=dist.group.WORLD,
         )
         return root
 

@@ -214,11 +214,32 @@ def _misc(rank: int, world: int) -> dict:
         out["auto_error"] = str(err)
 
     # the same trainer validates after fitting: the sharded model is reused, not re-wrapped
-    module = ValidatedToyModule(cfg)
-    trainer = fit_with_mics(module, cfg, partition_size=2, ranks_per_node=2)
+    plain = RunConfig(world_size=world, accumulate=1, steps=3, lr=0.2)
+    module = ValidatedToyModule(plain)
+    trainer = fit_with_mics(module, plain, partition_size=2, ranks_per_node=2)
     before = full_parameters(module)
     out["validate_loss"] = trainer.validate(module, verbose=False)[0]["val_loss"]
     out["validate_kept_params"] = all(torch.equal(before[n], p) for n, p in full_parameters(module).items())
+    out["fit_params"] = before
+
+    # a new trainer with the same options uses the model as the earlier one sharded it
+    validator = pl.Trainer(strategy=MiCSStrategy(partition_size=2, ranks_per_node=2), **trainer_kwargs(plain))
+    out["new_trainer_validate_loss"] = validator.validate(module, verbose=False)[0]["val_loss"]
+    out["new_trainer_kept_params"] = all(torch.equal(before[n], p) for n, p in full_parameters(module).items())
+    out["new_trainer_adopted_root"] = validator.strategy.model is trainer.strategy.model
+    fit_with_mics(module, plain, partition_size=2, ranks_per_node=2)  # 3 more steps, a fresh optimizer
+    out["fit_on_params"] = full_parameters(module)
+    fresh = ValidatedToyModule(plain)  # the reference: the same weights in a model set up from scratch
+    out["fresh_load_keys"] = fresh.load_state_dict(before, strict=False)
+    fit_with_mics(fresh, plain, partition_size=2, ranks_per_node=2)
+    out["fit_fresh_params"] = full_parameters(fresh)
+    try:  # another layout cannot take the sharded model
+        pl.Trainer(strategy=MiCSStrategy(partition_size=4, ranks_per_node=2), **trainer_kwargs(plain)).validate(
+            module, verbose=False
+        )
+        out["other_layout_error"] = None
+    except ValueError as err:
+        out["other_layout_error"] = str(err)
 
     # release_gradients_after_step: gradients freed once the step used them, same training either way
     accumulating = RunConfig(world_size=world, accumulate=2, steps=3, lr=0.2)
@@ -365,6 +386,38 @@ def test_validate_after_fit_reuses_the_sharded_model(misc):
     losses = {round(out["validate_loss"], 6) for out in misc}
     assert len(losses) == 1 and all(torch.isfinite(torch.tensor(list(losses))))  # synced across ranks
     assert all(out["validate_kept_params"] for out in misc)
+
+
+@pytest.mark.distributed
+def test_a_new_trainer_validates_the_model_an_earlier_one_sharded(misc):
+    """``pl.Trainer(strategy=MiCSStrategy(...)).validate(model)`` after another trainer's fit, as with DDP."""
+    for out in misc:
+        assert out["new_trainer_validate_loss"] == out["validate_loss"]  # the same model, exactly
+        assert out["new_trainer_kept_params"] and out["new_trainer_adopted_root"]
+
+
+@pytest.mark.distributed
+def test_a_new_trainer_fits_the_model_an_earlier_one_sharded(misc):
+    """Fitting on with a new trainer trains exactly as a fresh model holding the same weights would
+    (both start a new optimizer, as with DDP), and every rank ends with the same model."""
+    first = misc[0]["fit_on_params"]
+    for out in misc:
+        keys = out["fresh_load_keys"]  # every parameter but the tied head loaded; the buffer is a constant
+        assert set(keys.missing_keys) == {"model.head.weight", "model.scale"} and not keys.unexpected_keys
+        differ = [n for n in first if not torch.equal(out["fit_on_params"][n], out["fit_fresh_params"][n])]
+        assert not differ, differ
+        for name, value in out["fit_on_params"].items():
+            assert torch.equal(value, first[name]), name
+    trained = [n for n in first if not torch.equal(first[n], misc[0]["fit_params"][n])]
+    assert len(trained) == len(first) - 1  # the second trainer trained every parameter but the frozen one
+
+
+@pytest.mark.distributed
+def test_a_new_trainer_with_another_layout_is_refused_naming_the_fixes(misc):
+    for out in misc:
+        error = out["other_layout_error"]
+        assert error and "partition_size: 2 vs 4" in error, error
+        assert "same options" in error and "trainer.save_checkpoint" in error and "ckpt_path=" in error
 
 
 def test_sync_batchnorm_on_cpu_ranks_is_refused_not_ignored() -> None:
