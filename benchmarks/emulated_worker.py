@@ -240,7 +240,61 @@ def summarize(
 
 
 # ---------------------------------------------------------------------------------- main
+def _mark(boundaries: list[dict[str, float]]) -> None:
+    """:meth:`StepProbe._mark` without a Trainer: barrier, then time and counters."""
+    dist.barrier()
+    boundaries.append({"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "lo_tx": _counter("lo")})
+
+
+def run_deepspeed(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
+    """The ``deepspeed-mics`` row: DeepSpeed's own MiCS driven directly (Lightning's
+    ``DeepSpeedStrategy`` refuses CPU), measured as :class:`StepProbe` measures the Trainer rows:
+    a barrier and the counters before the first micro-batch and after every optimizer step, the
+    held gradient bytes after the first backward of each window. The gloo shim and the disabled
+    shared-memory op (``benchmarks/deepspeed_peer.py``) exist only in this function's processes."""
+    from benchmarks import deepspeed_peer
+
+    reason = deepspeed_peer.unavailable_reason()
+    if reason is not None:  # the orchestrator skips the row before launching; a direct call says why
+        raise SystemExit(f"deepspeed-mics: {reason}")
+    node, local = int(os.environ["NODE_RANK"]), int(os.environ["LOCAL_RANK"])
+    rank = node * cluster.ranks_per_node + local
+    # DeepSpeed's CPU accelerator reads the ranks per node from these (MiCS's group arithmetic)
+    os.environ["NDEV_PER_NODE"] = os.environ["LOCAL_SIZE"] = str(cluster.ranks_per_node)
+    deepspeed_peer.init_distributed(rank, cluster.world_size)
+    built = deepspeed_peer.build(setup.model, spec.partition_size, setup.micro_batch, setup.accumulate,
+                                 setup.total_steps, setup.corpus_bytes)
+    boundaries: list[dict[str, float]] = []
+    held: list[int] = []
+    with deepspeed_peer.gloo_coalescing_shim():
+        batches = iter(built.loader)
+        _mark(boundaries)
+        for _ in range(setup.total_steps):
+            for micro in range(setup.accumulate):
+                deepspeed_peer.micro_step(built.engine, next(batches))
+                if micro == 0 and setup.accumulate > 1:
+                    held.append(deepspeed_peer.held_gradient_bytes(built.engine))
+                built.engine.step()  # DeepSpeed steps the optimizer at the window's last micro-step
+            _mark(boundaries)
+    record = {
+        "rank": rank,
+        "local_rank": local,
+        "boundaries": boundaries,
+        "held_grad_bytes": held,
+        "peak_rss_bytes": _rss_bytes(),
+        "import_rss_bytes": IMPORT_RSS_BYTES,
+        "model_state_bytes": deepspeed_peer.model_state_bytes(built.engine),
+    }
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if rank == 0 and output is not None:
+        output.write_text(json.dumps(summarize(gathered, spec, cluster, setup), indent=2))
+    dist.barrier()
+
+
 def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
+    if spec.family == "deepspeed":
+        return run_deepspeed(spec, cluster, setup, output)
     pl.seed_everything(1234, workers=True, verbose=False)
     probe = StepProbe(setup.accumulate)
     trainer = pl.Trainer(

@@ -12,8 +12,9 @@ from examples.models import GPTConfig
 from lightning_mics.topology import MiCSTopology
 
 #: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``;
-#: ``ddp``: Lightning's ``DDPStrategy`` (torch DDP: gradient buckets, ``no_sync`` while accumulating).
-Family = Literal["mics", "fsdp1", "ddp"]
+#: ``ddp``: Lightning's ``DDPStrategy`` (torch DDP: gradient buckets, ``no_sync`` while accumulating);
+#: ``deepspeed``: DeepSpeed's own MiCS (ZeRO-3, ``mics_shard_size``), driven directly (``deepspeed_peer``).
+Family = Literal["mics", "fsdp1", "ddp", "deepspeed"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class StrategySpec:
 def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
     """The strategies of issue 5: MiCS (partition = one node), MiCS over a 2-node partition with and
     without hierarchical collectives, ZeRO-3 (partition = world, flat collectives as in DeepSpeed),
-    pure replication, and Lightning's ``FSDPStrategy`` in ``HYBRID_SHARD`` and ``FULL_SHARD`` modes.
+    pure replication, Lightning's ``FSDPStrategy`` in ``HYBRID_SHARD`` and ``FULL_SHARD`` modes, Lightning's
+    ``DDPStrategy``, and DeepSpeed's own MiCS (run only where the ``[peers]`` extra is installed).
 
     With 2 nodes the 2-node partition *is* the world: ``mics-2node-flat`` then has exactly ZeRO-3's
     layout and the pair doubles as a run-to-run noise check. With an odd node count a 2-node
@@ -114,6 +116,9 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
         StrategySpec("fsdp-full", "fsdp1", world, sharding_strategy="FULL_SHARD",
                      description="Lightning FSDPStrategy FULL_SHARD (shard over all ranks)"),
         StrategySpec("ddp", "ddp", 1, description="Lightning DDPStrategy (gradient buckets, no_sync while accumulating)"),
+        StrategySpec("deepspeed-mics", "deepspeed", m,
+                     description="DeepSpeed 0.19.2's own MiCS: ZeRO-3, mics_shard_size = one node (skipped "
+                                 "unless the [peers] extra is installed)"),
     ]
     for spec in specs:  # the same layout rules as the strategy itself
         MiCSTopology.create(world, m, spec.partition_size)

@@ -207,3 +207,40 @@ def test_profile_breakdown_puts_each_sample_under_the_frame_nearest_the_leaf(tmp
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert profile_breakdown.main([str(empty)]) == 2
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed peer row
+def test_deepspeed_mics_crosses_nodes_only_in_the_replica_all_reduce() -> None:
+    collectives = step_collectives(spec("deepspeed-mics"), CLUSTER, SETUP)
+    crossing = [c for c in collectives if gloo_wire_bytes(c, CLUSTER).inter_node > 0]
+    assert crossing and all(c.kind == "all_reduce" and len(c.ranks) == 2 for c in crossing)
+    # the same boundary all-reduce of a 1/4 gradient partition as our mics row (padding aside)
+    ds = expected_step_bytes(spec("deepspeed-mics"), CLUSTER, SETUP)
+    assert ds.inter_node == pytest.approx(expected_step_bytes(spec("mics"), CLUSTER, SETUP).inter_node, rel=0.05)
+    scatters = [c for c in collectives if c.kind == "reduce_scatter"]
+    assert scatters and all(c.via_all_reduce and c.count == SETUP.accumulate for c in scatters)
+    full = gradient_bytes_held_during_accumulation(spec("replicate"), CLUSTER, SETUP)
+    held = gradient_bytes_held_during_accumulation(spec("deepspeed-mics"), CLUSTER, SETUP)
+    assert held == pytest.approx(full / 4, rel=0.1)
+
+
+def test_deepspeed_row_is_skipped_with_a_reason_when_deepspeed_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata
+
+    from benchmarks import deepspeed_peer
+
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    reason = emulated_cluster.skip_reason(spec("deepspeed-mics"))
+    assert reason is not None and "not installed" in reason and "[peers]" in reason
+    assert emulated_cluster.skip_reason(spec("mics")) is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.7")
+    assert "needs 0.19.2" in deepspeed_peer.unavailable_reason()
+    record = emulated_cluster.add_expectations(
+        emulated_cluster.skipped_record(spec("deepspeed-mics"), reason), spec("deepspeed-mics"),
+        emulated_cluster.parse_args(["--quick"]),
+    )
+    text = emulated_cluster.format_table([record])
+    assert "skipped*" in text and "not installed" in text
