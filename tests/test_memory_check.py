@@ -45,7 +45,7 @@ def test_estimate_grows_with_the_batch_and_shrinks_with_sharding_and_checkpointi
 def test_default_job_fits_and_gpu_runs_are_not_checked_here() -> None:
     tiny = GPTConfig.preset("tiny")
     plan = check_fits_memory(tiny, 8, "32-true", **LAYOUT, on_gpu=False, available_bytes=24 * GB)
-    assert plan is not None and plan.fits and plan.per_rank_bytes < 1 * GB
+    assert plan is not None and plan.fits and plan.per_rank_bytes < 1.5 * GB
     xl = GPTConfig.preset("xl")
     assert check_fits_memory(xl, 8, "bf16-mixed", **LAYOUT, on_gpu=True, available_bytes=1 * GB) is None
 
