@@ -64,12 +64,13 @@ from lightning_mics.grad_sync import (
 from lightning_mics.layout import (
     MiCSLayout,
     accumulation_context,
+    build_layout,
     check_layout,
-    create_layout,
     cross_replica_sync,
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
+    resolve_layout,
     resolve_ranks_per_node,
     shard_module,
     ShardingOption,
@@ -348,7 +349,7 @@ class MiCSStrategy(ParallelStrategy):
                 cross_replica_dtype=self.cross_replica_dtype,
                 log=log if self.is_global_zero else None,
             )
-        return create_layout(
+        settings = resolve_layout(
             world_size=self.world_size,
             rank=self.global_rank,
             ranks_per_node=resolve_ranks_per_node(self.ranks_per_node_override, self.num_processes, self.world_size),
@@ -358,11 +359,11 @@ class MiCSStrategy(ParallelStrategy):
             hierarchical=self.hierarchical,
             device_type=self.root_device.type,
             backend=self._process_group_backend,
-            timeout=self._timeout,
             grad_accumulation=self.grad_accumulation,
             cross_replica_dtype=self.cross_replica_dtype,
             plan_layout=plan,
         )
+        return build_layout(settings, self._timeout)
 
     # ------------------------------------------------------------------ models and optimizers
     @override

@@ -6,8 +6,10 @@ once, so that the two cannot drift apart:
 
 * :func:`validate_options` / :func:`check_layout` -- the constructor's and the pre-launch checks,
   one clear error each;
-* :func:`create_layout` -> :class:`MiCSLayout` -- the topology, the (replicate, shard) device mesh,
-  AMSP's optimizer-state groups and the hierarchical sub-groups, created collectively;
+* :func:`resolve_layout` -> :class:`LayoutSettings` -> :func:`build_layout` -> :class:`MiCSLayout` --
+  the layout resolved from the options (no groups yet, comparable with an earlier strategy's), then
+  the (replicate, shard) device mesh, AMSP's optimizer-state groups and the hierarchical sub-groups,
+  created collectively;
 * :func:`shard_module` -- one model onto the layout: every rank starts from rank 0's states,
   FSDP2 units on the mesh, the collectives gloo or multi-node partitions need, meta-device models
   materialised shard by shard;
@@ -185,7 +187,7 @@ def uses_hierarchical_collectives(topology: MiCSTopology, hierarchical: Hierarch
 @dataclass(frozen=True)
 class MiCSLayout:
     """Everything a rank knows about the layout once its process groups exist. Build it with
-    :func:`create_layout`."""
+    :func:`resolve_layout` and :func:`build_layout`."""
 
     topology: MiCSTopology
     device_mesh: DeviceMesh
@@ -338,7 +340,8 @@ def resolve_layout(
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
-    given -- without creating any process group (see :func:`create_layout`, which does)."""
+    given -- without creating any process group (:func:`build_layout` creates them), so that a
+    strategy can compare it with the layout of a model sharded before."""
     planner_reason = None
     planned_partition = sharding is None and partition_size == "auto"
     if sharding == "auto" or planned_partition or grad_accumulation == "auto":
@@ -417,42 +420,6 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     )
 
 
-def create_layout(
-    *,
-    world_size: int,
-    rank: int,
-    ranks_per_node: int,
-    partition_size: PartitionSizeSpec,
-    reshard_after_forward: Union[bool, int],
-    sharding: ShardingOption,
-    hierarchical: Hierarchical,
-    device_type: str,
-    backend: str,
-    timeout: Optional[timedelta],
-    grad_accumulation: str = "sharded",
-    cross_replica_dtype: Optional[torch.dtype] = None,
-    plan_layout: Optional[LayoutPlanner] = None,
-) -> MiCSLayout:
-    """:func:`resolve_layout`, then :func:`build_layout`: the resolved layout with its mesh and groups.
-
-    A collective: every rank calls it, in the same order relative to other group creations."""
-    settings = resolve_layout(
-        world_size=world_size,
-        rank=rank,
-        ranks_per_node=ranks_per_node,
-        partition_size=partition_size,
-        reshard_after_forward=reshard_after_forward,
-        sharding=sharding,
-        hierarchical=hierarchical,
-        device_type=device_type,
-        backend=backend,
-        grad_accumulation=grad_accumulation,
-        cross_replica_dtype=cross_replica_dtype,
-        plan_layout=plan_layout,
-    )
-    return build_layout(settings, timeout)
-
-
 def layout_planner(
     module: nn.Module,
     *,
@@ -464,7 +431,7 @@ def layout_planner(
     log: Optional[logging.Logger] = None,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
-    :func:`create_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``."""
+    :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``."""
 
     def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
         from lightning_mics.planner import plan_layout_for
