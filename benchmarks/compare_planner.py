@@ -105,16 +105,7 @@ def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
 
     setup = report["setup"]
     config = GPTConfig.resolve(setup["model"])
-    model = ModelSpec(
-        params=int(setup.get("model_params", config.num_params)),
-        layers=config.n_layers,
-        hidden=config.d_model,
-        seq_len=config.seq_len,
-        heads=config.n_heads,
-        vocab=config.vocab_size,
-        flops_per_token=config.flops_per_token,
-        name="emulated GPT",
-    )
+    model = config.model_spec(params=int(setup.get("model_params", config.num_params)), name="emulated GPT")
     training = TrainingSpec(
         micro_batch=int(setup["micro_batch"]),
         accumulation=int(setup["accumulate"]),

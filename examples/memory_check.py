@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from examples.models import GPTConfig
-from lightning_mics.planner import PRECISIONS, ModelSpec, ShardingDegrees, TrainingSpec, memory_breakdown
+from lightning_mics.planner import PRECISIONS, ShardingDegrees, TrainingSpec, memory_breakdown
 
 #: What a CPU rank holds beyond model states and activations: Python + torch + Lightning (~360 MB
 #: before the model exists), gloo buffers, the data, allocator slack. Calibrated on the demo GPT
@@ -67,15 +67,7 @@ def estimate_per_rank_bytes(
     precision the planner does not model."""
     if precision not in PRECISIONS:
         return None
-    model = ModelSpec(
-        params=gpt.num_params,
-        layers=gpt.n_layers,
-        hidden=gpt.d_model,
-        seq_len=gpt.seq_len,
-        heads=gpt.n_heads,
-        vocab=gpt.vocab_size,
-        fused_attention=True,  # the demo GPT uses F.scaled_dot_product_attention
-    )
+    model = gpt.model_spec()
     training = TrainingSpec(
         micro_batch=micro_batch, precision=precision, activation_checkpointing=activation_checkpointing
     )
@@ -104,36 +96,29 @@ def check_fits_memory(
     ``flags``: how the entry point spells "train on GPUs" and "the micro-batch size" in its fix."""
     if on_gpu:
         return None
-    per_rank = estimate_per_rank_bytes(
-        gpt, micro_batch, precision, world_size, ranks_per_node, partition_size, activation_checkpointing
-    )
-    if per_rank is None:
-        return None
-    ranks_here = ranks_on_this_host  # Lightning's `devices`: processes per machine (emulated nodes share it)
-    plan = MemoryPlan(per_rank, ranks_here, available_bytes if available_bytes is not None else host_available_bytes())
-    if plan.fits:
+    available = available_bytes if available_bytes is not None else host_available_bytes()
+
+    def plan_for(batch: int) -> Optional[MemoryPlan]:
+        per_rank = estimate_per_rank_bytes(
+            gpt, batch, precision, world_size, ranks_per_node, partition_size, activation_checkpointing
+        )
+        # Lightning's `devices` rank processes share this machine's memory (emulated nodes included)
+        return None if per_rank is None else MemoryPlan(per_rank, ranks_on_this_host, available)
+
+    plan = plan_for(micro_batch)
+    if plan is None or plan.fits:
         return plan
     assert plan.available_bytes is not None
-    smaller = [
-        b
-        for b in range(micro_batch - 1, 0, -1)
-        if ranks_here
-        * (
-            estimate_per_rank_bytes(
-                gpt, b, precision, world_size, ranks_per_node, partition_size, activation_checkpointing
-            )
-            or 0
-        )
-        <= USABLE_FRACTION * plan.available_bytes
-    ]
+    smaller_batches = range(micro_batch - 1, 0, -1)
+    fitting_batch = next((b for b in smaller_batches if (smaller := plan_for(b)) is not None and smaller.fits), None)
     gpu_flag, batch_size_flag = flags
     fixes = [gpu_flag]
-    if smaller:
-        fixes.append(f"{batch_size_flag}={smaller[0]}")
+    if fitting_batch is not None:
+        fixes.append(f"{batch_size_flag}={fitting_batch}")
     fixes.append("fewer ranks or a smaller model")
     raise ValueError(
-        f"This run needs ~{per_rank / GB:.1f} GB per rank ({gpt.num_params / 1e6:.0f}M parameters, micro-batch "
-        f"{micro_batch} x {gpt.seq_len} tokens, {precision}), ~{plan.needed_bytes / GB:.1f} GB for the "
-        f"{ranks_here} CPU ranks of this machine, which has {plan.available_bytes / GB:.1f} GB available: "
+        f"This run needs ~{plan.per_rank_bytes / GB:.1f} GB per rank ({gpt.num_params / 1e6:.0f}M parameters, "
+        f"micro-batch {micro_batch} x {gpt.seq_len} tokens, {precision}), ~{plan.needed_bytes / GB:.1f} GB for the "
+        f"{ranks_on_this_host} CPU ranks of this machine, which has {plan.available_bytes / GB:.1f} GB available: "
         f"use {' or '.join(fixes)}."
     )

@@ -25,6 +25,8 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.text import Perplexity
 
+from lightning_mics.planner import ModelSpec
+
 #: Byte-level tokens: every byte value is a token, so any text encodes without a tokenizer.
 BYTE_VOCAB_SIZE = 256
 
@@ -99,6 +101,22 @@ class GPTConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * self.d_model
         final_norm = 2 * self.d_model
         return embeddings + self.n_layers * self.num_block_params + final_norm + head
+
+    def model_spec(self, params: Optional[int] = None, name: str = "demo GPT") -> ModelSpec:
+        """This shape as the planner's :class:`~lightning_mics.planner.ModelSpec` (memory and step-time
+        model). ``params``: a measured count to use instead of :attr:`num_params`. The blocks compute
+        attention with ``F.scaled_dot_product_attention``, a fused kernel that stores no scores."""
+        return ModelSpec(
+            params=self.num_params if params is None else params,
+            layers=self.n_layers,
+            hidden=self.d_model,
+            seq_len=self.seq_len,
+            heads=self.n_heads,
+            vocab=self.vocab_size,
+            flops_per_token=self.flops_per_token,
+            name=name,
+            fused_attention=True,
+        )
 
     @property
     def flops_per_token(self) -> float:
