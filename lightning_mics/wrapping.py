@@ -228,6 +228,7 @@ class _ModuleTree:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.modules = [(name, module) for name, module in root.named_modules() if module is not root]
+        self.by_name: dict[str, nn.Module] = dict(self.modules)
         self.parents: dict[str, nn.Module | None] = {"": None}
         self.children: dict[str, list[str]] = {}
         for name, module in root.named_modules():
@@ -324,13 +325,11 @@ def _size_rule_modules(tree: _ModuleTree) -> list[tuple[str, nn.Module]]:
             break
         if len(cut) > len(best):
             best = cut
-    modules = dict(tree.modules)
-    return [(name, modules[name]) for name in best]
+    return [(name, tree.by_name[name]) for name in best]
 
 
 def _cut(tree: _ModuleTree, budget: int) -> list[str]:
     """The size rule's units for one budget (see :func:`_size_rule_modules`), in pre-order."""
-    modules = dict(tree.modules)
     floor = budget / SIZE_RULE_SPREAD
     chosen: list[str] = []
 
@@ -339,7 +338,7 @@ def _cut(tree: _ModuleTree, budget: int) -> list[str]:
             size = tree.sizes.get(name, 0)  # a reused module's second name has no entry: visited once
             if size == 0:
                 continue
-            module = modules[name]
+            module = tree.by_name[name]
             splittable = any(tree.sizes.get(child, 0) > 0 for child in tree.children.get(name, []))
             tied = tree.shares_parameters_outside(name, module)
             if splittable and (tied or size > budget):
