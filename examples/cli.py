@@ -46,16 +46,16 @@ class MiCSCLI(LightningCLI):
         strategy, trainer = self.trainer.strategy, self.trainer
         if not isinstance(strategy, MiCSStrategy) or strategy.partition_size_spec == "auto":
             return
-        world_size = trainer.num_devices * trainer.num_nodes
-        ranks_per_node = strategy.ranks_per_node_override or trainer.num_devices
-        topology = MiCSTopology.create(world_size, ranks_per_node, strategy.partition_size_spec)
+        topology = MiCSTopology.create(
+            trainer.num_devices * trainer.num_nodes,
+            strategy.ranks_per_node_override or trainer.num_devices,
+            strategy.partition_size_spec,
+        )
         check_fits_memory(
             self.model.config,
             micro_batch=self.datamodule.batch_size,
             precision=str(trainer.precision),
-            world_size=world_size,
-            ranks_per_node=ranks_per_node,
-            partition_size=topology.partition_size,
+            topology=topology,
             ranks_on_this_host=trainer.num_devices,
             on_gpu=strategy.root_device.type == "cuda",
             activation_checkpointing=bool(strategy.activation_checkpointing_policy),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from examples.models import GPTConfig
+from lightning_mics import MiCSTopology
 from lightning_mics.planner import PRECISIONS, ShardingDegrees, TrainingSpec, memory_breakdown
 
 #: What a CPU rank holds beyond model states and activations: Python + torch + Lightning (~360 MB
@@ -58,12 +59,10 @@ def estimate_per_rank_bytes(
     gpt: GPTConfig,
     micro_batch: int,
     precision: str,
-    world_size: int,
-    ranks_per_node: int,
-    partition_size: int,
+    topology: MiCSTopology,
     activation_checkpointing: bool = False,
 ) -> Optional[float]:
-    """Peak bytes of one rank training ``gpt`` sharded over ``partition_size`` ranks; ``None`` for a
+    """Peak bytes of one rank training ``gpt`` sharded over ``topology``'s partition; ``None`` for a
     precision the planner does not model."""
     if precision not in PRECISIONS:
         return None
@@ -71,7 +70,8 @@ def estimate_per_rank_bytes(
     training = TrainingSpec(
         micro_batch=micro_batch, precision=precision, activation_checkpointing=activation_checkpointing
     )
-    layout = ShardingDegrees(world_size, ranks_per_node, partition_size, partition_size, partition_size)
+    p = topology.partition_size
+    layout = ShardingDegrees(topology.world_size, topology.ranks_per_node, p, p, p)
     return memory_breakdown(layout, model, training).total + RUNTIME_BYTES_PER_RANK
 
 
@@ -79,9 +79,7 @@ def check_fits_memory(
     gpt: GPTConfig,
     micro_batch: int,
     precision: str,
-    world_size: int,
-    ranks_per_node: int,
-    partition_size: int,
+    topology: MiCSTopology,
     ranks_on_this_host: int,
     on_gpu: bool,
     activation_checkpointing: bool = False,
@@ -99,9 +97,7 @@ def check_fits_memory(
     available = available_bytes if available_bytes is not None else host_available_bytes()
 
     def plan_for(batch: int) -> Optional[MemoryPlan]:
-        per_rank = estimate_per_rank_bytes(
-            gpt, batch, precision, world_size, ranks_per_node, partition_size, activation_checkpointing
-        )
+        per_rank = estimate_per_rank_bytes(gpt, batch, precision, topology, activation_checkpointing)
         # Lightning's `devices` rank processes share this machine's memory (emulated nodes included)
         return None if per_rank is None else MemoryPlan(per_rank, ranks_on_this_host, available)
 

@@ -12,10 +12,12 @@ from lm_jobs import REPO, TRAIN_SCRIPT
 
 from examples.memory_check import USABLE_FRACTION, check_fits_memory, estimate_per_rank_bytes
 from examples.models import GPTConfig
+from lightning_mics import MiCSTopology
 
 GB = 1e9
 #: the CPU trainer's layout: 4 ranks on one machine as 2 emulated nodes x 2, partition = one node
-LAYOUT = dict(world_size=4, ranks_per_node=2, partition_size=2, ranks_on_this_host=4)
+TOPOLOGY = MiCSTopology.create(4, 2, 2)
+LAYOUT = dict(topology=TOPOLOGY, ranks_on_this_host=4)
 
 
 def test_a_run_too_big_for_the_machine_is_refused_with_a_batch_size_that_fits() -> None:
@@ -33,13 +35,13 @@ def test_a_run_too_big_for_the_machine_is_refused_with_a_batch_size_that_fits() 
 
 def test_estimate_grows_with_the_batch_and_shrinks_with_sharding_and_checkpointing() -> None:
     small = GPTConfig.preset("small")
-    base = estimate_per_rank_bytes(small, 4, "32-true", 4, 2, 2)
+    base = estimate_per_rank_bytes(small, 4, "32-true", TOPOLOGY)
     assert base is not None
-    assert estimate_per_rank_bytes(small, 8, "32-true", 4, 2, 2) > base
-    assert estimate_per_rank_bytes(small, 4, "32-true", 4, 4, 4) < base  # more shards per partition
-    assert estimate_per_rank_bytes(small, 4, "32-true", 4, 2, 2, activation_checkpointing=True) < base
-    assert estimate_per_rank_bytes(small, 4, "bf16-mixed", 4, 2, 2) < base  # 16-bit activations
-    assert estimate_per_rank_bytes(small, 4, "transformer-engine", 4, 2, 2) is None  # not modelled
+    assert estimate_per_rank_bytes(small, 8, "32-true", TOPOLOGY) > base
+    assert estimate_per_rank_bytes(small, 4, "32-true", MiCSTopology.create(4, 4, 4)) < base  # more shards
+    assert estimate_per_rank_bytes(small, 4, "32-true", TOPOLOGY, activation_checkpointing=True) < base
+    assert estimate_per_rank_bytes(small, 4, "bf16-mixed", TOPOLOGY) < base  # 16-bit activations
+    assert estimate_per_rank_bytes(small, 4, "transformer-engine", TOPOLOGY) is None  # not modelled
 
 
 def test_default_job_fits_and_gpu_runs_are_not_checked_here() -> None:
