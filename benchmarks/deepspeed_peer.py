@@ -1,4 +1,10 @@
-"""DeepSpeed's own MiCS (ZeRO-3 with ``mics_shard_size``) as a peer row of the emulated benchmark.
+"""DeepSpeed's own MiCS (ZeRO-3 with ``mics_shard_size``) and its plain ZeRO-3 as peer rows of the
+emulated benchmark.
+
+``deepspeed-mics`` shards in one node (``mics_shard_size`` = ranks per node). ``deepspeed-zero3`` is
+plain ZeRO-3 (``deepspeed.zero.Init``, no MiCS keys, shard over all ranks): the baseline of the MiCS
+paper's comparisons, which lets "MiCS / ZeRO-3" be read against DeepSpeed's ZeRO-3 as well as against
+our own FSDP2 ``zero3`` row.
 
 Lightning's ``DeepSpeedStrategy`` refuses CPU, so DeepSpeed is driven directly: the GPT is built
 under ``deepspeed.zero.MiCS_Init`` (parameters are partitioned in the shard group as they are
@@ -77,16 +83,25 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
+def uses_mics(shard_size: int, world_size: int) -> bool:
+    """A shard group smaller than the world is DeepSpeed's MiCS; one spanning it is plain ZeRO-3."""
+    return shard_size < world_size
+
+
 def ds_config(shard_size: int, micro_batch: int, accumulate: int, world_size: int) -> dict[str, Any]:
-    """ZeRO-3 + MiCS, fp32, DeepSpeed's defaults otherwise (what a user switching to it would get).
+    """ZeRO-3 (+ MiCS when ``shard_size < world_size``), fp32, DeepSpeed's defaults otherwise (what a
+    user switching to it would get).
 
     ``mics_hierarchical_params_gather`` stays off: one partition is one node here, so the
     hierarchical all-gather has nothing to do (as ``hierarchical=False`` in our ``mics`` row)."""
+    zero: dict[str, Any] = {"stage": 3}
+    if uses_mics(shard_size, world_size):
+        zero.update(mics_shard_size=shard_size, mics_hierarchical_params_gather=False)
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulate,
         "train_batch_size": micro_batch * accumulate * world_size,
-        "zero_optimization": {"stage": 3, "mics_shard_size": shard_size, "mics_hierarchical_params_gather": False},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
         "wall_clock_breakdown": False,
@@ -186,7 +201,8 @@ def build(
     optimizer: str = "adamw",
     sgd_lr: float = 0.1,
 ) -> DeepSpeedRun:
-    """Build the MiCS engine for the GPT (``init_distributed`` must have run).
+    """Build the MiCS engine for the GPT (``init_distributed`` must have run); with ``shard_size``
+    equal to the world size, plain ZeRO-3 (``deepspeed.zero.Init``).
 
     ``optimizer="adamw"`` is the benchmark's setting (``GPTLightningModule``'s defaults and cosine
     schedule over ``total_steps``); ``"sgd"`` (plain, constant ``sgd_lr``) is for the equivalence test,
@@ -198,7 +214,8 @@ def build(
     torch.manual_seed(SEED)
     # No dtype argument: with one, 0.19.2's ``Init._set_dtype`` reads ``dtype or fp16 if fp16 supported
     # else bf16 ...`` (operator precedence) and picks bf16 on CPU; from the config it picks fp32.
-    with deepspeed.zero.MiCS_Init(config_dict_or_path=config):
+    partitioned_init = deepspeed.zero.MiCS_Init if uses_mics(shard_size, world) else deepspeed.zero.Init
+    with partitioned_init(config_dict_or_path=config):
         module = GPT(model_config)
     hp = _lightning_module_defaults()
     scheduler_fn = None

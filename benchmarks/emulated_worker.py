@@ -247,7 +247,7 @@ def _mark(boundaries: list[dict[str, float]]) -> None:
 
 
 def run_deepspeed(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
-    """The ``deepspeed-mics`` row: DeepSpeed's own MiCS driven directly (Lightning's
+    """The ``deepspeed-mics`` / ``deepspeed-zero3`` rows: DeepSpeed's own MiCS or ZeRO-3 driven directly (Lightning's
     ``DeepSpeedStrategy`` refuses CPU), measured as :class:`StepProbe` measures the Trainer rows:
     a barrier and the counters before the first micro-batch and after every optimizer step, the
     held gradient bytes after the first backward of each window. The gloo shim and the disabled
@@ -256,7 +256,7 @@ def run_deepspeed(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetu
 
     reason = deepspeed_peer.unavailable_reason()
     if reason is not None:  # the orchestrator skips the row before launching; a direct call says why
-        raise SystemExit(f"deepspeed-mics: {reason}")
+        raise SystemExit(f"{spec.name}: {reason}")
     node, local = int(os.environ["NODE_RANK"]), int(os.environ["LOCAL_RANK"])
     rank = node * cluster.ranks_per_node + local
     # DeepSpeed's CPU accelerator reads the ranks per node from these (MiCS's group arithmetic)

@@ -13,7 +13,8 @@ from lightning_mics.topology import MiCSTopology
 
 #: ``mics``: :class:`~lightning_mics.MiCSStrategy` (FSDP2); ``fsdp1``: Lightning's own ``FSDPStrategy``;
 #: ``ddp``: Lightning's ``DDPStrategy`` (torch DDP: gradient buckets, ``no_sync`` while accumulating);
-#: ``deepspeed``: DeepSpeed's own MiCS (ZeRO-3, ``mics_shard_size``), driven directly (``deepspeed_peer``).
+#: ``deepspeed``: DeepSpeed's own MiCS (ZeRO-3, ``mics_shard_size``) or, with a partition of the whole
+#: world, its plain ZeRO-3, driven directly (``deepspeed_peer``).
 Family = Literal["mics", "fsdp1", "ddp", "deepspeed"]
 
 
@@ -119,6 +120,9 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
         StrategySpec("deepspeed-mics", "deepspeed", m,
                      description="DeepSpeed 0.19.2's own MiCS: ZeRO-3, mics_shard_size = one node (skipped "
                                  "unless the [peers] extra is installed)"),
+        StrategySpec("deepspeed-zero3", "deepspeed", world,
+                     description="DeepSpeed 0.19.2's plain ZeRO-3 (shard over all ranks, flat; the MiCS paper's "
+                                 "baseline; skipped unless the [peers] extra is installed)"),
     ]
     for spec in specs:  # the same layout rules as the strategy itself
         MiCSTopology.create(world, m, spec.partition_size)

@@ -224,6 +224,19 @@ def test_deepspeed_mics_crosses_nodes_only_in_the_replica_all_reduce() -> None:
     assert held == pytest.approx(full / 4, rel=0.1)
 
 
+def test_deepspeed_zero3_all_gathers_and_reduces_across_the_whole_world() -> None:
+    """Plain ZeRO-3 has no replica all-reduce; its collectives span the world, so all of its traffic
+    rides rings that cross nodes: far more inter-node bytes than DeepSpeed's MiCS on one node."""
+    collectives = step_collectives(spec("deepspeed-zero3"), CLUSTER, SETUP)
+    assert collectives and all(len(c.ranks) == CLUSTER.world_size for c in collectives if c.kind != "all_reduce")
+    assert all(len(c.ranks) == 1 for c in collectives if c.kind == "all_reduce")
+    ds = expected_step_bytes(spec("deepspeed-zero3"), CLUSTER, SETUP)
+    assert ds.inter_node > 5 * expected_step_bytes(spec("deepspeed-mics"), CLUSTER, SETUP).inter_node
+    held = gradient_bytes_held_during_accumulation(spec("deepspeed-zero3"), CLUSTER, SETUP)
+    full = gradient_bytes_held_during_accumulation(spec("replicate"), CLUSTER, SETUP)
+    assert held == pytest.approx(full / CLUSTER.world_size, rel=0.1)
+
+
 def test_deepspeed_row_is_skipped_with_a_reason_when_deepspeed_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata
 

@@ -1,8 +1,8 @@
-"""DeepSpeed's own MiCS (the benchmark's ``deepspeed-mics`` peer row) trains the benchmark's GPT
-exactly as plain data-parallel training does: 4 ranks as 2 "nodes" x 2, ``mics_shard_size=2``
-(shard groups {0,1} and {2,3}, replicas {0,2} and {1,3}), 3 micro-batches per step, 3 plain-SGD
-steps; the gathered parameters must match a single-process loop over all ranks' micro-batches
-to 1e-6 relative. Skipped when DeepSpeed (the ``[peers]`` extra) is not installed: CI does not
+"""DeepSpeed's own MiCS and plain ZeRO-3 (the benchmark's ``deepspeed-mics`` and ``deepspeed-zero3``
+peer rows) train the benchmark's GPT exactly as plain data-parallel training does: 4 ranks as
+2 "nodes" x 2, ``mics_shard_size=2`` (shard groups {0,1} and {2,3}, replicas {0,2} and {1,3}) or
+ZeRO-3 over all 4, 3 micro-batches per step, 3 plain-SGD steps; the gathered parameters must match
+a single-process loop over all ranks' micro-batches to 1e-6 relative. Skipped when DeepSpeed (the ``[peers]`` extra) is not installed: CI does not
 install it."""
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ CONFIG = GPTConfig(seq_len=8, d_model=192, n_layers=2, n_heads=2)
 CORPUS_BYTES = 20_000
 
 
-def _train(rank: int, world: int) -> dict:
-    os.environ["NDEV_PER_NODE"] = os.environ["LOCAL_SIZE"] = str(SHARD)  # 2 "nodes" x 2 ranks
+def _train(rank: int, world: int, shard: int) -> dict:
+    os.environ["NDEV_PER_NODE"] = os.environ["LOCAL_SIZE"] = str(2)  # 2 "nodes" x 2 ranks
     deepspeed_peer.init_distributed(rank, world)
-    run = deepspeed_peer.build(CONFIG, SHARD, MICRO_BATCH, ACCUMULATE, None, CORPUS_BYTES, optimizer="sgd", sgd_lr=LR)
+    run = deepspeed_peer.build(CONFIG, shard, MICRO_BATCH, ACCUMULATE, None, CORPUS_BYTES, optimizer="sgd", sgd_lr=LR)
     batches = []
     with deepspeed_peer.gloo_coalescing_shim():
         loader = iter(run.loader)
@@ -72,14 +72,15 @@ def _reference(batches_per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]]) 
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
-def test_deepspeed_mics_matches_plain_data_parallel_sgd() -> None:
-    ranks = run_ranks(_train, WORLD)
-    # the layout is MiCS's: the large matrices are split in two (the shard group), not four (the world)
+@pytest.mark.parametrize("shard", [SHARD, WORLD], ids=["mics", "zero3"])
+def test_deepspeed_matches_plain_data_parallel_sgd(shard: int) -> None:
+    ranks = run_ranks(_train, WORLD, shard)
+    # the layout is the row's: the large matrices are split in two (MiCS's shard group) or four (ZeRO-3)
     numels = {name: p.numel() for name, p in ranks[0]["params"].items()}
     partitioned = [n for n in ranks[0]["shard_numel"] if numels[n] > 100_000]
     assert partitioned
     for name in partitioned:
-        assert ranks[0]["shard_numel"][name] == -(-numels[name] // SHARD)
+        assert ranks[0]["shard_numel"][name] == -(-numels[name] // shard)
     # different ranks saw different data
     assert not torch.equal(ranks[0]["batches"][0][0], ranks[2]["batches"][0][0])
     expected = _reference([r["batches"] for r in ranks])
