@@ -78,6 +78,7 @@ from lightning_mics.layout import (
     validate_options,
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.planner.live import PlannerCluster
 from lightning_mics.precision import MiCSFabricPrecision
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wrapping import AutoWrapPolicy, plan_wrapping
@@ -126,8 +127,8 @@ class MiCSStrategy(ParallelStrategy):
     Args:
         partition_size, ranks_per_node, auto_wrap_policy, reshard_after_forward, hierarchical, sharding,
         grad_accumulation, cross_replica_dtype, activation_checkpointing_policy, prefetch_depth, compile_blocks,
-        process_group_backend, timeout, save_full_state_dict, sync_module_states, checkpoint_verify: as for the
-        Trainer strategy.
+        process_group_backend, timeout, save_full_state_dict, sync_module_states, checkpoint_verify,
+        planner_cluster: as for the Trainer strategy.
         buffer_sync: as for the Trainer strategy, applied by ``fabric.save`` before the model's state is
             taken (the live model's buffers become the saved ones). Fabric has no evaluation hooks:
             call ``fabric.strategy.sync_buffers(model)`` before evaluating so that the evaluated model is
@@ -156,6 +157,7 @@ class MiCSStrategy(ParallelStrategy):
         sync_module_states: bool = True,
         checkpoint_verify: ckpt.VerifyMode = "checksum",
         buffer_sync: BufferSync = "broadcast",
+        planner_cluster: PlannerCluster = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -180,7 +182,9 @@ class MiCSStrategy(ParallelStrategy):
             timeout=timeout,
             checkpoint_verify=checkpoint_verify,
             buffer_sync=buffer_sync,
+            planner_cluster=planner_cluster,
         )
+        self.planner_cluster = planner_cluster
         if grad_accumulation == "auto":
             raise ValueError(
                 "grad_accumulation='auto' needs the number of micro-steps per optimizer step, which Fabric does not "
@@ -348,6 +352,7 @@ class MiCSStrategy(ParallelStrategy):
                 accumulation=1,
                 cross_replica_dtype=self.cross_replica_dtype,
                 log=log if self.is_global_zero else None,
+                planner_cluster=self.planner_cluster,
             )
         settings = resolve_layout(
             world_size=self.world_size,

@@ -50,6 +50,7 @@ from lightning_mics.grad_sync import (
     defer_gradient_sync,
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.planner.live import PlannerCluster, check_planner_cluster, describe_cluster, planner_cluster_for
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
@@ -104,6 +105,7 @@ def validate_options(
     timeout: Union[timedelta, float, None],
     checkpoint_verify: str,
     buffer_sync: str,
+    planner_cluster: PlannerCluster = None,
 ) -> Optional[timedelta]:
     """Refuse malformed strategy options when the strategy is built -- not in every rank after launch.
 
@@ -148,6 +150,7 @@ def validate_options(
             "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
         )
     check_buffer_sync(buffer_sync)
+    check_planner_cluster(planner_cluster, plans="auto" in (partition_size, sharding, grad_accumulation))
     return timeout
 
 
@@ -429,13 +432,17 @@ def layout_planner(
     accumulation: int,
     cross_replica_dtype: Optional[torch.dtype] = None,
     log: Optional[logging.Logger] = None,
+    planner_cluster: PlannerCluster = None,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
-    :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``."""
+    :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``.
+    ``planner_cluster``: what the planner assumes about the cluster (:mod:`lightning_mics.planner.live`;
+    ``"calibrate"`` measures it here, collectively)."""
 
     def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
         from lightning_mics.planner import plan_layout_for
 
+        cluster = planner_cluster_for(planner_cluster, world_size, ranks_per_node, device)
         choice = plan_layout_for(
             module,
             world_size,
@@ -447,13 +454,15 @@ def layout_planner(
             grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
             uniform_only=uniform_only,
             cross_replica_bytes=cross_replica_dtype.itemsize if cross_replica_dtype is not None else None,
+            cluster=cluster,
         )
         if log is not None:
             log.info(
-                "planner chose %s, grad_accumulation=%s (%s)",
+                "planner chose %s, grad_accumulation=%s (%s), for %s",
                 choice.estimate.layout.label,
                 choice.grad_accumulation,
                 choice.reason,
+                describe_cluster(cluster),
             )
         return choice
 

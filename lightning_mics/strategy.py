@@ -61,6 +61,7 @@ from lightning_mics.layout import (
 )
 from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units, resolve_wire_dtype
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.planner.live import PlannerCluster
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
@@ -211,6 +212,12 @@ class MiCSStrategy(ParallelStrategy):
             give. ``"none"``: each rank keeps its own (buffers meant to differ per rank; no collective).
             Only persistent buffers (those a checkpoint holds) are synced. BatchNorm's training forward is
             not affected (it normalises training batches with their own statistics).
+        planner_cluster: what the planner assumes about the cluster for ``"auto"`` settings (only
+            then; given without one it is refused). ``None``: a generic A100-class GPU cluster.
+            ``"calibrate"``: measure this job's links, compute rate and optimizer-step rate at set-up
+            (a few seconds on CPU/gloo, once per process). A preset name (``"p4d"``, ``"p3dn"``,
+            ``"dgx-h100"``), the path of a ``lightning-mics plan calibrate --out`` JSON, or a
+            ``lightning_mics.planner.ClusterSpec``. See :mod:`lightning_mics.planner.live`.
     """
 
     strategy_name = "mics"
@@ -236,6 +243,7 @@ class MiCSStrategy(ParallelStrategy):
         checkpoint_verify: ckpt.VerifyMode = "checksum",
         release_gradients_after_step: bool = True,
         buffer_sync: BufferSync = "broadcast",
+        planner_cluster: PlannerCluster = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -262,7 +270,9 @@ class MiCSStrategy(ParallelStrategy):
             timeout=timeout,
             checkpoint_verify=checkpoint_verify,
             buffer_sync=buffer_sync,
+            planner_cluster=planner_cluster,
         )
+        self.planner_cluster = planner_cluster
         self.buffer_sync: BufferSync = buffer_sync
         self.sharding = sharding
         self.activation_checkpointing_policy = activation_checkpointing_policy
@@ -468,6 +478,7 @@ class MiCSStrategy(ParallelStrategy):
                 accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
                 cross_replica_dtype=self.cross_replica_dtype,
                 log=log if self.is_global_zero else None,
+                planner_cluster=self.planner_cluster,
             ),
         )
         earlier = self._sharded_before(self.lightning_module, settings)

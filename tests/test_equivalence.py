@@ -13,7 +13,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from lightning_mics import MiCSStrategy, ShardingSpec
-from lightning_mics.planner import plan_layout_for
+from lightning_mics.planner import ClusterSpec, plan_layout_for
 from toy import (
     ManualAccumulationModule,
     RunConfig,
@@ -87,6 +87,20 @@ def _train_world4_variants(rank: int, world: int) -> dict:
         module, world, world, torch.device("cpu"), "32-true", 3, grad_accumulation="auto", uniform_only=False
     )
     results["auto layout"] = (auto.sharding, auto.grad_accumulation, predicted)
+
+    # the same, planned for this job's measured cluster (2 "nodes" x 2 ranks) instead of a generic GPU one
+    from lightning_mics.planner import live
+
+    calibrated = MiCSStrategy(sharding="auto", grad_accumulation="auto", ranks_per_node=2, planner_cluster="calibrate")
+    module = ToyModule(cfg)
+    fit_with_mics(module, cfg, strategy=calibrated)
+    results["auto-calibrated"] = full_parameters(module)
+    measured = live.planner_cluster_for("calibrate", world, 2, torch.device("cpu"))  # the cached measurement
+    predicted = plan_layout_for(
+        module, world, 2, torch.device("cpu"), "32-true", 3, grad_accumulation="auto", uniform_only=False,
+        cluster=measured,
+    )
+    results["auto-calibrated layout"] = (calibrated.sharding, calibrated.grad_accumulation, predicted, measured)
 
     module = ToyModule(cfg)  # AMSP: optimizer states sharded across both replicas
     fit_with_mics(module, cfg, sharding=ShardingSpec(params=2, grads=2, optim=4), grad_accumulation="unsharded")
@@ -193,6 +207,22 @@ def test_planner_chosen_layout_and_accumulation_match_single_process(world4):
     assert spec == ShardingSpec(chosen.params, chosen.grads, chosen.optim) and mode == predicted.grad_accumulation
     assert all(rank["auto layout"][:2] == (spec, mode) for rank in world4)  # every rank chose alike
     assert_matches_reference([rank["auto"] for rank in world4], config(4, 3, CLIP))
+
+
+@pytest.mark.distributed
+def test_layout_planned_for_the_measured_cluster_matches_single_process(world4):
+    spec, mode, predicted, measured = world4[0]["auto-calibrated layout"]
+    chosen = predicted.estimate.layout
+    assert spec == ShardingSpec(chosen.params, chosen.grads, chosen.optim) and mode == predicted.grad_accumulation
+    # every rank measured the same cluster (slowest-rank values) and so chose alike
+    assert all(rank["auto-calibrated layout"][3] == measured for rank in world4)
+    assert all(rank["auto-calibrated layout"][:2] == (spec, mode) for rank in world4)
+    assert measured.name == "calibrated" and measured.overlap == 0.0 and (measured.nodes, measured.gpus_per_node) == (2, 2)
+    # links, compute and optimizer rate were measured here, not the generic GPU cluster's
+    generic = ClusterSpec.generic(2, 2, 1.0)
+    for name in ("intra_node_bandwidth", "inter_node_bandwidth", "compute_flops", "memory_bandwidth"):
+        assert 0 < getattr(measured, name) < getattr(generic, name), name
+    assert_matches_reference([rank["auto-calibrated"] for rank in world4], config(4, 3, CLIP))
 
 
 @pytest.mark.distributed

@@ -441,3 +441,38 @@ def test_compare_planner_reads_the_benchmark_schema(tmp_path, capsys):
     assert choice["layout"] == "ZeRO-2-like: P=1 G=4 OS=4 unsharded-acc, cross_replica_dtype=bf16"
     assert (choice["measured_row"], choice["best_peer"]) == ("mics-zero2-bf16", "ddp")
     assert "speed ratio 1.20" in compare_planner.format_choice(choice)
+
+
+# ------------------------------------------------------------------------- planner_cluster (what "auto" plans for)
+def test_planner_cluster_names_a_preset_a_calibration_file_or_a_spec(tmp_path):
+    from lightning_mics.planner import Calibration, ClusterSpec
+    from lightning_mics.planner.live import describe_cluster, planner_cluster_for
+
+    p4d = planner_cluster_for("p4d", world_size=16, ranks_per_node=8, device="cpu")
+    assert (p4d.nodes, p4d.gpus_per_node, p4d.inter_node_bandwidth) == (2, 8, CLUSTER_PRESETS["p4d"].inter_node_bandwidth)
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps(Calibration(3e9, 2e-5, 4e8, 5e-5).to_dict()))
+    measured = planner_cluster_for(str(links), world_size=8, ranks_per_node=4, device="cpu")
+    assert (measured.intra_node_bandwidth, measured.inter_node_latency, measured.nodes) == (3e9, 5e-5, 2)
+    assert "calibrated" in measured.name and "400 MB/s per node" in describe_cluster(measured)
+    mine = ClusterSpec(nodes=1, gpus_per_node=2, gpu_memory_bytes=1e9, intra_node_bandwidth=1e9,
+                       inter_node_bandwidth=1e8, compute_flops=1e12)
+    assert planner_cluster_for(mine, world_size=8, ranks_per_node=4, device="cpu").nodes == 2
+    assert planner_cluster_for(None, 8, 4, "cpu") is None and "generic" in describe_cluster(None)
+
+
+def test_planner_cluster_is_refused_when_malformed_or_unused(tmp_path):
+    from lightning_mics import MiCSStrategy
+    from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
+
+    with pytest.raises(ValueError, match="only informs the planner.*sharding='auto'"):
+        MiCSStrategy(planner_cluster="calibrate")  # nothing is planned: it would be ignored
+    with pytest.raises(ValueError, match="neither 'calibrate', a preset"):
+        MiCSStrategy(sharding="auto", planner_cluster="p5")
+    with pytest.raises(TypeError, match="planner_cluster must be"):
+        MiCSStrategy(partition_size="auto", planner_cluster=3)
+    broken = tmp_path / "links.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not a calibration written by"):
+        MiCSFabricStrategy(sharding="auto", planner_cluster=broken)
+    assert MiCSStrategy(grad_accumulation="auto", planner_cluster="dgx-h100").planner_cluster == "dgx-h100"

@@ -227,10 +227,12 @@ def plan_layout_for(
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     uniform_only: bool = True,
     cross_replica_bytes: Optional[int] = None,
+    cluster: Optional[ClusterSpec] = None,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
-    once the processes exist.
+    once the processes exist. ``cluster``: the links and rates to plan for (the strategy's
+    ``planner_cluster``, :mod:`lightning_mics.planner.live`); ``None``: :meth:`ClusterSpec.generic`.
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -248,6 +250,7 @@ def plan_layout_for(
         ranks_per_node,
         param_count,
         device_memory_bytes(device, ranks_per_node),
+        cluster=cluster,
         training=TrainingSpec(accumulation=accumulation, precision=precision),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,
