@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Optional
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ def fsdp1_unit_numel(unit: UnitShapes, shard_size: int, element_bytes: int = 4) 
 
 
 # ------------------------------------------------------------------------------------ schedules
-def _groups_of_role(role: str, topology: MiCSTopology) -> list[tuple[int, ...]]:
+def _groups_of_role(role: str, topology: MiCSTopology, optim_degree: Optional[int] = None) -> list[tuple[int, ...]]:
     """Every group of a :data:`~lightning_mics.schedule.GroupRole`, as concrete ranks in ring order."""
     m = topology.ranks_per_node
     if role == "partition":
@@ -168,7 +169,10 @@ def _groups_of_role(role: str, topology: MiCSTopology) -> list[tuple[int, ...]]:
         return [tuple(g[i : i + m]) for g in topology.partition_groups for i in range(0, len(g), m)]
     if role == "replication":
         return [tuple(g) for g in topology.replication_groups]
-    raise ValueError(f"The benchmark runs no layout with {role!r} collectives (hpZ / AMSP optimizer sharding).")
+    if role in ("optim_shard", "optim_replica") and optim_degree is not None:
+        shard_groups, replica_groups = topology.optimizer_state_groups(optim_degree)
+        return [tuple(g) for g in (shard_groups if role == "optim_shard" else replica_groups)]
+    raise ValueError(f"The benchmark runs no layout with {role!r} collectives (hpZ).")
 
 
 def gpt_parameter_numels(config: GPTConfig) -> list[int]:
@@ -245,6 +249,7 @@ def step_collectives(
         accumulation=setup.accumulate,
         grad_accumulation="unsharded" if fsdp1 else spec.grad_accumulation,
         params_degree=spec.params_degree,
+        optim_degree=spec.optim_degree,
         cross_replica_bytes=2 if spec.cross_replica_dtype == "bf16" else None,
         hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
         gather_bytes=element_bytes,
@@ -252,7 +257,7 @@ def step_collectives(
     )
     collectives: list[RingCollective] = []
     for entry in step_schedule(units, layout):
-        for ranks in _groups_of_role(entry.group, topology):
+        for ranks in _groups_of_role(entry.group, topology, spec.optim_degree):
             collectives.append(
                 RingCollective(
                     entry.kind,

@@ -117,9 +117,9 @@ def model_from_report(report: dict[str, Any]) -> tuple[ModelSpec, TrainingSpec]:
 def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, training: TrainingSpec) -> LayoutEstimate:
     partition = int(record["partition_size"])
     fsdp1 = record.get("family", "mics") == "fsdp1"
-    params_degree = record.get("params_degree")
+    params_degree, optim_degree = record.get("params_degree"), record.get("optim_degree")
     return estimate(
-        ShardingSpec(params_degree, partition, partition) if params_degree else ShardingSpec.uniform(partition),
+        ShardingSpec(params_degree or partition, partition, optim_degree or partition),
         replace(cluster, reduce_scatter_algorithm="all_reduce") if fsdp1 else cluster,
         model,
         training,
@@ -189,10 +189,12 @@ def planner_choice(report: dict[str, Any], cluster: ClusterSpec) -> dict[str, An
         if record.get("status") != "ok" or record.get("family", "mics") != "mics":
             continue
         params = record.get("params_degree") or record["partition_size"]
-        same = (params, record["partition_size"]) == (layout.params, layout.grads) and layout.optim == layout.grads
+        optim = record.get("optim_degree") or record["partition_size"]
+        same = (params, record["partition_size"], optim) == (layout.params, layout.grads, layout.optim)
         mode = record.get("grad_accumulation", "sharded")
         if same and mode == best.grad_accumulation and record.get("cross_replica_dtype") == wire:
-            measured = record
+            if measured is None or record.get("planned"):  # the row the live planner chose, when there is one
+                measured = record
     peers = [r for r in report["results"] if r.get("status") == "ok" and r.get("family") in ("fsdp1", "ddp")]
     best_peer = min(peers, key=lambda r: r["step_time_s"]) if peers else None
     return {

@@ -304,6 +304,8 @@ def _last_error(log: Path) -> str:
 
 
 def add_expectations(record: dict[str, Any], spec: StrategySpec, args: argparse.Namespace) -> dict[str, Any]:
+    if spec.planned and record.get("status") == "ok":
+        spec = spec.with_choice(record)  # the bytes of the layout the planner chose
     expected = expected_step_bytes(spec, args.cluster, args.setup)
     record["expected_inter_node_bytes_per_step"] = expected.inter_node
     record["expected_loopback_bytes_per_step"] = expected.intra_node

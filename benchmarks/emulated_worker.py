@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
 from lightning_mics import MiCSStrategy, ShardingSpec  # noqa: E402
+from lightning_mics.planner import live  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
 from examples.models.gpt import Block  # noqa: E402
 from lightning_mics.telemetry import model_state_bytes  # noqa: E402
@@ -103,16 +104,17 @@ class CPUFSDPStrategy(FSDPStrategy):
 
 def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
     if spec.family == "mics":
-        layout: dict[str, Any] = dict(partition_size=spec.partition_size)
-        if spec.params_degree is not None:
-            p = spec.partition_size
-            layout = dict(sharding=ShardingSpec(params=spec.params_degree, grads=p, optim=p))
+        p = spec.partition_size
+        layout: dict[str, Any] = dict(partition_size=p, hierarchical=bool(spec.hierarchical))
+        if spec.planned:
+            layout = dict(sharding="auto", grad_accumulation="auto", planner_cluster="calibrate", hierarchical="auto")
+        elif spec.params_degree is not None or spec.optim_degree is not None:
+            degrees = ShardingSpec(params=spec.params_degree or p, grads=p, optim=spec.optim_degree or p)
+            layout = dict(sharding=degrees, hierarchical=bool(spec.hierarchical))
         return MiCSStrategy(
-            **layout,
+            **{"grad_accumulation": spec.grad_accumulation, **layout},
             ranks_per_node=cluster.ranks_per_node,
-            hierarchical=bool(spec.hierarchical),
             process_group_backend="gloo",
-            grad_accumulation=spec.grad_accumulation,
             cross_replica_dtype=spec.cross_replica_dtype,
         )
     if spec.family == "ddp":
@@ -222,6 +224,8 @@ def summarize(
         "sharding_strategy": spec.sharding_strategy,
         "grad_accumulation": spec.grad_accumulation,
         "params_degree": spec.params_degree,
+        "optim_degree": spec.optim_degree,
+        "planned": spec.planned,
         "cross_replica_dtype": spec.cross_replica_dtype,
         "status": "ok",
         "step_time_s": step_time,
@@ -328,8 +332,29 @@ def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if trainer.global_rank == 0 and output is not None:
-        output.write_text(json.dumps(summarize(gathered, spec, cluster, setup), indent=2))
+        summary = summarize(gathered, planner_choice(spec, trainer.strategy, cluster), cluster, setup)
+        if spec.planned:  # what the planner measured and why it chose the layout (the layout log's words)
+            measured = live.planner_cluster_for("calibrate", cluster.world_size, cluster.ranks_per_node, "cpu")
+            summary["planner_cluster"] = live.describe_cluster(measured)
+            summary["planner_reason"] = trainer.strategy._planner_reason
+        output.write_text(json.dumps(summary, indent=2))
     dist.barrier()
+
+
+def planner_choice(spec: StrategySpec, strategy: Strategy, cluster: ClusterShape) -> StrategySpec:
+    """A planned row's spec with the layout the strategy resolved at set-up (others: unchanged)."""
+    if not spec.planned:
+        return spec
+    degrees = strategy.sharding.resolve(cluster.world_size, cluster.ranks_per_node)
+    return spec.with_choice(
+        {
+            "partition_size": degrees.grads,
+            "params_degree": degrees.params,
+            "optim_degree": degrees.optim,
+            "grad_accumulation": strategy.grad_accumulation,
+            "hierarchical": strategy.layout.settings.hierarchical,
+        }
+    )
 
 
 def main() -> None:

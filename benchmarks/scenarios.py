@@ -5,7 +5,7 @@ orchestrator (``emulated_cluster.py``), the per-rank worker and the tests share 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
 from examples.models import GPTConfig
@@ -56,6 +56,10 @@ class StrategySpec:
         params_degree: AMSP's parameter degree for MiCS rows (``None``: the partition size; 1: keep
             parameters gathered through each optimizer step, ZeRO-2-like).
         cross_replica_dtype: MiCS's wire dtype across replicas (``None``: fp32, ``"bf16"``).
+        optim_degree: AMSP's optimizer-state degree for MiCS rows (``None``: the partition size).
+        planned: the layout is not given but chosen by the planner at set-up for the measured cluster
+            (``MiCSStrategy(sharding="auto", grad_accumulation="auto", planner_cluster="calibrate")``);
+            the row's result records the choice (:meth:`with_choice`) and its bytes follow from it.
     """
 
     name: str
@@ -67,6 +71,21 @@ class StrategySpec:
     grad_accumulation: str = "sharded"
     params_degree: Optional[int] = None
     cross_replica_dtype: Optional[str] = None
+    optim_degree: Optional[int] = None
+    planned: bool = False
+
+    def with_choice(self, record: dict[str, Any]) -> StrategySpec:
+        """A planned row with the layout its result recorded (the planner's choice at set-up)."""
+        if not self.planned:
+            return self
+        return replace(
+            self,
+            partition_size=int(record["partition_size"]),
+            params_degree=record.get("params_degree"),
+            optim_degree=record.get("optim_degree"),
+            grad_accumulation=record["grad_accumulation"],
+            hierarchical=bool(record.get("hierarchical")),
+        )
 
     def replication_degree(self, cluster: ClusterShape) -> int:
         return cluster.world_size // self.partition_size
@@ -101,6 +120,11 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
         StrategySpec("mics-zero2-bf16", "mics", m, hierarchical=False, grad_accumulation="unsharded",
                      params_degree=1, cross_replica_dtype="bf16",
                      description="mics-zero2 with a bf16 cross-replica all-reduce"),
+        StrategySpec("mics-auto", "mics", m, planned=True,
+                     description="the planner's layout for the measured cluster: sharding='auto', "
+                                 "grad_accumulation='auto', planner_cluster='calibrate'"),
+        StrategySpec("mics-auto-bf16", "mics", m, planned=True, cross_replica_dtype="bf16",
+                     description="mics-auto with a bf16 cross-replica all-reduce"),
     ]
     if cluster.num_nodes % 2 == 0:
         specs += [
