@@ -1,7 +1,9 @@
 """Gloo's own reduce-scatter (an all-reduce of the whole input) against our ring reduce-scatter, on
-one host's loopback.
+one host's loopback; with ``--all-gather``, gloo's ``all_gather_into_tensor`` against our direct
+exchange (:func:`lightning_mics.collectives.direct_all_gather`, what MiCS uses inside a node).
 
     python benchmarks/ring_reduce_scatter.py [--ranks 2,4,8] [--sizes-kb 16,256,1024,4096,16384] [--repeats 20]
+        [--all-gather]
 
 Prints, per group size and input size, the median time of each over ``--repeats`` calls (after one
 warm-up call each; both run back to back, alternating, so that load drifts hit both alike) and the
@@ -24,7 +26,7 @@ import torch.multiprocessing as mp
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lightning_mics.collectives import reduce_scatter_flat  # noqa: E402
+from lightning_mics.collectives import all_gather_flat, direct_all_gather, reduce_scatter_flat  # noqa: E402
 
 _native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -43,10 +45,32 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(slowest.tolist())
 
 
-def _worker(rank: int, world: int, port: int, sizes_kb: list[int], repeats: int) -> None:
+def _all_gathers(rank: int, world: int, sizes_kb: list[int], repeats: int) -> None:
+    """``--all-gather``: gloo's all-gather against the direct exchange; sizes are the gathered output."""
+    for size_kb in sizes_kb:
+        numel = max(world, size_kb * 1024 // 4 // world * world)
+        shard = torch.randn(numel // world, generator=torch.Generator().manual_seed(rank))
+        ours, gloos = torch.empty(numel), torch.empty(numel)
+        direct_all_gather(ours, shard, None)
+        all_gather_flat(gloos, shard, None)
+        torch.testing.assert_close(ours, gloos, rtol=0, atol=0)
+        native_s = _time(lambda: all_gather_flat(gloos, shard, None), repeats)
+        direct_s = _time(lambda: direct_all_gather(ours, shard, None), repeats)
+        if rank == 0:
+            print(
+                f"{world:>5}  {size_kb:>9,}  {native_s * 1e3:>12.2f}  {direct_s * 1e3:>9.2f}  {native_s / direct_s:>7.2f}x",
+                flush=True,
+            )
+
+
+def _worker(rank: int, world: int, port: int, sizes_kb: list[int], repeats: int, all_gather: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    if all_gather:
+        _all_gathers(rank, world, sizes_kb, repeats)
+        dist.destroy_process_group()
+        return
     for size_kb in sizes_kb:
         numel = max(world, size_kb * 1024 // 4 // world * world)
         data = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -69,11 +93,14 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4,8", help="group sizes, comma-separated")
     parser.add_argument("--sizes-kb", default="16,256,1024,4096,16384", help="input sizes per rank in KB")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--all-gather", action="store_true", help="time all-gathers (gloo's vs direct) instead")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_kb.split(",")]
-    print(f"{'ranks':>5}  {'input KB':>9}  {'gloo ms':>12}  {'ring ms':>9}  {'speed-up':>8}")
+    ours, size = ("direct ms", "output KB") if args.all_gather else ("ring ms", "input KB")
+    print(f"{'ranks':>5}  {size:>9}  {'gloo ms':>12}  {ours:>9}  {'speed-up':>8}")
     for offset, world in enumerate(int(r) for r in args.ranks.split(",")):
-        mp.start_processes(_worker, args=(world, 29750 + offset, sizes, args.repeats), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, 29750 + offset, sizes, args.repeats, args.all_gather), nprocs=world,
+                           start_method="spawn")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ once, so that the two cannot drift apart:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
@@ -40,6 +39,7 @@ from lightning_mics.buffer_sync import check_buffer_sync
 from lightning_mics.collectives import (
     HierarchicalGroups,
     create_hierarchical_groups,
+    install_direct_all_gather,
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
@@ -529,6 +529,8 @@ def shard_module(
         install_hierarchical_collectives(units, layout.hierarchical_groups)
     elif layout.backend == "gloo":
         install_ring_reduce_scatter(units)
+        if not layout.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
+            install_direct_all_gather(units)
     if on_meta:
         materialize_meta_module(module, device)
     root.to(device)  # buffers and anything FSDP did not own

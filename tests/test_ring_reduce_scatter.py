@@ -1,5 +1,7 @@
 """The ring reduce-scatter that replaces gloo's all-reduce-based one: same results, half the bytes
-sent, visible to the recorder as one reduce-scatter, and used by FSDP2 in training."""
+sent, visible to the recorder as one reduce-scatter, and used by FSDP2 in training. Likewise the
+direct-exchange all-gather used inside a node: gloo's result bit for bit, ``(n-1)/n`` of the output
+sent per rank, recorded as one all-gather, and FSDP2's all-gather when the partition is one node."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ import torch.distributed as dist
 from distributed import run_ranks
 from toy import RunConfig, ToyModule, fit_with_mics
 
-from lightning_mics.collectives import CollectiveRecorder, RingReduceScatter, reduce_scatter_flat, ring_reduce_scatter
+from lightning_mics.collectives import (
+    CollectiveRecorder,
+    DirectAllGather,
+    RingReduceScatter,
+    all_gather_flat,
+    direct_all_gather,
+    reduce_scatter_flat,
+    ring_reduce_scatter,
+)
 
 pytestmark = pytest.mark.distributed  # every test here spawns rank processes
 
@@ -72,6 +82,21 @@ def _compare_with_gloo(rank: int, world_size: int) -> dict[str, Any]:
                 "n": n,
                 "input_bytes": data.numel() * data.element_size(),
             }
+        for dtype in (torch.float32, torch.bfloat16):
+            shard = torch.randn(BLOCK, generator=generator).to(dtype)
+            ours, gloos = torch.empty(n * BLOCK, dtype=dtype), torch.empty(n * BLOCK, dtype=dtype)
+            sent, original_isend = _count_sent_bytes()
+            try:
+                with CollectiveRecorder() as recorder:
+                    direct_all_gather(ours, shard, group)
+            finally:
+                dist.isend = original_isend
+            all_gather_flat(gloos, shard, group)
+            results[f"all-gather {name}: {dtype}"] = {
+                "ours": ours, "gloo": gloos, "sent": sum(sent), "n": n,
+                "calls": [(c.kind, c.ranks, c.bytes) for c in recorder.calls],
+                "output_bytes": ours.numel() * ours.element_size(),
+            }
     return results
 
 
@@ -86,7 +111,21 @@ def test_ring_refuses_an_input_of_the_wrong_size(compared: list[dict[str, Any]])
 
 
 def _cases(per_rank: dict[str, Any]) -> dict[str, Any]:
-    return {case: result for case, result in per_rank.items() if case != "size error"}
+    return {case: result for case, result in per_rank.items() if case != "size error" and "all-gather" not in case}
+
+
+def test_direct_all_gather_equals_gloos_sends_n_minus_1_shards_and_is_recorded_once(compared) -> None:
+    checked = 0
+    for per_rank in compared:
+        for case, result in per_rank.items():
+            if not case.startswith("all-gather"):
+                continue
+            n, ranks = result["n"], GROUPS[case.split(":")[0].removeprefix("all-gather ")]
+            torch.testing.assert_close(result["ours"], result["gloo"], rtol=0, atol=0, msg=case)
+            assert result["calls"] == [("all_gather", ranks, result["output_bytes"])], case
+            assert result["sent"] == (n - 1) * result["output_bytes"] // n, case
+            checked += 1
+    assert checked == 2 * (4 + 4 + 2 + 3)
 
 
 def test_ring_equals_gloos_reduce_scatter(compared: list[dict[str, Any]]) -> None:
@@ -122,7 +161,15 @@ def _fit_and_inspect(rank: int, world_size: int) -> dict[str, Any]:
         comm_calls.append(1)
         return original_call(self, *args, **kwargs)
 
+    gathers: list[int] = []
+    original_gather = DirectAllGather.__call__
+
+    def counting_gather(self: DirectAllGather, *args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return original_gather(self, *args, **kwargs)
+
     RingReduceScatter.__call__ = counting_call
+    DirectAllGather.__call__ = counting_gather
     sent, original_isend = _count_sent_bytes()
     try:
         cfg = RunConfig(world_size=2, steps=1)
@@ -130,7 +177,11 @@ def _fit_and_inspect(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         dist.isend = original_isend
         RingReduceScatter.__call__ = original_call
-    return {"comm_calls": len(comm_calls), "units": len(trainer.strategy._fsdp_units), "sends": len(sent)}
+        DirectAllGather.__call__ = original_gather
+    return {
+        "comm_calls": len(comm_calls), "units": len(trainer.strategy._fsdp_units), "sends": len(sent),
+        "gathers": len(gathers),
+    }
 
 
 def test_fsdp_units_reduce_scatter_over_the_ring_on_gloo() -> None:
@@ -138,3 +189,4 @@ def test_fsdp_units_reduce_scatter_over_the_ring_on_gloo() -> None:
         # one optimizer step of one micro-batch: every unit (all hold trainable parameters) reduce-scatters once
         assert result["comm_calls"] == result["units"] > 1
         assert result["sends"] >= result["units"]  # ... point to point: one send per ring step (2 ranks: one step)
+        assert result["gathers"] >= result["units"]  # the one-node partition all-gathers by direct exchange
