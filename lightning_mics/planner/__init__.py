@@ -10,6 +10,7 @@ cluster?" before anything is launched. It is pure Python (no processes) except
 * :mod:`.search` -- ranking every valid layout; ``partition_size="auto"``'s entry points.
 * :mod:`.report` -- :class:`Plan`: the ranked layouts as a table, an explanation, JSON.
 * :mod:`.calibrate` -- measuring alpha and beta of a real cluster.
+* :mod:`.live` -- the cluster a running job's ``"auto"`` settings are planned for (``planner_cluster``).
 * :mod:`.units` -- ``"100Gb/s"``-style quantities.
 """
 
