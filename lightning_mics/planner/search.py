@@ -35,7 +35,11 @@ def plan(
     Layouts that fit come first, fastest first -- except that the winner is chosen among all
     fitting layouts within ``tie_tolerance`` of the fastest predicted time: the model cannot tell
     those apart, so among them the layouts sending the fewest bytes across nodes (within 1 %) are
-    preferred -- the least exposed to a wrong network estimate -- and the fastest of those wins.
+    preferred -- the least exposed to a wrong network estimate -- and among those MiCS's rule
+    decides: a gradient partition inside one node beats one spanning nodes, then the fastest wins.
+    A partition inside a node keeps its collectives on the fast links and needs no two-stage
+    collectives, whose extra copies the model prices only in part (measured on the emulated
+    cluster: P=1 G=8 hierarchical took 3.00 s, predicted within 2 % of P=1 G=4, which took 2.67 s).
     """
     if not 0.0 <= tie_tolerance < 1.0:
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
@@ -64,7 +68,7 @@ def plan(
         near_best = [c for c in estimates if c.fits and c.step_time_s <= limit]
         fewest_bytes = min(c.inter_node_bytes for c in near_best)
         frugal = [c for c in near_best if c.inter_node_bytes <= fewest_bytes * 1.01 + 1.0]
-        winner = min(frugal, key=lambda c: (c.step_time_s, c.memory.total))
+        winner = min(frugal, key=lambda c: (c.layout.grads > c.layout.ranks_per_node, c.step_time_s, c.memory.total))
         estimates.remove(winner)
         estimates.insert(0, winner)
     return Plan(cluster, model, training, tuple(estimates))
