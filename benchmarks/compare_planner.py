@@ -16,8 +16,9 @@ What is taken from the JSON:
   ``setup.model_params``; precision ``32-true`` unless ``setup.precision`` says otherwise;
 * compute -- ``setup.compute_flops_per_rank`` (or ``network.compute_flops_per_rank``) when the
   benchmark recorded it, else ``--compute-flops``; the link latency -- ``network.intra_node_latency_s``
-  / ``inter_node_latency_s`` when recorded (e.g. from :func:`lightning_mics.planner.calibrate_cluster`),
-  else ``--latency``.
+  / ``inter_node_latency_s`` when recorded, else the latencies that the ``mics-auto`` rows' live
+  calibration measured on the same cluster in the same run (:func:`lightning_mics.planner.calibrate_cluster`,
+  the slowest of those rows), else ``--latency``.
 
 CPU ranks share cores with gloo's communication threads, so overlap defaults to 0.
 FSDP1 rows (``family == "fsdp1"``) are modelled with one reduce-scatter per optimizer step
@@ -74,6 +75,18 @@ def _first(*values: Optional[float]) -> Optional[float]:
     return next((v for v in values if v is not None), None)
 
 
+def measured_latency(report: dict[str, Any], scope: str) -> Optional[float]:
+    """The per-ring-step latency (``scope``: ``"intra_node"`` / ``"inter_node"``) that the planned
+    rows' live calibration measured in this run (the largest, as the slowest rank sets a ring's
+    pace), or ``None`` when no planned row recorded one."""
+    values = [
+        r["planner_cluster_spec"][f"{scope}_latency"]
+        for r in report["results"]
+        if r.get("status") == "ok" and r.get("planner_cluster_spec")
+    ]
+    return max(values) if values else None
+
+
 def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> ClusterSpec:
     network, shape, setup = report["network"], report["cluster"], report["setup"]
     ranks_per_node = int(shape["ranks_per_node"])
@@ -83,8 +96,8 @@ def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> Clu
             "The benchmark JSON records no compute rate (setup.compute_flops_per_rank) -- pass --compute-flops "
             "(achieved FLOP/s of one rank while all ranks of a node compute, e.g. 2e9), or --fit-compute."
         )
-    intra_latency = _first(network.get("intra_node_latency_s"), args.latency)
-    inter_latency = _first(network.get("inter_node_latency_s"), args.latency)
+    intra_latency = _first(network.get("intra_node_latency_s"), measured_latency(report, "intra_node"), args.latency)
+    inter_latency = _first(network.get("inter_node_latency_s"), measured_latency(report, "inter_node"), args.latency)
     return ClusterSpec(
         nodes=int(shape["num_nodes"]),
         gpus_per_node=ranks_per_node,
@@ -132,7 +145,7 @@ def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, trai
 def fit_compute(report: dict[str, Any], args: argparse.Namespace, model: ModelSpec, training: TrainingSpec) -> float:
     """The one compute rate shared by all rows that minimises the worst relative step-time error
     (a calibration, like measuring bandwidth: it says nothing about how the rows differ)."""
-    rows = [r for r in report["results"] if r.get("status") == "ok"]
+    rows = [r for r in report["results"] if r.get("status") == "ok" and r.get("family") != "deepspeed"]
     best: tuple[float, float] = (float("inf"), 0.0)
     for exponent in range(0, 401):
         flops = 10 ** (6 + exponent / 50)  # 1e6 .. 1e14 FLOP/s, 2 % steps
@@ -152,6 +165,9 @@ def compare(report: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict
     for record in report["results"]:
         if record.get("status") != "ok":
             rows.append({"strategy": record.get("strategy"), "status": record.get("status")})
+            continue
+        if record.get("family") == "deepspeed":  # another engine's schedule and overheads: not the planner's
+            rows.append({"strategy": record["strategy"], "status": "not modelled (DeepSpeed)"})
             continue
         predicted = predict(record, cluster, model, training)
         measured = record["step_time_s"]
@@ -255,7 +271,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--compute-flops", type=parse_flops, help="achieved FLOP/s per rank, e.g. 2e9 or 2GFLOPS")
     parser.add_argument("--fit-compute", action="store_true", help="fit one shared compute rate to the rows")
     parser.add_argument("--latency", type=parse_seconds, default=parse_seconds("100us"),
-                        help="per ring step, both scopes, when the JSON has none (default 100us: gloo over TCP)")
+                        help="per ring step, both scopes, when the JSON records none (default 100us: gloo over TCP)")
     parser.add_argument("--overlap", type=float, default=0.0, help="fraction of compute hiding communication (CPU: 0)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", action="store_true")
@@ -274,7 +290,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"emulated cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks, intra {cluster.intra_node_bandwidth / 1e6:,.0f} "
         f"MB/s per rank, inter {cluster.inter_node_bandwidth / 1e6:,.0f} MB/s per node, compute "
         f"{cluster.compute_flops / 1e9:.2f} GFLOP/s per rank{' (fitted)' if args.fit_compute else ''}, "
-        f"latency {cluster.inter_node_latency * 1e6:.0f} us, overlap {cluster.overlap:g}"
+        f"latency {cluster.intra_node_latency * 1e6:,.0f} / {cluster.inter_node_latency * 1e6:,.0f} us (intra / inter"
+        f"{', measured by the planned rows' if measured_latency(report, 'inter_node') is not None else ''}), "
+        f"overlap {cluster.overlap:g}"
     )
     print(format_rows(rows, args.markdown))
     ok = [r for r in rows if r["status"] == "ok"]

@@ -23,6 +23,7 @@ What is measured, per optimizer step (the window from one optimizer step to the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -336,6 +337,7 @@ def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output:
         if spec.planned:  # what the planner measured and why it chose the layout (the layout log's words)
             measured = live.planner_cluster_for("calibrate", cluster.world_size, cluster.ranks_per_node, "cpu")
             summary["planner_cluster"] = live.describe_cluster(measured)
+            summary["planner_cluster_spec"] = dataclasses.asdict(measured)
             summary["planner_reason"] = trainer.strategy._planner_reason
         output.write_text(json.dumps(summary, indent=2))
     dist.barrier()

@@ -441,6 +441,21 @@ def test_compare_planner_reads_the_benchmark_schema(tmp_path, capsys):
     assert choice["layout"] == "ZeRO-2-like: P=1 G=4 OS=4 unsharded-acc, cross_replica_dtype=bf16"
     assert (choice["measured_row"], choice["best_peer"]) == ("mics-zero2-bf16", "ddp")
     assert "speed ratio 1.20" in compare_planner.format_choice(choice)
+    # a planned row (the live planner's pick) is preferred as the measured row, and its live
+    # calibration's latencies are used; DeepSpeed's rows are another engine, not predicted
+    measured_cluster = {"intra_node_latency": 2e-3, "inter_node_latency": 3e-3}
+    report["results"] += [
+        {"strategy": "mics-auto-bf16", "family": "mics", "partition_size": 4, "params_degree": 1, "optim_degree": 4,
+         "status": "ok", "grad_accumulation": "unsharded", "cross_replica_dtype": "bf16", "step_time_s": 0.55,
+         "planned": True, "planner_cluster_spec": measured_cluster},
+        {"strategy": "deepspeed-mics", "family": "deepspeed", "partition_size": 4, "status": "ok", "step_time_s": 2.0},
+    ]
+    path.write_text(json.dumps(report))
+    assert compare_planner.main(["--results", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["planner_choice"]["measured_row"] == "mics-auto-bf16"
+    assert (out["cluster"]["intra_node_latency"], out["cluster"]["inter_node_latency"]) == (2e-3, 3e-3)
+    assert {r["strategy"]: r["status"] for r in out["rows"]}["deepspeed-mics"] == "not modelled (DeepSpeed)"
 
 
 # ------------------------------------------------------------------------- planner_cluster (what "auto" plans for)
