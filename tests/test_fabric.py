@@ -493,7 +493,7 @@ def test_unsupported_precision_is_refused_naming_the_supported_ones(precision):
         ({"checkpoint_verify": "sha"}, ValueError, "checkpoint_verify='sha' is not one of"),
         ({"buffer_sync": True}, ValueError, r"buffer_sync=True is not one of \['broadcast', 'average', 'none'\]"),
         ({"grad_accumulation": "full"}, ValueError, "grad_accumulation='full' is not one of"),
-        ({"cross_replica_dtype": "int8"}, ValueError, r"cross_replica_dtype='int8' is not one of \[None, 'bf16'"),
+        ({"cross_replica_dtype": "int4"}, ValueError, r"cross_replica_dtype='int4' is not one of \[None, 'bf16', 'fp16', 'int8'\]"),
         ({"grad_accumulation": "auto"}, ValueError, "needs the number of micro-steps .* choose 'sharded'"),
         ({"auto_wrap_policy": lambda module: True}, TypeError, r"cannot be called as policy\(name, module\)"),
         (
