@@ -514,7 +514,7 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Where this strategy runs hop 2 itself, the step is bracketed: with ``cross_replica_dtype``
-        the gradients are first synced across replicas in 16 bits; with optimizer states sharded
+        the gradients are first synced across replicas in the compressed wire format; with optimizer states sharded
         across replicas (AMSP ``optim > grads``) they are reduced into this rank's slices, and the
         updated slices gathered into the parameters after the step. Clipping does the first half
         already when it comes first (it must see the synced gradients)."""

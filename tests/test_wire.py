@@ -109,3 +109,21 @@ def test_non_finite_values_are_not_turned_into_finite_ones(bad: float) -> None:
     # and a NaN survives further hops: decode -> add in fp32 -> encode again
     again = wire.decode(wire.encode(decoded + x.nan_to_num()), x.numel())
     assert torch.isnan(again[3]) and torch.isfinite(again[finite]).all()
+
+
+def test_layout_comparison_and_log_name_the_format() -> None:
+    """A model sharded with one ``cross_replica_dtype`` and met by a strategy with another: the
+    difference reads as the option's values; the layout log line says what int8 is."""
+    from lightning_mics.layout import resolve_layout
+
+    def settings(wire_format):
+        return resolve_layout(
+            world_size=4, rank=0, ranks_per_node=2, partition_size=2, reshard_after_forward=True, sharding=None,
+            hierarchical="auto", device_type="cpu", backend="gloo", cross_replica_wire=wire_format,
+        )
+
+    assert settings(INT8).differences(settings(WIRE_FORMATS["bf16"])) == ["cross_replica_dtype: 'int8' vs 'bf16'"]
+    assert settings(None).differences(settings(INT8)) == ["cross_replica_dtype: None vs 'int8'"]
+    assert settings(INT8) == settings(resolve_wire_format("int8"))
+    assert str(WIRE_FORMATS["bf16"]) == "torch.bfloat16"  # the layout log line as it always read
+    assert str(INT8) == "int8 (blocks of 256 with one fp32 scale, 1.016 bytes per element)"
