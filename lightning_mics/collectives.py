@@ -234,10 +234,10 @@ class CollectiveRecorder:
 @contextmanager
 def _recorded_as_one(kind: str, group: Any, payload: torch.Tensor | int) -> Iterator[None]:
     """Record a collective built from other communication (the ring's point-to-point messages) as
-    one call of ``kind`` with ``payload``'s bytes (a tensor's, or a number of bytes), in every recorder active on this thread, and hide
-    the communication inside the block from them. Scoped explicitly: it finds the recorders on the
-    thread's dispatch-mode stack -- the very ones that would see a c10d op issued here -- and keeps
-    no state once the block ends."""
+    one call of ``kind`` with ``payload``'s bytes (a tensor's, or a number of bytes), in every
+    recorder active on this thread, and hide the communication inside the block from them. Scoped
+    explicitly: it finds the recorders on the thread's dispatch-mode stack -- the very ones that
+    would see a c10d op issued here -- and keeps no state once the block ends."""
     modes = [mode for mode in dispatch_mode_stack() if isinstance(mode, _RecordingMode)]
     if not modes:
         yield
