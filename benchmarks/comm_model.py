@@ -48,6 +48,7 @@ from examples.models import GPT, GPTConfig
 from lightning_mics.schedule import CollectiveKind, StepLayout, UnitSize, step_schedule
 from lightning_mics.telemetry import UnitShapes, padded_numel
 from lightning_mics.topology import MiCSTopology
+from lightning_mics.wire import resolve_wire_format
 
 #: DeepSpeed ZeRO-3's default ``stage3_param_persistence_threshold``: parameters of at most this many
 #: elements stay gathered ("persistent") and are all-gathered once per optimizer step, after it.
@@ -243,6 +244,7 @@ def step_collectives(
     units = [
         UnitSize(numel(unit, p), numel(unit, p), unit.reshard_after_forward) for unit in gpt_fsdp_units(setup.model)
     ]
+    wire = resolve_wire_format(spec.cross_replica_dtype)
     layout = StepLayout(
         partition_size=p,
         world_size=cluster.world_size,
@@ -250,7 +252,7 @@ def step_collectives(
         grad_accumulation="unsharded" if fsdp1 else spec.grad_accumulation,
         params_degree=spec.params_degree,
         optim_degree=spec.optim_degree,
-        cross_replica_bytes=2 if spec.cross_replica_dtype == "bf16" else None,
+        **(wire.byte_model() if wire is not None else {}),
         hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
         gather_bytes=element_bytes,
         reduce_bytes=element_bytes,

@@ -49,6 +49,7 @@ from lightning_mics.planner import (  # noqa: E402
     plan,
     parse_seconds,
 )
+from lightning_mics.wire import WIRE_FORMATS  # noqa: E402
 
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "emulated_cluster.json"
 TARGET = 0.20
@@ -138,7 +139,9 @@ def predict(record: dict[str, Any], cluster: ClusterSpec, model: ModelSpec, trai
         training,
         hierarchical=bool(record.get("hierarchical")),
         grad_accumulation="unsharded" if fsdp1 else record.get("grad_accumulation", "sharded"),
-        cross_replica_bytes=2 if record.get("cross_replica_dtype") == "bf16" else None,
+        cross_replica_bytes=(
+            WIRE_FORMATS[record["cross_replica_dtype"]].element_bytes if record.get("cross_replica_dtype") else None
+        ),
     )
 
 
@@ -196,7 +199,7 @@ def planner_choice(report: dict[str, Any], cluster: ClusterSpec) -> dict[str, An
     candidates = [
         (plan(cluster, model, training, uniform_only=False, grad_accumulation="auto", cross_replica_bytes=wire).winner,
          None if wire is None else "bf16")
-        for wire in (None, 2)
+        for wire in (None, WIRE_FORMATS["bf16"].element_bytes)
     ]
     best, wire = min(candidates, key=lambda c: c[0].step_time_s)
     layout = best.layout

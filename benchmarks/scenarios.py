@@ -55,7 +55,8 @@ class StrategySpec:
             accumulate unsharded under Lightning's ``no_sync`` whatever this says.
         params_degree: AMSP's parameter degree for MiCS rows (``None``: the partition size; 1: keep
             parameters gathered through each optimizer step, ZeRO-2-like).
-        cross_replica_dtype: MiCS's wire dtype across replicas (``None``: fp32, ``"bf16"``).
+        cross_replica_dtype: MiCS's wire format across replicas (``None``: fp32, ``"bf16"``, ``"int8"``:
+            a key of :data:`lightning_mics.wire.WIRE_FORMATS`).
         optim_degree: AMSP's optimizer-state degree for MiCS rows (``None``: the partition size).
         planned: the layout is not given but chosen by the planner at set-up for the measured cluster
             (``MiCSStrategy(sharding="auto", grad_accumulation="auto", planner_cluster="calibrate")``);
@@ -125,6 +126,11 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                                  "grad_accumulation='auto', planner_cluster='calibrate'"),
         StrategySpec("mics-auto-bf16", "mics", m, planned=True, cross_replica_dtype="bf16",
                      description="mics-auto with a bf16 cross-replica all-reduce"),
+        StrategySpec("mics-int8", "mics", m, hierarchical=False, cross_replica_dtype="int8",
+                     description="MiCS, partition = one node, blockwise-int8 cross-replica all-reduce"),
+        StrategySpec("mics-zero2-int8", "mics", m, hierarchical=False, grad_accumulation="unsharded",
+                     params_degree=1, cross_replica_dtype="int8",
+                     description="mics-zero2 with a blockwise-int8 cross-replica all-reduce"),
     ]
     if cluster.num_nodes % 2 == 0:
         specs += [

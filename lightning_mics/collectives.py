@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_mics import wire as wire_codec
 from lightning_mics._compat import AllGather, ReduceScatter, TorchDispatchMode, dispatch_mode_stack, unbox_process_group
+from lightning_mics.wire import WireFormat
 
 
 @dataclass(frozen=True)
@@ -230,17 +232,17 @@ class CollectiveRecorder:
 
 
 @contextmanager
-def _recorded_as_one(kind: str, group: Any, payload: torch.Tensor) -> Iterator[None]:
+def _recorded_as_one(kind: str, group: Any, payload: torch.Tensor | int) -> Iterator[None]:
     """Record a collective built from other communication (the ring's point-to-point messages) as
-    one call of ``kind`` with ``payload``'s bytes, in every recorder active on this thread, and hide
-    the communication inside the block from them. Scoped explicitly: it finds the recorders on the
-    thread's dispatch-mode stack -- the very ones that would see a c10d op issued here -- and keeps
-    no state once the block ends."""
+    one call of ``kind`` with ``payload``'s bytes (a tensor's, or a number of bytes), in every
+    recorder active on this thread, and hide the communication inside the block from them. Scoped
+    explicitly: it finds the recorders on the thread's dispatch-mode stack -- the very ones that
+    would see a c10d op issued here -- and keeps no state once the block ends."""
     modes = [mode for mode in dispatch_mode_stack() if isinstance(mode, _RecordingMode)]
     if not modes:
         yield
         return
-    ranks, nbytes = _group_ranks(group), _nbytes(payload)
+    ranks, nbytes = _group_ranks(group), payload if isinstance(payload, int) else _nbytes(payload)
     with ExitStack() as stack:
         for mode in modes:
             mode.record(kind, ranks, nbytes)
@@ -396,28 +398,83 @@ def _ring_reduce_scatter_widened(
     output.view(-1).copy_(partial)
 
 
-def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire_dtype: torch.dtype) -> None:
-    """Sum ``tensor`` in place over ``group`` with ``wire_dtype`` on the wire (a ring reduce-scatter,
-    then an all-gather: the bytes of a ring all-reduce, at ``wire_dtype``'s width).
+def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire: WireFormat) -> None:
+    """Sum ``tensor`` in place over ``group`` in the compressed ``wire`` format (a ring
+    reduce-scatter, then an all-gather: the bytes of a ring all-reduce, at ``wire``'s width).
 
-    On gloo the partial sums are added in ``tensor``'s dtype (:func:`ring_reduce_scatter` with
-    ``accumulate_dtype``); other backends reduce in ``wire_dtype``. Every rank -- the owner of a
-    block too -- takes the all-gathered, ``wire_dtype``-rounded values, so all ranks end identical.
+    16-bit float formats: on gloo the partial sums are added in ``tensor``'s dtype
+    (:func:`ring_reduce_scatter` with ``accumulate_dtype``); other backends reduce in the wire
+    dtype. int8: :func:`quantized_all_reduce_`. Either way every rank -- the owner of a block too --
+    takes the all-gathered, wire-rounded values, so all ranks end identical.
     """
     n = dist.get_world_size(group)
     if n == 1:
         return
+    if wire.dtype is None:
+        quantized_all_reduce_(tensor, group, wire.block)
+        return
     flat = tensor.view(-1)
     block = -(-flat.numel() // n)
-    wire = torch.zeros(n * block, dtype=wire_dtype, device=tensor.device)
-    wire[: flat.numel()].copy_(flat)
-    mine = torch.empty(block, dtype=wire_dtype, device=tensor.device)
-    if _ring_applies(wire, dist.ReduceOp.SUM, group):
-        ring_reduce_scatter(mine, wire, dist.ReduceOp.SUM, group, accumulate_dtype=tensor.dtype)
+    buffer = torch.zeros(n * block, dtype=wire.dtype, device=tensor.device)
+    buffer[: flat.numel()].copy_(flat)
+    mine = torch.empty(block, dtype=wire.dtype, device=tensor.device)
+    if _ring_applies(buffer, dist.ReduceOp.SUM, group):
+        ring_reduce_scatter(mine, buffer, dist.ReduceOp.SUM, group, accumulate_dtype=tensor.dtype)
     else:
-        reduce_scatter_flat(mine, wire, dist.ReduceOp.SUM, group)
-    all_gather_flat(wire, mine, group)
-    flat.copy_(wire[: flat.numel()])
+        reduce_scatter_flat(mine, buffer, dist.ReduceOp.SUM, group)
+    all_gather_flat(buffer, mine, group)
+    flat.copy_(buffer[: flat.numel()])
+
+
+def quantized_all_reduce_(tensor: torch.Tensor, group: Any, block: int = wire_codec.INT8_BLOCK) -> None:
+    """Sum ``tensor`` in place over ``group`` with blockwise-int8 messages (:mod:`lightning_mics.wire`).
+
+    The flat tensor is cut into one piece per rank, each padded to whole blocks. Reduce-scatter: a
+    ring of ``n - 1`` steps in which each rank sends one packed ``uint8`` message (values and scales
+    together, one send / receive pair per step), and the receiver decodes it, adds its own piece in
+    fp32 and encodes the partial sum for the next hop -- so the error grows with the ring's length,
+    not with the magnitude of the sum. The owner then encodes its reduced piece once and the
+    messages are all-gathered; every rank, the owner included, decodes the same bytes, so replicas
+    end bit-identical. Recorded (:class:`CollectiveRecorder`) as one reduce-scatter and one
+    all-gather of the packed messages.
+
+    Any backend with point-to-point messages: the messages live on the tensor's device, except on
+    gloo, which moves them from host memory only -- CUDA tensors there are encoded on the device and
+    their (4x smaller) messages staged through the CPU.
+    """
+    group = dist.GroupMember.WORLD if group is None else group
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return
+    flat = tensor.view(-1)
+    piece = wire_codec.padded_numel(-(-flat.numel() // n), block)
+    pieces = torch.zeros(n * piece, dtype=torch.float32, device=tensor.device)
+    pieces[: flat.numel()].copy_(flat)
+    pieces = pieces.view(n, piece)
+    message = wire_codec.message_bytes(piece, block)
+    wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else tensor.device
+    send_to = dist.get_global_rank(group, (rank + 1) % n)
+    receive_from = dist.get_global_rank(group, (rank - 1) % n)
+    with _recorded_as_one("reduce_scatter", group, n * message):
+        # piece b starts at rank b + 1, travels the ring and ends, summed over all ranks, at rank b
+        partial = pieces[(rank - 1) % n]
+        incoming = torch.empty(message, dtype=torch.uint8, device=wire_device)
+        for step in range(n - 1):
+            outgoing = wire_codec.encode(partial, block).to(wire_device)
+            operations = [
+                dist.P2POp(dist.isend, outgoing, send_to, group),
+                dist.P2POp(dist.irecv, incoming, receive_from, group),
+            ]
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+            received = wire_codec.decode(incoming.to(tensor.device), piece, block)
+            partial = received.add_(pieces[(rank - step - 2) % n])
+    mine = wire_codec.encode(partial, block).to(wire_device)
+    gathered = torch.empty(n * message, dtype=torch.uint8, device=wire_device)
+    all_gather_flat(gathered, mine, group)
+    gathered = gathered.to(tensor.device).view(n, message)
+    summed = torch.cat([wire_codec.decode(gathered[i], piece, block) for i in range(n)])
+    flat.copy_(summed[: flat.numel()])
 
 
 class _PlainAllocation:

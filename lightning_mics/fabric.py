@@ -59,7 +59,6 @@ from lightning_mics.grad_sync import (
     GradAccumulation,
     clip_grad_norm_,
     fsdp_units,
-    resolve_wire_dtype,
 )
 from lightning_mics.layout import (
     MiCSLayout,
@@ -81,6 +80,7 @@ from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.planner.live import PlannerCluster
 from lightning_mics.precision import MiCSFabricPrecision
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
+from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import AutoWrapPolicy, plan_wrapping
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,8 @@ class MiCSStrategy(ParallelStrategy):
                 "accumulation=...), grad_accumulation='auto') compares them for yours."
             )
         self.grad_accumulation: GradAccumulation = grad_accumulation
-        self.cross_replica_dtype = resolve_wire_dtype(cross_replica_dtype)
+        #: the format of hop 2 (``cross_replica_dtype``), or ``None``: the gradients' own dtype
+        self.cross_replica_wire: Optional[WireFormat] = resolve_wire_format(cross_replica_dtype)
         self.partition_size_spec = partition_size
         self.ranks_per_node_override = ranks_per_node
         self.auto_wrap_policy = auto_wrap_policy
@@ -219,7 +220,7 @@ class MiCSStrategy(ParallelStrategy):
         #: Optimizers set up by this strategy, and (AMSP ``optim > grads``) their step hooks by id.
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._optimizer_hooks: dict[int, ReplicaShardedOptimizerStates] = {}
-        #: ``cross_replica_dtype``: per model (by id), its 16-bit hop 2; per optimizer (by id), its model's
+        #: ``cross_replica_dtype``: per model (by id), its compressed hop 2; per optimizer (by id), its model's
         self._model_syncs: dict[int, CompressedSync] = {}
         self._optimizer_syncs: dict[int, CompressedSync] = {}
         #: Set-up model (by the id of each of its sharded parameters), to find an optimizer's model
@@ -233,6 +234,12 @@ class MiCSStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
+
+    @property
+    def cross_replica_dtype(self) -> Union[torch.dtype, str, None]:
+        """The resolved ``cross_replica_dtype``: ``torch.bfloat16`` / ``torch.float16``, ``"int8"``
+        or ``None`` (:attr:`cross_replica_wire` is the format itself)."""
+        return None if self.cross_replica_wire is None else self.cross_replica_wire.option
 
     @property
     def num_nodes(self) -> int:
@@ -350,7 +357,7 @@ class MiCSStrategy(ParallelStrategy):
                 device=self.root_device,
                 precision=self.precision.precision,
                 accumulation=1,
-                cross_replica_dtype=self.cross_replica_dtype,
+                cross_replica_wire=self.cross_replica_wire,
                 log=log if self.is_global_zero else None,
                 planner_cluster=self.planner_cluster,
             )
@@ -365,7 +372,7 @@ class MiCSStrategy(ParallelStrategy):
             device_type=self.root_device.type,
             backend=self._process_group_backend,
             grad_accumulation=self.grad_accumulation,
-            cross_replica_dtype=self.cross_replica_dtype,
+            cross_replica_wire=self.cross_replica_wire,
             plan_layout=plan,
         )
         return build_layout(settings, self._timeout)
@@ -512,7 +519,7 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Where this strategy runs hop 2 itself, the step is bracketed: with ``cross_replica_dtype``
-        the gradients are first synced across replicas in 16 bits; with optimizer states sharded
+        the gradients are first synced across replicas in the compressed wire format; with optimizer states sharded
         across replicas (AMSP ``optim > grads``) they are reduced into this rank's slices, and the
         updated slices gathered into the parameters after the step. Clipping does the first half
         already when it comes first (it must see the synced gradients)."""

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics import _compat as compat
 from lightning_mics.collectives import compressed_all_reduce_
+from lightning_mics.wire import WireFormat
 
 
 #: How gradients accumulate between optimizer steps (module docstring).
@@ -191,28 +192,10 @@ def clip_grad_norm_(
     return total_norm
 
 
-#: Dtypes the cross-replica hop may use on the wire, by the names the strategy accepts.
-WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_wire_dtype(value: object) -> Optional[torch.dtype]:
-    """``cross_replica_dtype``'s accepted spellings -> a dtype (``None``: the gradient's own dtype)."""
-    if value is None:
-        return None
-    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    name = aliases.get(value, value)  # type: ignore[call-overload]
-    if name not in WIRE_DTYPES:
-        raise ValueError(
-            f"cross_replica_dtype={value!r} is not one of {[None, *WIRE_DTYPES]}: None all-reduces gradients across "
-            "replicas in their own dtype (fp32 in the mixed modes), 'bf16'/'fp16' send half the bytes between "
-            "partitions (sums stay fp32 inside the partition and in the optimizer)."
-        )
-    return WIRE_DTYPES[name]
-
-
 class CompressedCrossReplicaSync:
     """Hop 2 with fewer bytes on the slow links: at the accumulation boundary, all-reduce the
-    gradient shards across the replication group in a 16-bit ``wire_dtype``.
+    gradient shards across the replication group in a compressed ``wire`` format (16-bit floats or
+    blockwise int8, :mod:`lightning_mics.wire`).
 
     FSDP2 then runs on the partition alone (it reduce-scatters in the full reduction dtype, where
     the links are fast); this object takes over the cross-replica all-reduce that FSDP2 would do on
@@ -221,14 +204,15 @@ class CompressedCrossReplicaSync:
     *padded* shard size, so every rank of a replication group packs alike -- summed across
     replicas with :func:`~lightning_mics.collectives.compressed_all_reduce_`, divided by the
     replication degree (FSDP2 already averaged over the partition) and unpacked. Every replica gets
-    the same rounded values, so replicas stay identical. The rounding is one 16-bit rounding of each
-    message on the way; sums are formed in the gradient's dtype on gloo.
+    the same rounded values, so replicas stay identical. The rounding is one rounding of each
+    message on the way (16-bit, or int8 to within half a block's scale); sums are formed in the
+    gradient's dtype on gloo (int8: in fp32 on every backend).
     """
 
-    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup, wire_dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup, wire: WireFormat) -> None:
         self.module = module
         self.replica_group = replica_group
-        self.wire_dtype = wire_dtype
+        self.wire = wire
         self.replicas = replica_group.size()
 
     @staticmethod
@@ -253,7 +237,7 @@ class CompressedCrossReplicaSync:
             grad = local_shard(param.grad).reshape(-1)
             flat[offset : offset + grad.numel()].copy_(grad)
             offset += self.packed_numel(param)
-        compressed_all_reduce_(flat, self.replica_group, self.wire_dtype)
+        compressed_all_reduce_(flat, self.replica_group, self.wire)
         flat.div_(self.replicas)
         offset = 0
         for param in params:

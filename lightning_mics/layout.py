@@ -54,6 +54,7 @@ from lightning_mics.planner.live import PlannerCluster, check_planner_cluster, d
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
+from lightning_mics.wire import WireFormat
 from lightning_mics.wrapping import (
     AutoWrapPolicy,
     WrapPlan,
@@ -210,8 +211,9 @@ class MiCSLayout:
     #: AMSP ``optim > grads``: this rank's (optimizer-shard, optimizer-replica) groups
     optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     hierarchical_groups: Optional[HierarchicalGroups] = None
-    #: hop 2 in this 16-bit dtype (:class:`~lightning_mics.grad_sync.CompressedCrossReplicaSync`), or ``None``
-    cross_replica_dtype: Optional[torch.dtype] = None
+    #: hop 2 in this compressed format (``cross_replica_dtype``,
+    #: :class:`~lightning_mics.grad_sync.CompressedCrossReplicaSync`), or ``None``
+    cross_replica_wire: Optional[WireFormat] = None
     #: what the layout was built from (:func:`build_layout`); compared when a new strategy meets a
     #: model an earlier one sharded
     settings: Optional[LayoutSettings] = None
@@ -224,7 +226,7 @@ class MiCSLayout:
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards on. With optimizer states sharded across replicas or a compressed
         cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
-        ours = self.shards_optimizer_beyond_partition or self.cross_replica_dtype is not None
+        ours = self.shards_optimizer_beyond_partition or self.cross_replica_wire is not None
         if ours and self.device_mesh.ndim == 2:
             return self.device_mesh[SHARD_DIM]
         return self.device_mesh
@@ -255,7 +257,7 @@ class MiCSLayout:
                 f"  grad accumulation: {self.grad_accumulation}"
                 + (f" -- {self.planner_reason}" if self.planner_reason else ""),
                 "  cross-replica all-reduce in "
-                + ("the gradients' dtype" if self.cross_replica_dtype is None else str(self.cross_replica_dtype)),
+                + ("the gradients' dtype" if self.cross_replica_wire is None else str(self.cross_replica_wire)),
             ]
         )
 
@@ -301,7 +303,8 @@ class LayoutSettings:
     keep_params_within_step: bool
     #: whether two-stage collectives are installed (a partition spanning nodes, ``hierarchical`` on)
     hierarchical: bool
-    cross_replica_dtype: Optional[torch.dtype]
+    #: the compressed cross-replica hop (``cross_replica_dtype``), or ``None``
+    cross_replica_wire: Optional[WireFormat]
     device_type: str
     backend: str
     planner_reason: Optional[str] = field(default=None, compare=False)
@@ -323,6 +326,9 @@ class LayoutSettings:
         for f in fields(self):
             if f.compare and f.name not in ("rank", "topology"):
                 values[f.name] = getattr(self, f.name)
+        # by the option's name and value, as the user wrote it: cross_replica_dtype: None vs 'int8'
+        wire = values.pop("cross_replica_wire")
+        values["cross_replica_dtype"] = None if wire is None else wire.name
         return values
 
 
@@ -338,7 +344,7 @@ def resolve_layout(
     device_type: str,
     backend: str,
     grad_accumulation: str = "sharded",
-    cross_replica_dtype: Optional[torch.dtype] = None,
+    cross_replica_wire: Optional[WireFormat] = None,
     plan_layout: Optional[LayoutPlanner] = None,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
@@ -373,7 +379,7 @@ def resolve_layout(
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
-    if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_dtype is not None:
+    if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_wire is not None:
         raise ValueError(
             "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
             "(ShardingSpec optim > grads): drop one of the two."
@@ -387,7 +393,7 @@ def resolve_layout(
         optim_degree=optim_degree,
         keep_params_within_step=keep_params_within_step,
         hierarchical=uses_hierarchical_collectives(topology, hierarchical),
-        cross_replica_dtype=cross_replica_dtype,
+        cross_replica_wire=cross_replica_wire,
         device_type=device_type,
         backend=backend,
         planner_reason=planner_reason,
@@ -418,7 +424,7 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
         keep_params_within_step=settings.keep_params_within_step,
         optim_groups=optim_groups,
         hierarchical_groups=hierarchical_groups,
-        cross_replica_dtype=settings.cross_replica_dtype,
+        cross_replica_wire=settings.cross_replica_wire,
         settings=settings,
     )
 
@@ -430,7 +436,7 @@ def layout_planner(
     device: torch.device,
     precision: str,
     accumulation: int,
-    cross_replica_dtype: Optional[torch.dtype] = None,
+    cross_replica_wire: Optional[WireFormat] = None,
     log: Optional[logging.Logger] = None,
     planner_cluster: PlannerCluster = None,
 ) -> LayoutPlanner:
@@ -453,7 +459,7 @@ def layout_planner(
             partition_size=partition_size,
             grad_accumulation=grad_accumulation,  # type: ignore[arg-type]
             uniform_only=uniform_only,
-            cross_replica_bytes=cross_replica_dtype.itemsize if cross_replica_dtype is not None else None,
+            cross_replica_bytes=cross_replica_wire.element_bytes if cross_replica_wire is not None else None,
             cluster=cluster,
         )
         if log is not None:
@@ -565,11 +571,11 @@ def shard_optimizer_states(
 
 def cross_replica_sync(module: nn.Module, layout: MiCSLayout) -> Optional[CompressedCrossReplicaSync]:
     """``cross_replica_dtype``: the hook that all-reduces ``module``'s gradient shards across replicas
-    in 16 bits once per optimizer step (before clipping and the step); ``None`` without the option
-    or without replicas."""
-    if layout.cross_replica_dtype is None or layout.topology.replication_degree == 1:
+    in the compressed wire format once per optimizer step (before clipping and the step); ``None``
+    without the option or without replicas."""
+    if layout.cross_replica_wire is None or layout.topology.replication_degree == 1:
         return None
-    return CompressedCrossReplicaSync(module, layout.device_mesh.get_group(0), layout.cross_replica_dtype)
+    return CompressedCrossReplicaSync(module, layout.device_mesh.get_group(0), layout.cross_replica_wire)
 
 
 @contextmanager

@@ -40,6 +40,7 @@ from lightning_mics.planner import (
     parse_seconds,
     plan,
 )
+from lightning_mics.wire import WIRE_FORMATS
 
 
 def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -111,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradients between micro-steps: sharded (MiCS), unsharded (one reduce-scatter per step) or auto (both)",
     )
     search.add_argument(
-        "--cross-replica-dtype", choices=("fp32", "bf16"), default="fp32", help="wire dtype of the cross-replica hop"
+        "--cross-replica-dtype",
+        choices=("fp32", *WIRE_FORMATS),
+        default="fp32",
+        help="wire format of the cross-replica hop (int8: blockwise, 1 byte + a 4-byte scale per block)",
     )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -210,7 +214,9 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             uniform_only=args.uniform_only,
             hierarchical=False if args.flat else "auto",
             grad_accumulation=args.grad_accumulation,
-            cross_replica_bytes=2 if args.cross_replica_dtype == "bf16" else None,
+            cross_replica_bytes=(
+                None if args.cross_replica_dtype == "fp32" else WIRE_FORMATS[args.cross_replica_dtype].element_bytes
+            ),
         )
     except (ValueError, OSError) as error:
         parser.error(str(error))

@@ -20,9 +20,11 @@ elements gathered and ``R_u`` trainable elements reduced (both padded to the sha
   states sharded over ``OS > P`` ranks instead a reduce-scatter across the ``OS / P`` replicas
   sharing them, an all-reduce of the ``R_u / OS`` slice across the rest, and after the optimizer
   step an all-gather of the updated ``G_u / P`` shard across the ``OS / P`` replicas. With a
-  16-bit ``cross_replica_bytes`` (MiCSStrategy's ``cross_replica_dtype``) the all-reduces become one
-  reduce-scatter and one all-gather per optimizer step of all units' shards packed together (each
-  unit's ``R_u / P`` elements, the total padded to a multiple of the replication degree).
+  compressed ``cross_replica_bytes`` per element (MiCSStrategy's ``cross_replica_dtype``: 2 for
+  bf16, ``1 + 4 / 256`` for blockwise int8) the all-reduces become one reduce-scatter and one
+  all-gather per optimizer step of all units' shards packed together (each unit's ``R_u / P``
+  elements, the total padded to a multiple of the replication degree times ``cross_replica_block``,
+  the elements per int8 scale).
 
 A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
@@ -99,8 +101,11 @@ class StepLayout:
     gather_bytes: int = 4  #: all-gather dtype width (2 with bf16 parameters for compute)
     reduce_bytes: int = 4  #: gradient reduction dtype width
     param_bytes: int = 4  #: sharded parameter dtype width (the post-step all-gather of AMSP)
-    #: wire width of the cross-replica hop when compressed (``cross_replica_dtype``); None: not compressed
-    cross_replica_bytes: Optional[int] = None
+    #: bytes per element of the cross-replica hop when compressed (``cross_replica_dtype``: 2, or
+    #: ``1 + 4 / block`` for int8 -- :attr:`lightning_mics.wire.WireFormat.element_bytes`); None: not compressed
+    cross_replica_bytes: Optional[float] = None
+    #: elements per block of the compressed format (each rank's piece is padded to whole blocks)
+    cross_replica_block: int = 1
 
     def __post_init__(self) -> None:
         check_grad_accumulation(self.grad_accumulation)
@@ -145,6 +150,12 @@ def _div(value: Number, parts: int) -> Number:
     if isinstance(value, int) and value % parts == 0:
         return value // parts
     return value / parts
+
+
+def _exact(value: Number) -> Number:
+    """A whole number of bytes as an int: a float number of bytes per element (int8's ``1 + 4 / B``)
+    times whole blocks is an integer, compared exactly with recordings."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _on_group(
@@ -241,7 +252,8 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
     replicas = w // p
     if layout.cross_replica_bytes is not None and optim == p and replicas > 1:
         packed = sum(_div(unit.reduce_numel, p) for unit in units)
-        payload = -(-packed // replicas) * replicas * layout.cross_replica_bytes
+        piece = layout.cross_replica_block * -(-packed // (replicas * layout.cross_replica_block))
+        payload = _exact(piece * replicas * layout.cross_replica_bytes)
         for kind in ("reduce_scatter", "all_gather"):
             add(ScheduledCollective(
                 "boundary", f"compressed grad {kind.replace('_', '-')} across replicas", kind,  # type: ignore[arg-type]

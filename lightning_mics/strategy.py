@@ -59,12 +59,13 @@ from lightning_mics.layout import (
     uses_hierarchical_collectives,
     validate_options,
 )
-from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units, resolve_wire_dtype
+from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.planner.live import PlannerCluster
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
+from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import AutoWrapPolicy, WrapPlan, plan_wrapping
 
 __all__ = ["MiCSStrategy", "limit_intra_op_threads"]  # the latter lives in lightning_mics.layout
@@ -168,10 +169,12 @@ class MiCSStrategy(ParallelStrategy):
             per optimizer step instead of one per micro-step, for the memory of a full gradient.
             Both all-reduce across replicas once per optimizer step. ``"auto"``: the planner picks
             the faster mode that fits memory (with ``partition_size="auto"``: both together).
-        cross_replica_dtype: the dtype gradients cross replicas in (hop 2, the slow inter-node links):
-            ``None`` (their reduction dtype, fp32 in the mixed modes) or ``"bf16"`` / ``"fp16"``:
-            half the inter-node bytes, one 16-bit rounding per message; reduce-scatters inside the
-            partition and the optimizer stay in full precision.
+        cross_replica_dtype: the format gradients cross replicas in (hop 2, the slow inter-node links):
+            ``None`` (their reduction dtype, fp32 in the mixed modes), ``"bf16"`` / ``"fp16"``:
+            half the inter-node bytes, one 16-bit rounding per message, or ``"int8"``: blockwise
+            int8 with one fp32 scale per 256 elements (:mod:`lightning_mics.wire`), ~0.25x the
+            bytes, each message within half a block's scale. Reduce-scatters inside the partition
+            and the optimizer stay in full precision.
         hierarchical: two-stage all-gather / reduce-scatter (across nodes among same-local-rank
             peers, then inside the node) for partitions that span nodes. ``"auto"``: on exactly when
             a partition spans nodes; ``True`` requires such a partition.
@@ -286,7 +289,8 @@ class MiCSStrategy(ParallelStrategy):
         self.grad_accumulation_spec = grad_accumulation
         #: the mode in use: ``grad_accumulation``, or the planner's choice for ``"auto"`` (after setup)
         self.grad_accumulation: Optional[GradAccumulation] = None if grad_accumulation == "auto" else grad_accumulation
-        self.cross_replica_dtype = resolve_wire_dtype(cross_replica_dtype)
+        #: the format of hop 2 (``cross_replica_dtype``), or ``None``: the gradients' own dtype
+        self.cross_replica_wire: Optional[WireFormat] = resolve_wire_format(cross_replica_dtype)
         #: hop 2 in ``cross_replica_dtype`` (set up with the optimizers when that option is on)
         self._compressed_sync: Optional[CompressedCrossReplicaSync] = None
         #: why the planner chose the layout, for the layout log (``"auto"`` settings only)
@@ -317,6 +321,12 @@ class MiCSStrategy(ParallelStrategy):
         self._root: Optional[_MiCSRoot] = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def cross_replica_dtype(self) -> Union[torch.dtype, str, None]:
+        """The resolved ``cross_replica_dtype``: ``torch.bfloat16`` / ``torch.float16``, ``"int8"``
+        or ``None`` (:attr:`cross_replica_wire` is the format itself)."""
+        return None if self.cross_replica_wire is None else self.cross_replica_wire.option
+
     @property
     def async_save(self) -> bool:
         """Whether sharded checkpoints are written in the background."""
@@ -469,14 +479,14 @@ class MiCSStrategy(ParallelStrategy):
             device_type=self.root_device.type,
             backend=self._process_group_backend,
             grad_accumulation=self.grad_accumulation_spec,
-            cross_replica_dtype=self.cross_replica_dtype,
+            cross_replica_wire=self.cross_replica_wire,
             plan_layout=layout_planner(
                 self.lightning_module,
                 world_size=self.world_size,
                 device=self.root_device,
                 precision=self.precision_plugin.precision,
                 accumulation=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
-                cross_replica_dtype=self.cross_replica_dtype,
+                cross_replica_wire=self.cross_replica_wire,
                 log=log if self.is_global_zero else None,
                 planner_cluster=self.planner_cluster,
             ),

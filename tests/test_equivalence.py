@@ -14,10 +14,14 @@ import torch
 from distributed import run_ranks
 from lightning_mics import MiCSStrategy, ShardingSpec
 from lightning_mics.planner import ClusterSpec, plan_layout_for
+from lightning_mics.telemetry import TrainingTelemetry, analytic_comm_bytes, fsdp_unit_shapes
+from lightning_mics.wire import INT8, INT8_BLOCK
 from toy import (
+    INT8_RTOL,
     ManualAccumulationModule,
     RunConfig,
     ToyModule,
+    assert_compressed_run,
     assert_matches_reference,
     fit_with_mics,
     full_parameters,
@@ -78,6 +82,7 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     module = ToyModule(cfg)
     fit_with_mics(module, cfg, partition_size=2, cross_replica_dtype="bf16")
     results["bf16-cross-replica"] = full_parameters(module)
+    results["int8-cross-replica"] = _train_int8(cfg, partition_size=2, ranks_per_node=2)
 
     auto = MiCSStrategy(sharding="auto", grad_accumulation="auto")
     module = ToyModule(cfg)
@@ -131,6 +136,41 @@ def _train_world4_variants(rank: int, world: int) -> dict:
     trainer.fit(module)
     results["bf16-mixed"] = full_parameters(module)
     results["bf16-mixed master dtypes"] = {p.dtype for p in module.parameters()}
+    return results
+
+
+def _train_int8(cfg, **strategy_kwargs) -> dict:
+    """``cross_replica_dtype="int8"``: the parameters, and the bytes telemetry recorded per optimizer
+    step next to the analytic schedule's for the int8 wire (blocks of 256 with one fp32 scale)."""
+    module, telemetry = ToyModule(cfg), TrainingTelemetry(peak_flops=None, prog_bar=False)
+    trainer = fit_with_mics(module, cfg, callbacks=[telemetry], cross_replica_dtype="int8", **strategy_kwargs)
+    strategy, topology = trainer.strategy, trainer.strategy.topology
+    expected = analytic_comm_bytes(
+        fsdp_unit_shapes(strategy.fsdp_units),
+        topology.partition_size,
+        topology.replication_degree,
+        cfg.accumulate,
+        grad_accumulation=strategy.grad_accumulation,
+        **INT8.byte_model(),
+    )
+    recorded = [step.comm for step in telemetry.steps]
+    return {"params": full_parameters(module), "recorded": recorded, "expected": expected}
+
+
+def _int8_across_three_replicas(rank: int, world: int) -> dict:
+    """Partition 1, three replicas: the int8 ring's pieces travel two hops; and a non-finite gradient
+    element on one rank reaches every rank as NaN (not a finite number) through the same collective."""
+    import torch.distributed as dist
+
+    from lightning_mics.collectives import compressed_all_reduce_
+
+    cfg = config(world, 3, CLIP)
+    results = _train_int8(cfg, partition_size=1)
+    grads = torch.arange(3 * INT8_BLOCK, dtype=torch.float32) / INT8_BLOCK
+    if rank == 1:
+        grads[5] = float("inf")
+    compressed_all_reduce_(grads, dist.group.WORLD, INT8)
+    results["non-finite sum"] = grads
     return results
 
 
@@ -189,15 +229,57 @@ def test_manual_optimization_with_unsharded_accumulation(world4):
     assert_matches_reference([rank["manual-unsharded"] for rank in world4], config(4, 3, CLIP))
 
 
+def assert_recorded_bytes_are_the_analytic_ones(per_rank: list[dict], steps: int) -> None:
+    """Telemetry's bytes per optimizer step equal the schedule's, exactly; besides them only the
+    scalar all-reduce of clipping by norm (4 bytes, inside the partition: not modelled) and
+    Lightning's broadcasts (control traffic, "other")."""
+    for result in per_rank:
+        assert len(result["recorded"]) == steps
+        expected = result["expected"]
+        for comm in result["recorded"]:
+            for kind in ("all_gather", "reduce_scatter"):
+                assert comm.by_kind[kind] == expected.by_kind[kind], kind
+            assert comm.by_kind["all_reduce"] == expected.by_kind["all_reduce"] + 4
+            assert comm.cross_replica == expected.cross_replica > 0
+
+
 @pytest.mark.distributed
 def test_bf16_cross_replica_all_reduce_tracks_fp32_and_keeps_replicas_identical(world4):
     runs = [rank["bf16-cross-replica"] for rank in world4]
-    # one bf16 rounding of each gradient message: close to the fp32 reference, not bit-close
-    assert_matches_reference(runs, config(4, 3, CLIP), rtol=1e-2)
-    for name in runs[0]:  # partitions {0, 1} and {2, 3} hold replicas: they must not drift apart
-        assert torch.equal(runs[0][name], runs[2][name]), name
-    fp32 = world4[0][(2, 3)]
-    assert any(not torch.equal(runs[0][n], fp32[n]) for n in fp32)  # the wire really was bf16
+    # one bf16 rounding of each gradient message: close to the fp32 reference, not bit-close;
+    # partitions {0, 1} and {2, 3} hold replicas
+    assert_compressed_run(runs, config(4, 3, CLIP), 1e-2, [[0, 2], [1, 3]], world4[0][(2, 3)])
+
+
+
+
+@pytest.mark.distributed
+def test_int8_cross_replica_all_reduce_tracks_fp32_keeps_replicas_identical_and_counts_its_bytes(world4):
+    """4 ranks as 2 nodes x 2 (replication 2), accumulation 3, clipping."""
+    per_rank = [rank["int8-cross-replica"] for rank in world4]
+    runs = [result["params"] for result in per_rank]
+    assert_compressed_run(runs, config(4, 3, CLIP), INT8_RTOL, [[0, 2], [1, 3]], world4[0][(2, 3)])
+    assert_recorded_bytes_are_the_analytic_ones(per_rank, config(4, 3, CLIP).steps)
+    # what crosses replicas: one packed int8 reduce-scatter + all-gather, (1 + 4/256) bytes per element
+    expected = per_rank[0]["expected"]
+    assert expected.by_kind["all_reduce"] == 0
+    assert expected.by_kind["reduce_scatter"] > 0 and expected.cross_replica % (INT8_BLOCK + 4) == 0
+
+
+@pytest.mark.distributed
+def test_int8_cross_replica_ring_of_three_replicas():
+    per_rank = run_ranks(_int8_across_three_replicas, 3)
+    runs = [result["params"] for result in per_rank]
+    cfg = config(3, 3, CLIP)
+    assert_matches_reference(runs, cfg, rtol=INT8_RTOL)
+    for rank in (1, 2):  # partition 1: all three ranks are replicas of the whole model
+        for name in runs[0]:
+            assert torch.equal(runs[0][name], runs[rank][name]), (rank, name)
+    assert_recorded_bytes_are_the_analytic_ones(per_rank, cfg.steps)
+    sums = [result["non-finite sum"] for result in per_rank]
+    for other in sums:  # the same on every rank (NaN included), and the NaN stays where the inf was
+        assert torch.isnan(other[5]) and torch.isfinite(other[torch.arange(other.numel()) != 5]).all()
+        torch.testing.assert_close(other, sums[0], equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.distributed

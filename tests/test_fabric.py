@@ -22,9 +22,11 @@ from distributed import run_ranks
 from lightning.fabric import Fabric
 from lightning.fabric.plugins import TorchCheckpointIO
 from toy import (
+    INT8_RTOL,
     LAYERS,
     RunConfig,
     ToyModule,
+    assert_compressed_run,
     assert_matches_reference,
     full_parameters,
     global_batches,
@@ -146,6 +148,11 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     model, optimizer = set_up(compressed, ACCUMULATING)
     train(compressed, model, optimizer, ACCUMULATING, range(6))
     out["bf16_cross_replica"] = full_parameters(model.module)
+    # ... and in blockwise int8
+    compressed = launch(partition_size=PARTITION, cross_replica_dtype="int8")
+    model, optimizer = set_up(compressed, ACCUMULATING)
+    train(compressed, model, optimizer, ACCUMULATING, range(6))
+    out["int8_cross_replica"] = full_parameters(model.module)
 
     # 1d. sharding="auto": the planner picks the degrees when the model is set up
     planned = launch(sharding="auto")
@@ -277,6 +284,12 @@ def test_bf16_cross_replica_sync_tracks_fp32_and_keeps_replicas_identical(runs):
     for name in params[0]:  # ranks 0 and 2 hold the same shard in the two replicas: no drift
         assert torch.equal(params[0][name], params[2][name]), name
     assert any(not torch.equal(params[0][n], runs[0]["accumulating"][n]) for n in params[0])  # really bf16
+
+
+@pytest.mark.distributed
+def test_int8_cross_replica_sync_tracks_fp32_and_keeps_replicas_identical(runs):
+    params = [run["int8_cross_replica"] for run in runs]
+    assert_compressed_run(params, ACCUMULATING, INT8_RTOL, [[0, 2], [1, 3]], runs[0]["accumulating"])
 
 
 @pytest.mark.distributed
@@ -493,7 +506,7 @@ def test_unsupported_precision_is_refused_naming_the_supported_ones(precision):
         ({"checkpoint_verify": "sha"}, ValueError, "checkpoint_verify='sha' is not one of"),
         ({"buffer_sync": True}, ValueError, r"buffer_sync=True is not one of \['broadcast', 'average', 'none'\]"),
         ({"grad_accumulation": "full"}, ValueError, "grad_accumulation='full' is not one of"),
-        ({"cross_replica_dtype": "int8"}, ValueError, r"cross_replica_dtype='int8' is not one of \[None, 'bf16'"),
+        ({"cross_replica_dtype": "int4"}, ValueError, r"cross_replica_dtype='int4' is not one of \[None, .*'int8'\]"),
         ({"grad_accumulation": "auto"}, ValueError, "needs the number of micro-steps .* choose 'sharded'"),
         ({"auto_wrap_policy": lambda module: True}, TypeError, r"cannot be called as policy\(name, module\)"),
         (

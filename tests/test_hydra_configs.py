@@ -17,6 +17,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 from lightning_mics import MiCSStrategy, ShardingSpec
+from lightning_mics.wire import INT8
 
 
 def options(group: str) -> list[str]:
@@ -74,6 +75,11 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
     assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
     assert strategy._async_saver is not None and strategy.checkpoint_verify == "size"
     assert strategy.grad_accumulation == "unsharded" and strategy.cross_replica_dtype == torch.bfloat16
+
+
+def test_int8_cross_replica_dtype_from_the_command_line() -> None:
+    strategy = instantiate(config("strategy.cross_replica_dtype=int8").strategy, _convert_="all")
+    assert strategy.cross_replica_dtype == "int8" and strategy.cross_replica_wire == INT8
 
 
 def test_planner_chooses_the_whole_layout_from_the_command_line() -> None:

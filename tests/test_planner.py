@@ -343,6 +343,19 @@ def test_cli_table_and_json(capsys):
     assert bf16[(8, False)]["inter_node_bytes_per_step"] < fp32[(8, False)]["inter_node_bytes_per_step"]
 
 
+def test_cli_int8_cross_replica_dtype(capsys):
+    """``lightning-mics plan --cross-replica-dtype int8``: hop 2 at 1 + 4/256 bytes per element."""
+    args = ["--cluster", "p4d", "--nodes", "2", "--params", "1.3B", "--layers", "24", "--hidden", "2048", "--seq-len",
+            "2048", "--json", "--uniform-only", "--top", "0"]
+    inter = {}
+    for wire in ("fp32", "int8"):
+        assert plan_main(args + ["--cross-replica-dtype", wire]) == 0
+        rows = json.loads(capsys.readouterr().out)["ranked"]
+        inter[wire] = {(r["partition_size"], r["hierarchical"]): r["inter_node_bytes_per_step"] for r in rows}
+    # one-node partitions: hop 2 is all the inter-node traffic, int8 sends (1 + 4/256) / 4 of fp32's
+    assert inter["int8"][(8, False)] == pytest.approx(inter["fp32"][(8, False)] * (1 + 4 / 256) / 4, rel=1e-3)
+
+
 def test_cli_errors_name_the_fix(capsys):
     with pytest.raises(SystemExit):
         plan_main(["--nodes", "2", "--params", "1B"])

@@ -50,7 +50,7 @@ def test_unsupported_precision_is_rejected_at_construction():
         ({"timeout": -5}, "timedelta or a positive number of seconds"),
         ({"checkpoint_verify": "sha"}, "checkpoint_verify='sha' is not one of \\['checksum', 'size', 'none'\\]"),
         ({"grad_accumulation": "full"}, "grad_accumulation='full' is not one of .*'unsharded' keeps full gradients"),
-        ({"cross_replica_dtype": "int8"}, "cross_replica_dtype='int8' is not one of \\[None, 'bf16', 'fp16'\\]"),
+        ({"cross_replica_dtype": "int4"}, "cross_replica_dtype='int4' is not one of \\[None, 'bf16', 'fp16', 'int8'"),
         ({"buffer_sync": "mean"}, "buffer_sync='mean' is not one of \\['broadcast', 'average', 'none'\\]"),
     ],
 )

@@ -14,6 +14,7 @@ from lm_jobs import MICRO_BATCH, SMALL_GPT, fit_small_gpt, quick_trainer
 
 from lightning_mics import MiCSStrategy, MiCSTopology
 from lightning_mics.collectives import CollectiveCall
+from lightning_mics.wire import INT8
 from lightning_mics.telemetry import (
     CROSS_REPLICA,
     INTRA_PARTITION,
@@ -71,6 +72,22 @@ def test_analytic_formula_for_one_unit_by_hand() -> None:
     assert unsharded.by_kind["all_reduce"] == got.by_kind["all_reduce"]
     with pytest.raises(ValueError, match="positive"):
         analytic_comm_bytes([unit], partition_size=2, replication_degree=2, accumulate_grad_batches=0)
+
+
+def test_analytic_formula_for_an_int8_cross_replica_hop_by_hand() -> None:
+    """The same unit with ``cross_replica_dtype="int8"``: each rank's 9-element shard is packed and cut
+    into one piece per replica, padded to whole blocks of 256 (piece 256, 2 pieces), each element 1
+    byte plus 4 per block -- one reduce-scatter and one all-gather of 2 x 260 bytes."""
+    unit = UnitShapes(shapes=((5, 3), (5,)), trainable=(True, False), reshard_after_forward=True)
+    fp32 = analytic_comm_bytes([unit], partition_size=2, replication_degree=2, accumulate_grad_batches=3)
+    got = analytic_comm_bytes(
+        [unit], partition_size=2, replication_degree=2, accumulate_grad_batches=3, **INT8.byte_model()
+    )
+    assert got.by_kind["all_reduce"] == 0
+    assert got.by_kind["reduce_scatter"] == fp32.by_kind["reduce_scatter"] + 2 * 260
+    assert got.by_kind["all_gather"] == fp32.by_kind["all_gather"] + 2 * 260
+    assert got.cross_replica == 4 * 260 and isinstance(got.cross_replica, int)
+    assert got.intra_partition == fp32.intra_partition
 
 
 def test_calls_are_split_by_the_group_they_ran_on() -> None:

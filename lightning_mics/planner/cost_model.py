@@ -203,7 +203,7 @@ def layout_schedule(
     training: TrainingSpec,
     grad_accumulation: GradAccumulation = "sharded",
     hierarchical: bool = False,
-    cross_replica_bytes: Optional[int] = None,
+    cross_replica_bytes: Optional[float] = None,
 ) -> list[Collective]:
     """The collectives one rank issues per micro-step and per optimizer step:
     :func:`lightning_mics.schedule.step_schedule` for ``model.num_units`` equal units (the last, the
@@ -213,7 +213,8 @@ def layout_schedule(
     reduce-scatter runs once (still overlapped with that backward): MiCSStrategy's
     ``grad_accumulation="unsharded"``, and FSDP1 under Lightning's ``no_sync()``. ``hierarchical``:
     partition collectives spanning nodes run in MiCS's two stages (listed as two collectives).
-    ``cross_replica_bytes``: wire width of a compressed cross-replica hop (``cross_replica_dtype``).
+    ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (``cross_replica_dtype``;
+    :attr:`lightning_mics.wire.WireFormat.element_bytes`: 2 for bf16, 1 + 4 / 256 for int8).
     """
     psi, units, b = float(model.params), model.num_units, training.bytes
     unit = psi / units
@@ -388,12 +389,13 @@ def estimate(
     training: TrainingSpec,
     hierarchical: Union[bool, Literal["auto"]] = "auto",
     grad_accumulation: GradAccumulation = "sharded",
-    cross_replica_bytes: Optional[int] = None,
+    cross_replica_bytes: Optional[float] = None,
 ) -> LayoutEstimate:
     """Predict one layout. ``hierarchical="auto"`` does what the strategy does: two-stage
     collectives whenever a group spans nodes (``False`` models flat rings, e.g. DeepSpeed ZeRO-3).
     ``grad_accumulation``: see :func:`layout_schedule` (``"unsharded"`` also models FSDP1 peers);
-    ``cross_replica_bytes``: the wire width of a compressed cross-replica hop (2 for bf16)."""
+    ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (2 for bf16,
+    1 + 4 / 256 for int8)."""
     if isinstance(layout, ShardingSpec):
         layout = layout.resolve(cluster.world_size, cluster.gpus_per_node)
     if (layout.world_size, layout.ranks_per_node) != (cluster.world_size, cluster.gpus_per_node):

@@ -23,7 +23,7 @@ def plan(
     tie_tolerance: float = 0.02,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     partition_size: Optional[int] = None,
-    cross_replica_bytes: Optional[int] = None,
+    cross_replica_bytes: Optional[float] = None,
 ) -> Plan:
     """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``; only partition size
     ``partition_size`` when given) and rank them.
@@ -123,7 +123,7 @@ def choose_layout(
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     uniform_only: bool = True,
-    cross_replica_bytes: Optional[int] = None,
+    cross_replica_bytes: Optional[float] = None,
 ) -> LayoutChoice:
     """The MiCS layout (``P = G = OS``, or any AMSP (P, G, OS) with ``uniform_only=False``; partition
     size ``partition_size`` when fixed) and accumulation mode (one mode, or ``"auto"``: both) the
@@ -230,7 +230,7 @@ def plan_layout_for(
     partition_size: Optional[int] = None,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     uniform_only: bool = True,
-    cross_replica_bytes: Optional[int] = None,
+    cross_replica_bytes: Optional[float] = None,
     cluster: Optional[ClusterSpec] = None,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
