@@ -21,6 +21,7 @@ once, so that the two cannot drift apart:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
