@@ -58,7 +58,8 @@ def _all_gathers(rank: int, world: int, sizes_kb: list[int], repeats: int) -> No
         direct_s = _time(lambda: direct_all_gather(ours, shard, None), repeats)
         if rank == 0:
             print(
-                f"{world:>5}  {size_kb:>9,}  {native_s * 1e3:>12.2f}  {direct_s * 1e3:>9.2f}  {native_s / direct_s:>7.2f}x",
+                f"{world:>5}  {size_kb:>9,}  {native_s * 1e3:>12.2f}  {direct_s * 1e3:>9.2f}  "
+                f"{native_s / direct_s:>7.2f}x",
                 flush=True,
             )
 

@@ -477,7 +477,8 @@ def test_planner_cluster_names_a_preset_a_calibration_file_or_a_spec(tmp_path):
     from lightning_mics.planner.live import describe_cluster, planner_cluster_for
 
     p4d = planner_cluster_for("p4d", world_size=16, ranks_per_node=8, device="cpu")
-    assert (p4d.nodes, p4d.gpus_per_node, p4d.inter_node_bandwidth) == (2, 8, CLUSTER_PRESETS["p4d"].inter_node_bandwidth)
+    expected = (2, 8, CLUSTER_PRESETS["p4d"].inter_node_bandwidth)
+    assert (p4d.nodes, p4d.gpus_per_node, p4d.inter_node_bandwidth) == expected
     links = tmp_path / "links.json"
     links.write_text(json.dumps(Calibration(3e9, 2e-5, 4e8, 5e-5).to_dict()))
     measured = planner_cluster_for(str(links), world_size=8, ranks_per_node=4, device="cpu")
