@@ -332,10 +332,13 @@ def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output:
     }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
+    # what the planner measured at set-up (this process's cached measurement; asked on every rank, as
+    # a measurement would be collective)
+    measured = live.planner_cluster_for("calibrate", cluster.world_size, cluster.ranks_per_node, "cpu") \
+        if spec.planned else None
     if trainer.global_rank == 0 and output is not None:
         summary = summarize(gathered, planner_choice(spec, trainer.strategy, cluster), cluster, setup)
-        if spec.planned:  # what the planner measured and why it chose the layout (the layout log's words)
-            measured = live.planner_cluster_for("calibrate", cluster.world_size, cluster.ranks_per_node, "cpu")
+        if measured is not None:  # what the planner measured and why it chose the layout (the layout log's words)
             summary["planner_cluster"] = live.describe_cluster(measured)
             summary["planner_cluster_spec"] = dataclasses.asdict(measured)
             summary["planner_reason"] = trainer.strategy._planner_reason

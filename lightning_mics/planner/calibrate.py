@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
@@ -104,6 +104,31 @@ def fit_alpha_beta(
     return alpha, 1.0 / inv_bandwidth
 
 
+def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int) -> float:
+    """Median over ``repeats`` runs (after one warm-up: connection setup, buffers) of the slowest
+    rank's seconds for ``run``, every rank starting together. A collective -- and any work every
+    rank does at once -- lasts as long as its slowest rank; every rank gets the same number."""
+    import torch
+    import torch.distributed as dist
+
+    def synchronize() -> None:
+        if getattr(device, "type", None) == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        synchronize()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed.item()))
+    return statistics.median(samples)
+
+
 def calibrate_cluster(
     topology: Any,
     payload_bytes: Sequence[int] = (1 << 12, 1 << 20, 1 << 22),
@@ -144,10 +169,6 @@ def calibrate_cluster(
     intra_handles = [dist.new_group(ranks) for ranks in intra_groups] if per_node > 1 else []
     inter_handles = [dist.new_group(ranks) for ranks in inter_groups] if world > per_node else []
 
-    def synchronize() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def timed(kind: CollectiveKind, group: Any, size: int, payload: int) -> float:
         elements = max(size, payload // 4 // size * size)  # float32, divisible by the group size
         full = torch.ones(elements, dtype=torch.float32, device=device)
@@ -159,18 +180,7 @@ def calibrate_cluster(
             else:
                 dist.all_reduce(full, group=group)
 
-        run()  # warm-up: connection setup, buffers
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            synchronize()
-            start = time.perf_counter()
-            run()
-            synchronize()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the collective lasts as long as its slowest rank
-            samples.append(float(elapsed.item()))
-        return statistics.median(samples)
+        return slowest_rank_seconds(run, device, repeats)
 
     probes: list[ProbeTiming] = []
     for scope, handles, groups in (

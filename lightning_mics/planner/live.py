@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from lightning_mics.planner.calibrate import Calibration, calibrate_cluster
+from lightning_mics.planner.calibrate import Calibration, calibrate_cluster, slowest_rank_seconds
 from lightning_mics.planner.specs import CLUSTER_PRESETS, ClusterSpec
 
 #: What ``planner_cluster`` accepts (module docstring).
@@ -140,37 +138,6 @@ def measure_cluster(base: ClusterSpec, ranks_per_node: int, device: Any) -> Clus
     )
 
 
-def _slowest(seconds: float, device: Any) -> float:
-    """The largest of every rank's ``seconds``: all ranks get the same number (and so plan alike)."""
-    import torch
-    import torch.distributed as dist
-
-    value = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _timed(fn: Any, device: Any, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after a warm-up, all ranks starting together."""
-    import torch
-    import torch.distributed as dist
-
-    def sync() -> None:
-        if getattr(device, "type", "") == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def measure_compute_flops(device: Any, repeats: int = 3) -> float:
     """FLOP/s of one rank while every rank computes: a square matrix product (fp32 512 on CPU,
     bf16 4096 on GPUs), the slowest rank's rate. Training kernels reach less than a large product,
@@ -181,7 +148,7 @@ def measure_compute_flops(device: Any, repeats: int = 3) -> float:
     size, dtype = (512, torch.float32) if on_cpu else (4096, torch.bfloat16)
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    seconds = _slowest(_timed(lambda: torch.mm(a, b), device, repeats), device)
+    seconds = slowest_rank_seconds(lambda: torch.mm(a, b), device, repeats)
     return 2 * size**3 / seconds
 
 
@@ -195,5 +162,5 @@ def measure_optimizer_bandwidth(device: Any, repeats: int = 3) -> float:
     param = torch.nn.Parameter(torch.zeros(numel, device=device))
     param.grad = torch.ones_like(param)
     optimizer = torch.optim.AdamW([param], lr=1e-3)
-    seconds = _slowest(_timed(optimizer.step, device, repeats), device)
+    seconds = slowest_rank_seconds(optimizer.step, device, repeats)
     return numel * (2 * 4 + 4 + 2 * 4) / seconds
