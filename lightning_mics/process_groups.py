@@ -9,6 +9,8 @@ both strategies (Trainer and Fabric) take to join the world and talk across it.
 
 from __future__ import annotations
 
+import atexit
+import time
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -83,8 +85,44 @@ def join_world(
     kwargs: dict[str, Any] = {"timeout": timeout}
     if backend == "nccl":
         kwargs["device_id"] = device  # eager NCCL init bound to this GPU (not for gloo on CUDA)
+    created_here = not compat.distributed_is_initialized()
     compat.init_dist_connection(cluster_environment, backend, **kwargs)
+    if created_here:
+        _leave_world_at_exit()
     return backend
+
+
+_leaving_at_exit_registered = False
+
+
+def _leave_world_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, for every backend (Lightning does it
+    only for NCCL).
+
+    Why gloo needs it too: gloo's worker thread drops its reference to a finished collective's
+    tensors just *after* waking the caller, and with torch 2.13 dropping a tensor Python has seen
+    takes the GIL. If the program's last collective (LightningCLI's ``trainer.log_dir`` broadcast)
+    is followed at once by interpreter shutdown, that thread meets a finalizing interpreter and the
+    process aborts ("terminate called without an active exception", exit -6) after a successful
+    run -- about one exit in seven on the LightningCLI job. Giving the workers a moment to finish
+    that release before tearing the groups down closes the window."""
+    global _leaving_at_exit_registered
+    if not _leaving_at_exit_registered:
+        atexit.register(_destroy_world_if_alive)
+        _leaving_at_exit_registered = True
+
+
+#: How long to let a gloo worker thread finish releasing its last collective at exit (it needs only
+#: microseconds once scheduled; the margin is for loaded machines).
+_GLOO_WORKER_SETTLE_SECONDS = 0.05
+
+
+def _destroy_world_if_alive() -> None:
+    if not compat.distributed_is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        time.sleep(_GLOO_WORKER_SETTLE_SECONDS)
+    dist.destroy_process_group()
 
 
 def barrier(device: torch.device) -> None:
