@@ -88,14 +88,15 @@ def join_world(
     created_here = not compat.distributed_is_initialized()
     compat.init_dist_connection(cluster_environment, backend, **kwargs)
     if created_here:
-        _leave_world_at_exit()
+        _leave_world_at_exit(backend)
     return backend
 
 
-_leaving_at_exit_registered = False
+#: The backends this process has joined a world with (a Hydra multirun joins once per job).
+_backends_joined: set[str] = set()
 
 
-def _leave_world_at_exit() -> None:
+def _leave_world_at_exit(backend: str) -> None:
     """Destroy the process groups when the interpreter exits, for every backend (Lightning does it
     only for NCCL).
 
@@ -106,10 +107,9 @@ def _leave_world_at_exit() -> None:
     process aborts ("terminate called without an active exception", exit -6) after a successful
     run -- about one exit in seven on the LightningCLI job. Giving the workers a moment to finish
     that release before tearing the groups down closes the window."""
-    global _leaving_at_exit_registered
-    if not _leaving_at_exit_registered:
-        atexit.register(_destroy_world_if_alive)
-        _leaving_at_exit_registered = True
+    if not _backends_joined:
+        atexit.register(_leave_world)
+    _backends_joined.add(backend)
 
 
 #: How long to let a gloo worker thread finish releasing its last collective at exit (it needs only
@@ -117,12 +117,12 @@ def _leave_world_at_exit() -> None:
 _GLOO_WORKER_SETTLE_SECONDS = 0.05
 
 
-def _destroy_world_if_alive() -> None:
-    if not compat.distributed_is_initialized():
-        return
-    if dist.get_backend() == "gloo":
+def _leave_world() -> None:
+    # also when the program destroyed the world itself: the race is with the last collective
+    if "gloo" in _backends_joined:
         time.sleep(_GLOO_WORKER_SETTLE_SECONDS)
-    dist.destroy_process_group()
+    if compat.distributed_is_initialized():
+        dist.destroy_process_group()
 
 
 def barrier(device: torch.device) -> None:
