@@ -473,8 +473,10 @@ def quantized_all_reduce_(tensor: torch.Tensor, group: Any, block: int = wire_co
     gathered = torch.empty(n * message, dtype=torch.uint8, device=wire_device)
     all_gather_flat(gathered, mine, group)
     gathered = gathered.to(tensor.device).view(n, message)
-    summed = torch.cat([wire_codec.decode(gathered[i], piece, block) for i in range(n)])
-    flat.copy_(summed[: flat.numel()])
+    for i in range(n):  # decode each piece straight into its place (the padding is dropped)
+        start, end = i * piece, min(flat.numel(), (i + 1) * piece)
+        if start < end:
+            flat[start:end].copy_(wire_codec.decode(gathered[i], piece, block)[: end - start])
 
 
 class _PlainAllocation:

@@ -127,3 +127,15 @@ def test_layout_comparison_and_log_name_the_format() -> None:
     assert settings(INT8) == settings(resolve_wire_format("int8"))
     assert str(WIRE_FORMATS["bf16"]) == "torch.bfloat16"  # the layout log line as it always read
     assert str(INT8) == "int8 (blocks of 256 with one fp32 scale, 1.016 bytes per element)"
+
+
+def test_a_finite_block_gets_the_same_codes_whether_or_not_another_block_is_not_finite() -> None:
+    # quantize_blocks takes a shortcut when every block is finite; both paths must agree
+    torch.manual_seed(0)
+    finite_block = torch.randn(B) * 3
+    clean = torch.cat([finite_block, torch.randn(B)])
+    dirty = torch.cat([finite_block, torch.full((B,), math.nan)])
+    clean_codes, clean_scales = wire.quantize_blocks(clean)
+    dirty_codes, dirty_scales = wire.quantize_blocks(dirty)
+    assert torch.equal(clean_codes[0], dirty_codes[0]) and torch.equal(clean_scales[0], dirty_scales[0])
+    assert torch.all(dirty_codes[1] == -128)
