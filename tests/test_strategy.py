@@ -425,3 +425,36 @@ def test_sync_batchnorm_on_cpu_ranks_is_refused_not_ignored() -> None:
         pl.Trainer(accelerator="cpu", devices=2, strategy="mics", sync_batchnorm=True, logger=False)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="mics", logger=False)  # the default stays accepted
     assert trainer.strategy._layer_sync is None
+
+
+_EXIT_PROBE = """
+import atexit, os, socket
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning_mics.process_groups import join_world
+
+# registered before join_world, so it runs after the strategy's exit hook (atexit is LIFO)
+atexit.register(lambda: print("world alive at exit:", dist.is_available() and dist.is_initialized(), flush=True))
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]), WORLD_SIZE="1", RANK="0")
+environment = LightningEnvironment()
+print("backend:", join_world(environment, torch.device("cpu"), None, timedelta(seconds=60)), flush=True)
+payload = [{"log_dir": "x"}]
+dist.broadcast_object_list(payload, src=0)  # the last collective, then straight to exit
+"""
+
+
+def test_a_gloo_world_is_left_at_interpreter_exit() -> None:
+    """Why: gloo's worker releases the last collective's tensors after waking the caller; meeting a
+    finalizing interpreter there aborted the LightningCLI job (-6) after a successful run. The
+    strategy's exit hook lets the worker settle and destroys the world before finalization."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "backend: gloo" in done.stdout
+    assert "world alive at exit: False" in done.stdout, done.stdout
