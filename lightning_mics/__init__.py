@@ -1,6 +1,6 @@
 """lightning-mics: MiCS (and AMSP-style) sharded training as a PyTorch Lightning strategy.
 
-Importing the package registers the strategy names ``"mics"``, ``"mics_zero3"`` and
+Importing the package registers the strategy names ``"mics"``, ``"mics_auto"``, ``"mics_zero3"`` and
 ``"mics_replicate"`` with Lightning's Trainer and with Fabric (each has its own registry), so
 ``Trainer(strategy="mics")`` and ``Fabric(strategy="mics")`` work after ``import lightning_mics``.
 """

@@ -62,6 +62,7 @@ from lightning_mics.grad_sync import (
 )
 from lightning_mics.layout import (
     MiCSLayout,
+    ShardingOption,
     accumulation_context,
     build_layout,
     check_layout,
@@ -69,10 +70,10 @@ from lightning_mics.layout import (
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
+    register_strategy_names,
     resolve_layout,
     resolve_ranks_per_node,
     shard_module,
-    ShardingOption,
     shard_optimizer_states,
     validate_options,
 )
@@ -716,15 +717,7 @@ class MiCSStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "mics", cls, description="MiCS: shard inside one node, replicate across nodes, 2-hop gradient sync"
-        )
-        strategy_registry.register(
-            "mics_zero3", cls, description="MiCS strategy sharding across all ranks (ZeRO-3)", partition_size="world"
-        )
-        strategy_registry.register(
-            "mics_replicate", cls, description="MiCS strategy without sharding (DDP-like)", partition_size=1
-        )
+        register_strategy_names(strategy_registry, cls, knows_accumulation=False)
 
 
 class _MiCSBackwardSyncControl(compat.BackwardSyncControl):

@@ -42,6 +42,7 @@ from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import BufferSync, sync_buffers
+from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
@@ -52,6 +53,7 @@ from lightning_mics.layout import (
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
+    register_strategy_names,
     resolve_layout,
     resolve_ranks_per_node,
     shard_module,
@@ -59,7 +61,6 @@ from lightning_mics.layout import (
     uses_hierarchical_collectives,
     validate_options,
 )
-from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, fsdp_units
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.planner.live import PlannerCluster
 from lightning_mics.precision import MiCSPrecision
@@ -825,13 +826,5 @@ class MiCSStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "mics", cls, description="MiCS: shard inside one node, replicate across nodes, 2-hop gradient sync"
-        )
-        strategy_registry.register(
-            "mics_zero3", cls, description="MiCS strategy sharding across all ranks (ZeRO-3)", partition_size="world"
-        )
-        strategy_registry.register(
-            "mics_replicate", cls, description="MiCS strategy without sharding (DDP-like)", partition_size=1
-        )
+        register_strategy_names(strategy_registry, cls, knows_accumulation=True)
 

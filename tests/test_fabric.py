@@ -473,11 +473,16 @@ def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name)
 
 
-@pytest.mark.parametrize(("name", "partition_spec"), [("mics", None), ("mics_zero3", "world"), ("mics_replicate", 1)])
+@pytest.mark.parametrize(
+    ("name", "partition_spec"), [("mics", None), ("mics_zero3", "world"), ("mics_replicate", 1), ("mics_auto", None)]
+)
 def test_registered_names_build_the_fabric_strategy(name, partition_spec):
     fabric = Fabric(strategy=name, accelerator="cpu", devices=2)
     assert type(fabric.strategy) is MiCSFabricStrategy
     assert fabric.strategy.partition_size_spec == partition_spec
+    planned = (fabric.strategy.sharding, fabric.strategy.grad_accumulation, fabric.strategy.planner_cluster)
+    # Fabric does not know the accumulation count: the planner picks the degrees, accumulation stays sharded
+    assert planned == (("auto", "sharded", "calibrate") if name == "mics_auto" else (None, "sharded", None))
     assert lightning_mics.fabric.MiCSStrategy is MiCSFabricStrategy
 
 

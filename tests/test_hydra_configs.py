@@ -35,7 +35,7 @@ def config(*overrides: str) -> DictConfig:
 
 
 def test_every_group_has_its_options() -> None:
-    assert options("strategy") == ["fsdp_hybrid", "mics", "replicate", "zero3"]
+    assert options("strategy") == ["fsdp_hybrid", "mics", "mics_auto", "replicate", "zero3"]
     assert {"gpt_tiny", "gpt_small", "gpt_xl"} <= set(options("model"))
     assert options("trainer") == ["cpu", "gpu"]
     assert "pydoc" in options("data")
@@ -55,6 +55,12 @@ def test_defaults_are_mics_on_four_cpu_ranks_as_two_nodes() -> None:
 def test_mics_strategy_options(option: str, partition_size: object) -> None:
     strategy = instantiate(config(f"strategy={option}").strategy, _convert_="all")
     assert isinstance(strategy, MiCSStrategy) and strategy.partition_size_spec == partition_size
+
+
+def test_mics_auto_option_plans_the_layout_for_the_measured_cluster() -> None:
+    strategy = instantiate(config("strategy=mics_auto").strategy, _convert_="all")
+    assert isinstance(strategy, MiCSStrategy) and strategy.partition_size_spec is None
+    assert (strategy.sharding, strategy.grad_accumulation_spec, strategy.planner_cluster) == ("auto", "auto", "calibrate")
 
 
 def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:

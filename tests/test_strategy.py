@@ -19,13 +19,15 @@ from lightning_mics.wrapping import check_reshard_group
 
 
 @pytest.mark.parametrize(
-    ("name", "partition_spec"), [("mics", None), ("mics_zero3", "world"), ("mics_replicate", 1)]
+    ("name", "partition_spec"), [("mics", None), ("mics_zero3", "world"), ("mics_replicate", 1), ("mics_auto", None)]
 )
 def test_registered_names_build_the_strategy(name, partition_spec):
     trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, MiCSStrategy)
     assert trainer.strategy.partition_size_spec == partition_spec
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    planned = (trainer.strategy.sharding, trainer.strategy.grad_accumulation_spec, trainer.strategy.planner_cluster)
+    assert planned == (("auto", "auto", "calibrate") if name == "mics_auto" else (None, "sharded", None))
 
 
 def test_precision_flags_become_the_mics_plugin():
