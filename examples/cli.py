@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the ``examples`` package 
 
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
-import lightning_mics  # noqa: F401,E402  (registers strategy="mics", "mics_zero3", "mics_replicate")
+import lightning_mics  # noqa: F401,E402  (registers strategy="mics", "mics_auto", "mics_zero3", "mics_replicate")
 from examples.console import configure_console, format_summary  # noqa: E402
 from examples.memory_check import check_fits_memory  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTLightningModule  # noqa: E402
