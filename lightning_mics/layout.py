@@ -409,6 +409,15 @@ def resolve_layout(
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
+    if topology.partition_size == 1 and grad_accumulation == "sharded":
+        # A gradient "shard" of a one-rank partition is the whole gradient: both modes hold full
+        # gradients between micro-steps, but "sharded" copies each micro-step's gradients through
+        # FSDP2's one-rank reduce-scatter. Emulated cluster, partition 1: 2.33 -> 2.01 s per step.
+        grad_accumulation = "unsharded"
+        planner_reason = planner_reason or (
+            "partition of 1: gradients are full-size in either mode, so they accumulate in place "
+            "instead of through a one-rank reduce-scatter every micro-step"
+        )
     if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_wire is not None:
         raise ValueError(
             "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
