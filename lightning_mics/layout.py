@@ -110,7 +110,6 @@ def register_strategy_names(strategy_registry: Any, strategy_class: type, knows_
         strategy_registry.register(name, strategy_class, description=description, **options)
 
 
-
 def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
     """Collective timeouts are ``timedelta``s in torch; a plain number is taken as seconds."""
     if timeout is None or isinstance(timeout, timedelta):

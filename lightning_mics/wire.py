@@ -121,18 +121,16 @@ def quantize_blocks(x: Tensor, block: int = INT8_BLOCK) -> tuple[Tensor, Tensor]
         flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
     blocks = flat.view(-1, block)
     scales = blocks.abs().amax(dim=1)  # inf or NaN in a block makes its absmax non-finite
-    if bool(torch.isfinite(scales).all()):
-        # the usual case, in fewer passes over the data (the same codes as the general path)
-        scales = scales / _QMAX
-        divisor = torch.where(scales > 0, scales, torch.ones((), dtype=scales.dtype, device=scales.device))
-        codes = torch.div(blocks, divisor[:, None]).round_().clamp_(-_QMAX, _QMAX)
-        return codes.to(torch.int8), scales
-    finite = torch.isfinite(blocks)
-    magnitudes = torch.where(finite, blocks.abs(), torch.zeros((), dtype=blocks.dtype, device=blocks.device))
-    scales = magnitudes.amax(dim=1) / _QMAX
+    finite = None
+    if not bool(torch.isfinite(scales).all()):  # rare: only then mask the non-finite elements out
+        finite = torch.isfinite(blocks)
+        blocks = torch.where(finite, blocks, torch.zeros((), dtype=blocks.dtype, device=blocks.device))
+        scales = blocks.abs().amax(dim=1)
+    scales = scales / _QMAX
     divisor = torch.where(scales > 0, scales, torch.ones((), dtype=scales.dtype, device=scales.device))
-    codes = torch.round(torch.where(finite, blocks, 0.0) / divisor[:, None]).clamp_(-_QMAX, _QMAX)
-    codes = torch.where(finite, codes, float(_NONFINITE_CODE))
+    codes = torch.div(blocks, divisor[:, None]).round_().clamp_(-_QMAX, _QMAX)
+    if finite is not None:
+        codes = torch.where(finite, codes, float(_NONFINITE_CODE))
     return codes.to(torch.int8), scales
 
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import lightning.pytorch as pl
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import free_port, run_ranks
 from toy import RunConfig, ToyModule, fit_with_mics, full_parameters, lm_loss, trainer_kwargs
 
 import lightning_mics  # noqa: F401  (registers the strategy names)
@@ -430,7 +430,7 @@ def test_sync_batchnorm_on_cpu_ranks_is_refused_not_ignored() -> None:
 
 
 _EXIT_PROBE = """
-import atexit, os, socket
+import atexit
 from datetime import timedelta
 import torch
 import torch.distributed as dist
@@ -439,9 +439,6 @@ from lightning_mics.process_groups import join_world
 
 # registered before join_world, so it runs after the strategy's exit hook (atexit is LIFO)
 atexit.register(lambda: print("world alive at exit:", dist.is_available() and dist.is_initialized(), flush=True))
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(probe.getsockname()[1]), WORLD_SIZE="1", RANK="0")
 environment = LightningEnvironment()
 print("backend:", join_world(environment, torch.device("cpu"), None, timedelta(seconds=60)), flush=True)
 payload = [{"log_dir": "x"}]
@@ -456,7 +453,9 @@ def test_a_gloo_world_is_left_at_interpreter_exit() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], capture_output=True, text=True, timeout=120)
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0"}
+    env = {**os.environ, **world}
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "backend: gloo" in done.stdout
     assert "world alive at exit: False" in done.stdout, done.stdout
