@@ -4,8 +4,8 @@ The Trainer strategy (:mod:`lightning_mics.strategy`) and the Fabric strategy
 (:mod:`lightning_mics.fabric`) differ only in *when* Lightning calls them; *what* they do is here,
 once, so that the two cannot drift apart:
 
-* :func:`validate_options` / :func:`check_layout` -- the constructor's and the pre-launch checks,
-  one clear error each;
+* :func:`check_layout` -- the pre-launch check (the options themselves are checked when
+  :class:`~lightning_mics.options.MiCSOptions` is created), one clear error each;
 * :func:`resolve_layout` -> :class:`LayoutSettings` -> :func:`build_layout` -> :class:`MiCSLayout` --
   the layout resolved from the options (no groups yet, comparable with an earlier strategy's), then
   the (replicate, shard) device mesh, AMSP's optimizer-state groups and the hierarchical sub-groups,
@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_mics import checkpoint as ckpt
-from lightning_mics.buffer_sync import check_buffer_sync
 from lightning_mics.collectives import (
     HierarchicalGroups,
     create_hierarchical_groups,
@@ -51,7 +50,8 @@ from lightning_mics.grad_sync import (
     defer_gradient_sync,
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
-from lightning_mics.planner.live import PlannerCluster, check_planner_cluster, describe_cluster, planner_cluster_for
+from lightning_mics.options import Hierarchical, ShardingOption
+from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
@@ -63,14 +63,10 @@ from lightning_mics.wrapping import (
     broadcast_shards_across_replicas,
     check_reshard_group,
     has_meta_tensors,
-    make_wrap_predicate,
     materialize_meta_module,
     shard_model,
 )
 
-Hierarchical = Union[bool, Literal["auto"]]
-#: What users may pass as ``sharding``: a spec, ``"auto"`` (the planner picks every degree) or ``None``.
-ShardingOption = Union[ShardingSpec, Literal["auto"], None]
 #: ``plan_layout(ranks_per_node, fixed partition size or None, grad_accumulation spec, uniform_only)``
 #: -> the planner's :class:`~lightning_mics.planner.LayoutChoice` (``partition_size``,
 #: ``grad_accumulation``, ``reason``, and ``estimate.layout``: the chosen (P, G, OS)).
@@ -108,80 +104,6 @@ def register_strategy_names(strategy_registry: Any, strategy_class: type, knows_
         if not knows_accumulation and options.get("grad_accumulation") == "auto":
             options = {key: value for key, value in options.items() if key != "grad_accumulation"}
         strategy_registry.register(name, strategy_class, description=description, **options)
-
-
-def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
-    """Collective timeouts are ``timedelta``s in torch; a plain number is taken as seconds."""
-    if timeout is None or isinstance(timeout, timedelta):
-        return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
-        return timedelta(seconds=timeout)
-    raise ValueError(
-        f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds, e.g. timeout=1800."
-    )
-
-
-def validate_options(
-    *,
-    partition_size: PartitionSizeSpec,
-    ranks_per_node: Optional[int],
-    auto_wrap_policy: AutoWrapPolicy,
-    reshard_after_forward: Union[bool, int],
-    sharding: ShardingOption,
-    grad_accumulation: str,
-    activation_checkpointing_policy: AutoWrapPolicy,
-    prefetch_depth: int,
-    hierarchical: Hierarchical,
-    timeout: Union[timedelta, float, None],
-    checkpoint_verify: str,
-    buffer_sync: str,
-    planner_cluster: PlannerCluster = None,
-) -> Optional[timedelta]:
-    """Refuse malformed strategy options when the strategy is built -- not in every rank after launch.
-
-    Layout rules that need the world size (a partition size that does not divide it, ...) are
-    checked by :func:`check_layout` once the launcher knows it. Returns the timeout as a ``timedelta``.
-    """
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-    ):
-        raise ValueError(
-            f"ranks_per_node must be a positive int or None (detect from the launcher), got {ranks_per_node!r}"
-            + (f"; write ranks_per_node={int(ranks_per_node)}." if str(ranks_per_node).isdigit() else ".")
-        )
-    if not isinstance(reshard_after_forward, (bool, int)) or (
-        not isinstance(reshard_after_forward, bool) and reshard_after_forward < 1
-    ):
-        raise ValueError(
-            f"reshard_after_forward={reshard_after_forward!r} must be True, False or a positive group size."
-        )
-    make_wrap_predicate(auto_wrap_policy)  # a malformed policy fails here, not at setup
-    if activation_checkpointing_policy is not True:
-        make_wrap_predicate(activation_checkpointing_policy)
-    timeout = as_timedelta(timeout)
-    if sharding is not None and (partition_size is not None or reshard_after_forward is not True):
-        raise ValueError(
-            "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
-            "grads degree is the partition size and its params degree sets the reshard group."
-        )
-    if sharding is not None and sharding != "auto" and not isinstance(sharding, ShardingSpec):
-        raise TypeError(
-            f"sharding must be a lightning_mics.ShardingSpec or 'auto' (the planner picks every degree), got "
-            f"{sharding!r}."
-        )
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise ValueError(f"prefetch_depth must be a non-negative int, got {prefetch_depth!r}.")
-    if hierarchical not in (True, False, "auto"):
-        raise ValueError(f"hierarchical must be True, False or 'auto', got {hierarchical!r}.")
-    check_grad_accumulation(grad_accumulation, allow_auto=True)
-    if checkpoint_verify not in ckpt.VERIFY_MODES:
-        raise ValueError(
-            f"checkpoint_verify={checkpoint_verify!r} is not one of {list(ckpt.VERIFY_MODES)}: 'checksum' checks "
-            "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
-        )
-    check_buffer_sync(buffer_sync)
-    check_planner_cluster(planner_cluster, plans="auto" in (partition_size, sharding, grad_accumulation))
-    return timeout
 
 
 def check_layout(
@@ -381,22 +303,12 @@ def resolve_layout(
     given -- without creating any process group (:func:`build_layout` creates them), so that a
     strategy can compare it with the layout of a model sharded before."""
     planner_reason = None
-    planned_partition = sharding is None and partition_size == "auto"
-    if sharding == "auto" or planned_partition or grad_accumulation == "auto":
+    if sharding == "auto" or (sharding is None and partition_size == "auto") or grad_accumulation == "auto":
         if plan_layout is None:
             raise ValueError("'auto' layouts need the model: they are planned when the model is set up.")
-        fixed = None
-        if isinstance(sharding, ShardingSpec):
-            fixed = sharding.resolve(world_size, ranks_per_node).partition_size
-        elif sharding is None and partition_size != "auto":
-            fixed = MiCSTopology.create(world_size, ranks_per_node, partition_size).partition_size
-        choice = plan_layout(ranks_per_node, fixed, grad_accumulation, sharding != "auto")
-        if sharding == "auto":
-            chosen = choice.estimate.layout
-            sharding = ShardingSpec(params=chosen.params, grads=chosen.grads, optim=chosen.optim)
-        elif sharding is None:
-            partition_size = choice.partition_size
-        grad_accumulation, planner_reason = choice.grad_accumulation, choice.reason
+        sharding, partition_size, grad_accumulation, planner_reason = _planned(
+            plan_layout, world_size, ranks_per_node, partition_size, sharding, grad_accumulation
+        )
     check_grad_accumulation(grad_accumulation)
     optim_degree: Optional[int] = None
     keep_params_within_step = False
@@ -409,14 +321,7 @@ def resolve_layout(
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
-        # A gradient "shard" of a one-rank partition is the whole gradient: both modes hold full
-        # gradients between micro-steps, but "sharded" copies each micro-step's gradients through
-        # FSDP2's one-rank reduce-scatter. Emulated cluster, partition 1: 2.33 -> 2.01 s per step.
-        grad_accumulation = "unsharded"
-        planner_reason = planner_reason or (
-            "partition of 1: gradients are full-size in either mode, so they accumulate in place "
-            "instead of through a one-rank reduce-scatter every micro-step"
-        )
+        grad_accumulation, planner_reason = "unsharded", planner_reason or ONE_RANK_PARTITION_REASON
     if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_wire is not None:
         raise ValueError(
             "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
@@ -436,6 +341,40 @@ def resolve_layout(
         backend=backend,
         planner_reason=planner_reason,
     )
+
+
+#: A gradient "shard" of a one-rank partition is the whole gradient: both modes hold full gradients
+#: between micro-steps, but "sharded" copies each micro-step's gradients through FSDP2's one-rank
+#: reduce-scatter. Emulated cluster, partition 1: 2.33 -> 2.01 s per step.
+ONE_RANK_PARTITION_REASON = (
+    "partition of 1: gradients are full-size in either mode, so they accumulate in place "
+    "instead of through a one-rank reduce-scatter every micro-step"
+)
+
+
+def _planned(
+    plan_layout: LayoutPlanner,
+    world_size: int,
+    ranks_per_node: int,
+    partition_size: PartitionSizeSpec,
+    sharding: ShardingOption,
+    grad_accumulation: str,
+) -> tuple[ShardingOption, PartitionSizeSpec, str, str]:
+    """``"auto"`` settings through the planner, the explicit ones kept: (sharding, partition size,
+    accumulation mode, the planner's reason). A fixed partition (a spec's grads degree, an explicit size)
+    is passed on so that the planner only chooses what is left to it."""
+    fixed = None
+    if isinstance(sharding, ShardingSpec):
+        fixed = sharding.resolve(world_size, ranks_per_node).partition_size
+    elif sharding is None and partition_size != "auto":
+        fixed = MiCSTopology.create(world_size, ranks_per_node, partition_size).partition_size
+    choice = plan_layout(ranks_per_node, fixed, grad_accumulation, sharding != "auto")
+    if sharding == "auto":
+        chosen = choice.estimate.layout
+        sharding = ShardingSpec(params=chosen.params, grads=chosen.grads, optim=chosen.optim)
+    elif sharding is None:
+        partition_size = choice.partition_size
+    return sharding, partition_size, choice.grad_accumulation, choice.reason
 
 
 def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCSLayout:
@@ -569,12 +508,7 @@ def shard_module(
         compile_blocks=compile_blocks,
         prefetch_depth=prefetch_depth,
     )
-    if layout.hierarchical_groups is not None:
-        install_hierarchical_collectives(units, layout.hierarchical_groups)
-    elif layout.backend == "gloo":
-        install_ring_reduce_scatter(units)
-        if not layout.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
-            install_direct_all_gather(units)
+    install_layout_collectives(units, layout)
     if on_meta:
         materialize_meta_module(module, device)
     root.to(device)  # buffers and anything FSDP did not own
@@ -582,6 +516,18 @@ def shard_module(
         mesh = layout.device_mesh
         broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None)
     return units
+
+
+def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout) -> None:
+    """The collectives ``layout`` needs instead of FSDP2's own: two-stage ones for partitions that span
+    nodes; on gloo a ring reduce-scatter (gloo's own is an all-reduce: twice the bytes) and, inside one
+    node, a direct-exchange all-gather."""
+    if layout.hierarchical_groups is not None:
+        install_hierarchical_collectives(units, layout.hierarchical_groups)
+    elif layout.backend == "gloo":
+        install_ring_reduce_scatter(units)
+        if not layout.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
+            install_direct_all_gather(units)
 
 
 def shard_optimizer_states(

@@ -20,7 +20,7 @@ keeps numerically sensitive ops such as softmax/cross-entropy in fp32.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 
@@ -152,3 +152,21 @@ class MiCSFabricPrecision(FabricFSDPPrecision):
 
 #: Plugins Fabric builds from ``Fabric(precision=...)`` that carry nothing but the flag.
 _FABRIC_CONVERTIBLE = (FabricPrecision, FabricHalfPrecision, FabricMixedPrecision, FabricFSDPPrecision)
+
+
+def precision_property(storage: str, plugin_class: Any, default: Callable[[], Any]) -> property:
+    """The strategy attribute Lightning reads and sets the precision plugin through (the Trainer's
+    ``precision_plugin``, Fabric's ``precision``), always holding ``plugin_class``: the generic plugin the
+    framework built from its precision flag (``default()`` when none) is converted on the way in."""
+
+    def get(strategy: Any) -> Any:
+        plugin = getattr(strategy, storage)
+        if not isinstance(plugin, plugin_class):
+            plugin = plugin_class.from_plugin(plugin or default())
+            setattr(strategy, storage, plugin)
+        return plugin
+
+    def set_(strategy: Any, plugin: Any) -> None:
+        setattr(strategy, storage, None if plugin is None else plugin_class.from_plugin(plugin))
+
+    return property(get, set_)

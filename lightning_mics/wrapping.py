@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,22 @@ WrapPredicate = Callable[[str, nn.Module], bool]
 #: :func:`plan_wrapping`), module classes, a callable predicate, or ``False``/empty to wrap only the root.
 AutoWrapPolicy = Union[None, bool, type[nn.Module], Iterable[type[nn.Module]], WrapPredicate]
 
+
+
+class RootUnit(nn.Module):
+    """The FSDP2 root unit around a LightningModule.
+
+    Lightning calls ``training_step`` rather than ``forward``; routing the call through this
+    wrapper's ``forward`` (Lightning's forward redirection) makes FSDP2's root hooks run, which
+    unshard the parameters owned directly by the LightningModule and drive the backward hooks.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
 
 def wrap_module_list_children(name: str, module: nn.Module, parent: nn.Module | None = None) -> bool:
     """Default predicate: wrap every child of an ``nn.ModuleList`` that owns parameters."""
@@ -516,3 +533,56 @@ def broadcast_shards_across_replicas(module: nn.Module, replica_group: dist.Proc
                 dist.broadcast(compat.local_tensor(tensor), dist.get_global_rank(replica_group, 0), group=replica_group)
         else:
             dist.broadcast(tensor.data, 0)
+
+
+class ShardRegistry:
+    """Which sharded parameter replaced which original, and which model each shard belongs to.
+
+    ``fully_shard`` registers new DTensor parameters under the old names, so an optimizer created from
+    the model before it was sharded (Fabric's ``fabric.setup(model, optimizer)``) still holds the originals;
+    this points it at the shards. Originals are held weakly (an id alone could be reused by a new tensor)."""
+
+    def __init__(self) -> None:
+        self._shard_of: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        self._model_of: dict[int, nn.Module] = {}
+
+    def originals(self, module: nn.Module) -> dict[int, tuple[weakref.ref, str]]:
+        """Taken before sharding ``module``, for :meth:`record`."""
+        return {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}
+
+    def record(self, module: nn.Module, originals: dict[int, tuple[weakref.ref, str]]) -> None:
+        """After sharding ``module``: remember each original's shard, and the model of each shard."""
+        shards = dict(module.named_parameters())
+        for pid, (ref, name) in originals.items():
+            if name in shards:
+                self._shard_of[pid] = (ref, shards[name])
+        self._model_of.update({id(shard): module for shard in shards.values()})
+
+    def models_of(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
+        """The recorded models whose shards ``optimizer`` steps, each once."""
+        models = (self._model_of.get(id(p)) for group in optimizer.param_groups for p in group["params"])
+        return list({id(m): m for m in models if m is not None}.values())
+
+    def point_at_shards(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replace the original parameters in ``optimizer``'s groups by their shards."""
+        if all(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
+            return
+        if any(optimizer.state.values()):
+            raise ValueError(
+                "The optimizer already has state (it has stepped) for parameters of the unsharded model, which "
+                "cannot be sharded. Create the optimizer afresh and pass it to fabric.setup(model, optimizer); load "
+                "saved optimizer states with fabric.load(path, {'model': model, 'optimizer': optimizer})."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [p if isinstance(p, DTensor) else self._shard(p) for p in group["params"]]
+
+    def _shard(self, param: Tensor) -> nn.Parameter:
+        ref, shard = self._shard_of.get(id(param), (None, None))
+        if ref is None or ref() is not param or shard is None:
+            raise ValueError(
+                f"The optimizer holds a parameter of shape {tuple(param.shape)} that belongs to no model set up by "
+                "MiCSStrategy. Create the optimizer from the model's parameters and set both up together, "
+                "`model, optimizer = fabric.setup(model, optimizer)`, or create it after "
+                "`model = fabric.setup_module(model)`."
+            )
+        return shard

@@ -79,7 +79,7 @@ def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:
     )
     assert strategy.sharding == ShardingSpec("node", "node", "world")
     assert (strategy.hierarchical, strategy.prefetch_depth, strategy.activation_checkpointing_policy) == (False, 2, True)
-    assert strategy._async_saver is not None and strategy.checkpoint_verify == "size"
+    assert strategy.engine.async_saver is not None and strategy.checkpoint_verify == "size"
     assert strategy.grad_accumulation == "unsharded" and strategy.cross_replica_dtype == torch.bfloat16
 
 

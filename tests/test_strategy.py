@@ -70,7 +70,7 @@ def test_policy_callable_with_the_wrong_signature_is_refused_at_construction(opt
 
 
 def test_timeout_in_seconds_is_accepted():
-    assert MiCSStrategy(timeout=30)._timeout == timedelta(seconds=30)
+    assert MiCSStrategy(timeout=30).options.timeout_delta == timedelta(seconds=30)
     with pytest.raises(TypeError, match="async_save must be True or False"):
         MiCSStrategy(async_save="yes")
 

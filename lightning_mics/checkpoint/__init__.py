@@ -23,6 +23,8 @@ One module per concern:
   metadata classes, DCP's non-tensor entries through weights-only planners.
 * :mod:`.loading` -- all-or-nothing loads onto any mesh (other world or partition size) or into a
   plain module in one process; :func:`read_full_state` for consolidation.
+* :mod:`.fabric_entries` -- ``fabric.save``'s entries beside the model and optimizers, in the
+  Trainer's format (a Fabric save resumes in the Trainer and back).
 * :mod:`.from_checkpoint` -- ``LightningModule.load_from_checkpoint`` for sharded directories too.
 * :mod:`.state_dicts`, :mod:`.rng`, :mod:`.coordination` -- state dicts of sharded modules, RNG
   states, and the few collectives (no-ops without ``torch.distributed``).

@@ -1,0 +1,578 @@
+"""One MiCS run's state and behaviour, under both Lightning front ends.
+
+:class:`MiCSEngine` owns what a run holds -- the options, the process-group backend, the layout, the
+hooks around optimizer steps (hop 2 in a compressed wire format, or AMSP optimizer states sharded across
+replicas), the background checkpoint saver -- and does everything with them: check a layout before the
+launcher starts ranks, join the world, resolve and build the layout, shard a module, attach optimizers,
+bracket their steps, sync buffers, save, load and remove checkpoints, tear down.
+
+The Trainer's :class:`lightning_mics.MiCSStrategy` and Fabric's :class:`lightning_mics.MiCSFabricStrategy`
+each hold one engine and only map their framework's hooks onto it; :class:`MiCSFrontEnd` is what both
+expose in the same way (devices, layout, the options as attributes). Lightning's own FSDP pair shares its
+mechanics through module functions and still repeats much; one object that both hold leaves nothing to repeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Generic, Optional, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+
+from lightning_mics import _compat as compat
+from lightning_mics import checkpoint as ckpt
+from lightning_mics import process_groups
+from lightning_mics.buffer_sync import sync_buffers
+from lightning_mics.grad_sync import CompressedCrossReplicaSync, GradAccumulation, clip_grad_norm_
+from lightning_mics.layout import (
+    LayoutSettings,
+    MiCSLayout,
+    build_layout,
+    check_layout,
+    cross_replica_sync,
+    layout_planner,
+    limit_intra_op_threads,
+    optimizers_in_partition_form,
+    register_strategy_names,
+    resolve_layout,
+    resolve_ranks_per_node,
+    shard_module,
+    shard_optimizer_states,
+)
+from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.options import MiCSOptions, ShardingOption
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
+from lightning_mics.wire import WireFormat, resolve_wire_format
+from lightning_mics.wrapping import WrapPlan, plan_wrapping
+
+log = logging.getLogger("lightning_mics")
+
+#: What runs around an optimizer's step: AMSP optimizer-state sharding, or the compressed hop 2.
+StepHook = Union[ReplicaShardedOptimizerStates, CompressedCrossReplicaSync]
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class MiCSEngine:
+    """A MiCS run: the layout, the step hooks and checkpoints of one strategy (see the module doc).
+
+    Collective methods say so; every rank calls them in the same order."""
+
+    def __init__(self, options: MiCSOptions) -> None:
+        self.options = options
+        #: the process-group backend: the option, or (after :meth:`join_world`) what the world uses
+        self.backend: Optional[str] = options.process_group_backend
+        self.layout_or_none: Optional[MiCSLayout] = None
+        #: per optimizer (by id): AMSP ``optim > grads`` states sharded across replicas
+        self._state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
+        #: per optimizer (by id): its model's hop 2 in ``cross_replica_dtype``; per model (by id), the same
+        self._compressed: dict[int, CompressedCrossReplicaSync] = {}
+        self._model_syncs: dict[int, CompressedCrossReplicaSync] = {}
+        #: optimizers whose gradients already crossed replicas this step (clipping came first)
+        self._synced_before_step: set[int] = set()
+        #: the background checkpoint writer with ``async_save``, else ``None``
+        self.async_saver = ckpt.AsyncCheckpointSaver(options.timeout_delta) if options.async_save else None
+        #: seconds the training loop spent in each checkpoint save (async: the copy to CPU memory)
+        self.checkpoint_stall_s: list[float] = []
+
+    @property
+    def cross_replica_wire(self) -> Optional[WireFormat]:
+        """The format of hop 2 (``cross_replica_dtype``), or ``None``: the gradients' own dtype."""
+        return resolve_wire_format(self.options.cross_replica_dtype)
+
+    def layout(self) -> MiCSLayout:
+        if self.layout_or_none is None:
+            raise RuntimeError(
+                "The MiCS layout exists once the strategy has set up its processes (the Trainer's fit/validate/"
+                "test/predict, fabric.launch()); with 'auto' settings under Fabric, once the first model is set up."
+            )
+        return self.layout_or_none
+
+    # ------------------------------------------------------------------ processes and layout
+    def check_before_launch(self, num_processes: int, num_nodes: int) -> None:
+        """A launcher is about to start ``num_processes`` ranks per node: refuse an invalid layout now,
+        once, instead of in every rank (pure layout math), and share the cores between the local ranks."""
+        o = self.options
+        world_size = num_processes * num_nodes
+        ranks_per_node = o.ranks_per_node or num_processes
+        check_layout(world_size, ranks_per_node, o.partition_size, o.sharding, o.reshard_after_forward)
+        limit_intra_op_threads(num_processes)
+
+    def join_world(self, strategy: Any) -> None:
+        """Seed, tell the cluster environment the ranks and initialise the default process group
+        (``strategy`` is the Lightning ``ParallelStrategy`` that holds this engine). A collective."""
+        reset_seed()
+        process_groups.assign_world_ranks(strategy)
+        self.backend = process_groups.join_world(
+            strategy.cluster_environment, strategy.root_device, self.backend, self.options.timeout_delta
+        )
+
+    def resolve_layout(
+        self, strategy: Any, plan_for: Optional[nn.Module], precision: str, accumulation: int
+    ) -> LayoutSettings:
+        """The layout the options describe on ``strategy``'s world, ``"auto"`` settings planned for the
+        module ``plan_for`` (``None``: nothing to plan with). No process group is created yet."""
+        assert self.backend is not None, "join_world() runs first"
+        o, world_size = self.options, strategy.world_size
+        planner = None
+        if plan_for is not None:
+            planner = layout_planner(
+                plan_for,
+                world_size=world_size,
+                device=strategy.root_device,
+                precision=precision,
+                accumulation=accumulation,
+                cross_replica_wire=self.cross_replica_wire,
+                log=log if strategy.is_global_zero else None,
+                planner_cluster=o.planner_cluster,
+            )
+        return resolve_layout(
+            world_size=world_size,
+            rank=strategy.global_rank,
+            ranks_per_node=resolve_ranks_per_node(o.ranks_per_node, strategy.num_processes, world_size),
+            partition_size=o.partition_size,
+            reshard_after_forward=o.reshard_after_forward,
+            sharding=o.sharding,
+            hierarchical=o.hierarchical,
+            device_type=strategy.root_device.type,
+            backend=self.backend,
+            grad_accumulation=o.grad_accumulation,
+            cross_replica_wire=self.cross_replica_wire,
+            plan_layout=planner,
+        )
+
+    def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:
+        """Create the mesh and groups ``settings`` call for (a collective), or take ``existing`` (a model an
+        earlier strategy sharded keeps that strategy's layout and groups)."""
+        self.layout_or_none = existing or build_layout(settings, self.options.timeout_delta)
+        return self.layout_or_none
+
+    # ------------------------------------------------------------------ models and optimizers
+    def shard(
+        self, module: nn.Module, device: torch.device, precision: Any, root: Optional[nn.Module] = None
+    ) -> tuple[list[FSDPModule], WrapPlan]:
+        """Shard ``module`` (through ``root``, its FSDP root unit, when given) onto the layout in place,
+        with ``precision``'s mixed-precision policy; return its units and the wrap plan. A collective."""
+        o = self.options
+        precision.device_type = device.type
+        wrap_plan = plan_wrapping(module if root is None else root, o.auto_wrap_policy)
+        units = shard_module(
+            module,
+            self.layout(),
+            device,
+            root=root,
+            mp_policy=precision.mixed_precision_policy(),
+            auto_wrap_policy=wrap_plan,
+            activation_checkpointing=o.activation_checkpointing_policy,
+            compile_blocks=o.compile_blocks,
+            prefetch_depth=o.prefetch_depth,
+            sync_module_states=o.sync_module_states,
+        )
+        return units, wrap_plan
+
+    def attach_optimizers(
+        self, optimizers: Sequence[Optimizer], module: Optional[nn.Module], loss_scaling: bool
+    ) -> None:
+        """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
+        ``optim > grads``) or hop 2 of ``module`` (the model the optimizers step) in ``cross_replica_dtype``
+        -- never both."""
+        layout = self.layout()
+        sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
+        self._state_sharding.update(sharded)
+        if sharded or module is None:
+            return
+        sync = self._model_syncs.get(id(module))
+        if sync is None:
+            sync = cross_replica_sync(module, layout)
+            if sync is None:
+                return
+            self._model_syncs[id(module)] = sync
+        self._compressed.update({id(optimizer): sync for optimizer in optimizers})
+
+    def detach_optimizers(self) -> None:
+        """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit)."""
+        self._state_sharding.clear()
+        self._compressed.clear()
+        self._synced_before_step.clear()
+
+    def step_hook(self, optimizer: Optimizer) -> Optional[StepHook]:
+        return self._state_sharding.get(id(optimizer)) or self._compressed.get(id(optimizer))
+
+    def disjoint_groups(self, optimizer: Optional[Optimizer] = None) -> dict[Tensor, Sequence[dist.ProcessGroup]]:
+        """For clipping: the groups over which the optimizer-state slices' gradients are disjoint (AMSP
+        ``optim > grads``), of ``optimizer`` or of every optimizer; empty in every other layout."""
+        hooks = self._state_sharding.values() if optimizer is None else [self._state_sharding.get(id(optimizer))]
+        return {param: groups for hook in hooks if hook is not None for param, groups in hook.disjoint_groups.items()}
+
+    def sync_before_step(self, optimizer: Optimizer) -> None:
+        """Once per step, before clipping and the step: the boundary gradients cross replicas in this
+        engine's hook (compressed hop 2, or the reduction into this rank's optimizer-state slices)."""
+        hook = self.step_hook(optimizer)
+        if hook is not None and id(optimizer) not in self._synced_before_step:
+            hook.before_step()
+            self._synced_before_step.add(id(optimizer))
+
+    def finish_step(self, optimizer: Optimizer) -> None:
+        """After the step: AMSP gathers the updated slices into the parameters."""
+        self._synced_before_step.discard(id(optimizer))
+        hook = self.step_hook(optimizer)
+        if hook is not None:
+            hook.after_step()
+
+    def clip_gradients(
+        self, params: Any, optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> Tensor:
+        """Clip by the true global norm of the sharded gradients, after they crossed replicas."""
+        self.sync_before_step(optimizer)
+        return clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite, disjoint_groups=self.disjoint_groups(optimizer)
+        )
+
+    # ------------------------------------------------------------------ buffers and checkpoints
+    def sync_buffers(self, module: nn.Module, device: torch.device) -> None:
+        """Make every rank's persistent buffers of ``module`` equal now, as ``buffer_sync`` says. A collective."""
+        sync_buffers(module, self.options.buffer_sync, device=device)
+
+    def model_state(self, module: nn.Module, device: torch.device) -> dict[str, Any]:
+        """``module``'s state for a checkpoint, buffers synced first (one model, not a per-tensor mix of ranks)."""
+        self.sync_buffers(module, device)
+        return ckpt.model_state_dict(module, full=self.options.save_full_state_dict)
+
+    def optimizer_states(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> list[dict[str, Any]]:
+        """The optimizers' states at the partition degree (one checkpoint format for every layout)."""
+        with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=False):
+            full = self.options.save_full_state_dict
+            return [ckpt.optimizer_state_dict(module, optimizer, full=full) for optimizer in optimizers]
+
+    def save(self, path: Any, checkpoint: dict[str, Any]) -> None:
+        """Write ``checkpoint`` (with states from :meth:`model_state` / :meth:`optimizer_states`). A collective."""
+        started = time.perf_counter()
+        layout = self.layout().checkpoint_layout
+        ckpt.save(path, checkpoint, layout, full=self.options.save_full_state_dict, saver=self.async_saver)
+        self.checkpoint_stall_s.append(time.perf_counter() - started)
+
+    def load(
+        self, path: str, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Load a checkpoint of any layout into ``module`` and ``optimizers`` in place (after any save in
+        flight: it may be this one); return its other entries. A collective."""
+        if self.async_saver is not None:
+            self.async_saver.wait()
+        with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=True):
+            return ckpt.load(
+                path, module, optimizers, strict, restore_rng=True, verify=self.options.checkpoint_verify, **kwargs
+            )
+
+    def remove(self, path: Any) -> None:
+        saver = self.async_saver
+        if saver is not None and saver.in_flight is not None and str(saver.in_flight) == os.path.abspath(path):
+            saver.wait()  # never delete a checkpoint while it is being written
+        ckpt.remove(path)
+
+    def teardown(self) -> None:
+        """The run ends only once its last checkpoint is committed (a failed background save raises here)."""
+        if self.async_saver is not None:
+            self.async_saver.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# What both front ends expose alike
+# ---------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """A strategy attribute that is the option of the same name (setting it re-validates the options)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> T:
+        if strategy is None:
+            return self  # type: ignore[return-value]
+        return getattr(strategy._engine.options, self.name)
+
+    def __set__(self, strategy: Any, value: T) -> None:
+        engine = strategy._engine
+        engine.options = replace(engine.options, **{self.name: value})
+
+
+class MiCSFrontEnd:
+    """Mixed into both Lightning strategies (before Lightning's ``ParallelStrategy``): the devices, the
+    layout and the options, read from the one :class:`MiCSEngine` the strategy holds."""
+
+    _engine: MiCSEngine
+    _fsdp_units: list[FSDPModule]
+    parallel_devices: Optional[list[torch.device]]
+    local_rank: int
+
+    auto_wrap_policy = _Option[Any]()
+    hierarchical = _Option[Any]()
+    activation_checkpointing_policy = _Option[Any]()
+    prefetch_depth = _Option[int]()
+    compile_blocks = _Option[bool]()
+    save_full_state_dict = _Option[bool]()
+    sync_module_states = _Option[bool]()
+    checkpoint_verify = _Option[str]()
+    buffer_sync = _Option[str]()
+    planner_cluster = _Option[Any]()
+    release_gradients_after_step = _Option[bool]()
+
+    strategy_name = "mics"
+    #: how the Lightning base class names its precision-plugin argument
+    _precision_argument: str
+    #: the framework's launcher for processes it starts itself
+    _launcher_class: Any
+    cluster_environment: Any
+    _launcher: Any
+    #: whether the framework tells the accumulation count (``grad_accumulation="auto"`` can be planned)
+    _knows_accumulation: bool
+
+    def __init__(
+        self,
+        options: Optional[MiCSOptions] = None,
+        *,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        precision: Any = None,
+        **option_values: Any,
+    ) -> None:
+        """MiCS options by name or as a :class:`~lightning_mics.options.MiCSOptions` (keywords replace its
+        values); LightningCLI follows ``option_values`` into ``MiCSOptions`` (jsonargparse). The Lightning
+        arguments are set by the framework; the precision plugin under either name (the Trainer's strategies
+        call it ``precision_plugin``, Fabric's ``precision``)."""
+        precision = precision_plugin if precision is None else precision
+        super().__init__(  # type: ignore[call-arg]
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            **{self._precision_argument: precision},
+        )
+        MiCSOptions.check_names(options, option_values)
+        given = MiCSOptions(**option_values) if options is None else replace(options, **option_values)
+        if not self._knows_accumulation:
+            given.refuse_trainer_only()
+        self._engine = MiCSEngine(given)
+        self._num_nodes = 1
+        self._fsdp_units: list[FSDPModule] = []  # of every model set up (per model: blocks, then its root)
+        self._init_front_end_state()
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher starts the local ranks when the cluster environment does not: refuse an
+        invalid layout before it does, once (see :meth:`MiCSEngine.check_before_launch`)."""
+        environment = self.cluster_environment
+        assert environment is not None
+        if not environment.creates_processes_externally:
+            self._engine.check_before_launch(self.num_processes, self.num_nodes)
+            self._launcher = self._launcher_class(environment, self.num_processes, self.num_nodes)
+
+    def _init_front_end_state(self) -> None:
+        """The front end's own state (models, units), created at construction."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_strategy_names(strategy_registry, cls, knows_accumulation=cls._knows_accumulation)
+
+    @property
+    def options(self) -> MiCSOptions:
+        """The options as given (:class:`~lightning_mics.options.MiCSOptions`)."""
+        return self._engine.options
+
+    @property
+    def engine(self) -> MiCSEngine:
+        return self._engine
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._engine.backend
+
+    @property
+    def layout(self) -> MiCSLayout:
+        return self._engine.layout()
+
+    @property
+    def topology(self) -> MiCSTopology:
+        return self._engine.layout().topology
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._engine.layout().device_mesh
+
+    @property
+    def cross_replica_wire(self) -> Optional[WireFormat]:
+        return self._engine.cross_replica_wire
+
+    @property
+    def cross_replica_dtype(self) -> Union[torch.dtype, str, None]:
+        """The resolved ``cross_replica_dtype``: ``torch.bfloat16`` / ``torch.float16``, ``"int8"``
+        or ``None`` (:attr:`cross_replica_wire` is the format itself)."""
+        wire = self.cross_replica_wire
+        return None if wire is None else wire.option
+
+    @property
+    def async_save(self) -> bool:
+        """Whether sharded checkpoints are written in the background."""
+        return self._engine.async_saver is not None
+
+    @property
+    def checkpoint_stall_s(self) -> list[float]:
+        return self._engine.checkpoint_stall_s
+
+    # the layout's resolved values once it exists ("auto" settings, ShardingSpec degrees), else the options
+    @property
+    def ranks_per_node_override(self) -> Optional[int]:
+        return self._engine.options.ranks_per_node
+
+    @property
+    def partition_size_spec(self) -> PartitionSizeSpec:
+        o, layout = self._engine.options, self._engine.layout_or_none
+        if layout is not None and (o.sharding is not None or "auto" in (o.partition_size, o.grad_accumulation)):
+            return layout.topology.partition_size
+        return o.partition_size
+
+    @property
+    def sharding(self) -> ShardingOption:
+        o, layout = self._engine.options, self._engine.layout_or_none
+        return layout.sharding if layout is not None and o.sharding == "auto" else o.sharding
+
+    @property
+    def reshard_after_forward(self) -> Union[bool, int]:
+        layout = self._engine.layout_or_none
+        return self._engine.options.reshard_after_forward if layout is None else layout.reshard_after_forward
+
+    @property
+    def grad_accumulation_spec(self) -> str:
+        return self._engine.options.grad_accumulation
+
+    @property
+    def grad_accumulation(self) -> Optional[GradAccumulation]:
+        """The mode in use: the layout's once it exists, else the option (``None`` while it is ``"auto"``)."""
+        layout, spec = self._engine.layout_or_none, self._engine.options.grad_accumulation
+        if layout is not None:
+            return layout.grad_accumulation
+        return None if spec == "auto" else spec  # type: ignore[return-value]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduction of logged values over the world (``all_reduce`` in Fabric)."""
+        if isinstance(tensor, Tensor):
+            return compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    all_reduce = reduce
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        process_groups.barrier(self.root_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return process_groups.broadcast_object(obj, src)
+
+
+# ---------------------------------------------------------------------------------------------
+# A model sharded by one Trainer, used by the next
+# ---------------------------------------------------------------------------------------------
+
+_REUSE_FIXES = (
+    "save a checkpoint with the earlier trainer (`trainer.save_checkpoint(path)`) and load it into a freshly "
+    "created model with this one (`trainer.fit/validate/test/predict(new_model, ckpt_path=path)`)"
+)
+
+
+@dataclass(frozen=True)
+class ShardedModel:
+    """What a Trainer's ``MiCSStrategy`` leaves behind about a module it sharded, so that a later strategy --
+    a new Trainer given the same model, as ``pl.Trainer(...).test(model)`` after a fit -- uses the model as it
+    is instead of refusing it (sharding twice is impossible) or re-sharding it.
+
+    Kept in :data:`SHARDED_MODELS`, keyed weakly by the module. Nothing here may hold the module strongly --
+    the record would then keep its own key, and the model, alive for the rest of the process -- so the root
+    unit (which holds the module) is referenced weakly: it lives while a strategy holds it or, once the model
+    has run a forward, through FSDP's own state. The layout holds only meshes and process groups."""
+
+    root: weakref.ReferenceType[nn.Module]
+    layout: MiCSLayout
+    precision: str
+    #: whether ``Trainer(sync_batchnorm=True)`` converted BatchNorm layers before sharding
+    sync_batchnorm: bool
+    #: the default process group the layout's groups were created under (gone after a re-initialisation)
+    world: Any
+
+    def check_reusable(self, settings: LayoutSettings, precision: str, sync_batchnorm: bool) -> None:
+        """Refuse, with what to do instead, when the model cannot be used as it is by a strategy with these
+        settings: its groups are gone, its root unit is gone, or the layout differs."""
+        if not dist.is_initialized() or dist.group.WORLD is not self.world:
+            raise RuntimeError(
+                "This model was sharded by an earlier MiCSStrategy on process groups that no longer exist "
+                "(torch.distributed was shut down or re-initialised since), so it cannot be used again; "
+                + _REUSE_FIXES
+                + "."
+            )
+        if self.root() is None:
+            raise RuntimeError(
+                "This model was sharded by an earlier MiCSStrategy that is gone, and it never ran a step, so "
+                "its root unit went with it; " + _REUSE_FIXES + ", or set the model up with one trainer."
+            )
+        assert self.layout.settings is not None
+        diffs = self.layout.settings.differences(settings)
+        if precision != self.precision:
+            diffs.append(f"precision: {self.precision!r} vs {precision!r}")
+        if sync_batchnorm and not self.sync_batchnorm:
+            diffs.append("sync_batchnorm: False vs True")
+        if diffs:
+            raise ValueError(
+                "This model was sharded by an earlier MiCSStrategy (another Trainer) with a different layout ("
+                + "; ".join(diffs)
+                + ", earlier vs this strategy), and a sharded model keeps its layout. Either create this "
+                "Trainer's MiCSStrategy with the same options as the earlier one, or " + _REUSE_FIXES + "."
+            )
+
+
+#: Models that a Trainer's MiCSStrategy sharded, and how (see :class:`ShardedModel`).
+SHARDED_MODELS: weakref.WeakKeyDictionary[nn.Module, ShardedModel] = weakref.WeakKeyDictionary()
+
+
+def sharded_before(
+    module: nn.Module, settings: LayoutSettings, precision: str, sync_batchnorm: bool
+) -> Optional[ShardedModel]:
+    """The record of an earlier strategy that sharded ``module`` the way ``settings`` would (it is then
+    used as it is), ``None`` for a model none sharded; refused when it cannot be reused."""
+    earlier = SHARDED_MODELS.get(module)
+    if earlier is not None:
+        earlier.check_reusable(settings, precision, sync_batchnorm)
+    return earlier
+

@@ -1,0 +1,303 @@
+"""Every MiCS option, declared once: :class:`MiCSOptions`.
+
+Both front ends -- the Trainer's :class:`lightning_mics.MiCSStrategy` and Fabric's
+:class:`lightning_mics.MiCSFabricStrategy` -- take these options as keyword arguments (or a
+``MiCSOptions`` object) and hand them to one :class:`~lightning_mics.engine.MiCSEngine`. Hydra's
+``conf/strategy/mics.yaml`` lists the same keys and LightningCLI reads them through the constructors'
+``**options`` (jsonargparse follows them into this dataclass). ``docs/options.md`` is generated from the
+field docstrings below (``python -m lightning_mics.options --markdown``), and tests check that the
+table, the Hydra file and this class agree, so an option cannot exist in one place and be missing in
+another.
+
+A malformed value is refused when the options are created -- when the strategy is built, not in every
+rank after launch; layout rules that need the world size are checked by
+:func:`lightning_mics.layout.check_layout` once the launcher knows it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import textwrap
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
+from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
+from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
+from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
+from lightning_mics.sharding_spec import ShardingSpec
+from lightning_mics.topology import PartitionSizeSpec
+from lightning_mics.wire import resolve_wire_format
+from lightning_mics.wrapping import AutoWrapPolicy, make_wrap_predicate
+
+Hierarchical = Union[bool, Literal["auto"]]
+#: What users may pass as ``sharding``: a spec, ``"auto"`` (the planner picks every degree) or ``None``.
+ShardingOption = Union[ShardingSpec, Literal["auto"], None]
+
+#: Options only the Trainer has a place for, and why Fabric refuses them when they are set.
+TRAINER_ONLY: dict[str, str] = {
+    "async_save": "Fabric ends a script without a teardown that could wait for a background save",
+    "release_gradients_after_step": (
+        "Fabric's loop is yours: call optimizer.zero_grad(set_to_none=True) right after optimizer.step()"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class MiCSOptions:
+    """How a MiCS run shards, syncs and checkpoints: the options of both strategies.
+
+    ``MiCSStrategy(partition_size=8)`` and ``MiCSStrategy(MiCSOptions(partition_size=8))`` are the same;
+    keyword arguments given beside an options object replace its values."""
+
+    partition_size: PartitionSizeSpec = None
+    """Ranks that shard one copy of the model states. ``None``/``"node"``: one node (the MiCS default);
+    ``"world"`` or ``-1``: every rank (ZeRO-3); ``1``: no sharding (DDP-like); an int: that many ranks (a
+    divisor of a node, or whole nodes); ``"auto"``: the planner picks it."""
+
+    ranks_per_node: Optional[int] = None
+    """Ranks on each node. ``None``: the launcher's ``LOCAL_WORLD_SIZE`` (or the SLURM / Open MPI
+    equivalent), else the number of devices per node. Set it to emulate a multi-node layout on one machine."""
+
+    auto_wrap_policy: AutoWrapPolicy = None
+    """Which modules become FSDP units. ``None``: children of every ``nn.ModuleList`` (e.g. transformer
+    blocks) and the classes a Hugging Face style ``_no_split_modules`` names; if neither exists, the
+    largest modules that split the model into at least 8 units; module class(es); a callable
+    ``(name, module) -> bool``; ``False``: only the root."""
+
+    reshard_after_forward: Union[bool, int] = True
+    """Free gathered parameters after each unit's forward (ZeRO-3 style, least memory) or keep them until
+    backward (``False``, less communication); an int reshards to that many ranks instead (it must divide
+    the partition size)."""
+
+    hierarchical: Hierarchical = "auto"
+    """Two-stage all-gather / reduce-scatter (across nodes among same-local-rank peers, then inside the
+    node) for partitions that span nodes. ``"auto"``: on exactly when a partition spans nodes; ``True``
+    requires such a partition."""
+
+    sharding: ShardingOption = None
+    """AMSP per-state sharding degrees, ``ShardingSpec(params=..., grads=..., optim=...)``. ``grads``
+    becomes the partition size; ``params`` smaller than it reshards parameters to that group after forward
+    (1: keep them gathered through the step); ``optim`` larger than it shards optimizer states across
+    replicas too. Replaces ``partition_size`` and ``reshard_after_forward`` (pass one or the other).
+    ``"auto"``: the planner picks all three degrees -- the fastest layout predicted to fit memory."""
+
+    grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded"
+    """How gradients accumulate over the micro-steps of one optimizer step. ``"sharded"`` (MiCS's default):
+    reduce-scatter inside the partition every micro-step, least memory. ``"unsharded"``: keep the full
+    gradients until the boundary, then reduce-scatter once -- one reduce-scatter per optimizer step, for
+    the memory of a full gradient. Both all-reduce across replicas once per optimizer step. ``"auto"``
+    (Trainer only: Fabric does not know the accumulation count): the planner picks the faster mode that
+    fits memory."""
+
+    cross_replica_dtype: Union[str, torch.dtype, None] = None
+    """The format gradients cross replicas in (hop 2, the slow inter-node links): ``None`` (their reduction
+    dtype, fp32 in the mixed modes), ``"bf16"`` / ``"fp16"``: half the inter-node bytes, one 16-bit rounding
+    per message, or ``"int8"``: blockwise int8 with one fp32 scale per 256 elements, ~0.25x the bytes.
+    Reduce-scatters inside the partition and the optimizer stay in full precision."""
+
+    activation_checkpointing_policy: AutoWrapPolicy = None
+    """Recompute activations in backward for these modules: ``True`` = every wrapped block; module classes
+    or a callable as for ``auto_wrap_policy``."""
+
+    prefetch_depth: int = 1
+    """Start the all-gather of the next ``N`` blocks while the current one computes (forward and backward),
+    so communication overlaps compute; 0 leaves FSDP's implicit prefetching. Assumes blocks run in module
+    order, as transformer layers do."""
+
+    compile_blocks: bool = False
+    """``torch.compile`` each wrapped block (in place) before sharding."""
+
+    process_group_backend: Optional[str] = None
+    """``"nccl"``, ``"gloo"``, ...; ``None``: NCCL on CUDA, gloo on CPU."""
+
+    timeout: Union[timedelta, float, None] = default_pg_timeout
+    """Timeout for collectives, so that a dead rank cannot hang the others forever: a ``timedelta`` or a
+    number of seconds."""
+
+    save_full_state_dict: bool = False
+    """Save checkpoints as one file gathered on rank 0 (Lightning's usual format, for small models /
+    export) instead of a sharded directory. Loading takes either."""
+
+    sync_module_states: bool = True
+    """Start every rank from global rank 0's parameters and buffers, as DDP does (one broadcast before
+    sharding), so that training does not depend on every rank seeding alike. Meta-device models have no
+    values before sharding: their replicas of each shard take the first replica's values instead."""
+
+    async_save: bool = False
+    """Write sharded checkpoints in the background (Trainer only): a save copies the states to CPU memory
+    and returns; a worker thread (its own process group) writes, checksums and commits the shards. At most
+    one save is in flight; loads, the next save and the end of the run wait for it. A failed background
+    save raises at the next save or at teardown."""
+
+    checkpoint_verify: VerifyMode = "checksum"
+    """How a checkpoint's files are checked against its integrity record before loading: ``"checksum"``
+    (sizes and CRC-32), ``"size"`` (sizes only, for very large checkpoints on slow storage) or ``"none"``."""
+
+    release_gradients_after_step: bool = True
+    """With automatic optimization (Trainer only), set the gradients to ``None`` as soon as the optimizer
+    step has used them. Lightning zeroes them only after the next training step's forward, so otherwise a
+    full set of gradients stays allocated through every forward (measured on one H100 with a 1.2B GPT:
+    4.4 GiB more peak memory than a plain PyTorch loop). ``False`` keeps Lightning's order, for code that
+    reads ``.grad`` after the step. Manual optimization is never touched."""
+
+    buffer_sync: BufferSync = "broadcast"
+    """How buffers (BatchNorm running statistics, ...) are made equal on every rank before each checkpoint's
+    state is taken, at the start of each validation / test / predict run and at the end of fit (buffers are
+    not sharded: each rank updates its own copy from its own data). ``"broadcast"``: global rank 0's, as
+    DDP's ``broadcast_buffers`` -- exact for every dtype; ``"average"``: the mean over ranks of
+    floating-point buffers (integer ones from rank 0); ``"none"``: each rank keeps its own. Fabric applies
+    it in ``fabric.save`` and ``fabric.strategy.sync_buffers(model)``."""
+
+    planner_cluster: PlannerCluster = None
+    """What the planner assumes about the cluster for ``"auto"`` settings (only then; given without one it
+    is refused). ``None``: a generic A100-class GPU cluster. ``"calibrate"``: measure this job's links,
+    compute rate and optimizer-step rate at set-up. A preset name (``"p4d"``, ``"p3dn"``, ``"dgx-h100"``),
+    the path of a ``lightning-mics plan calibrate --out`` JSON, or a ``lightning_mics.planner.ClusterSpec``."""
+
+    def __post_init__(self) -> None:
+        self._check_values()
+        self._check_combinations()
+
+    def _check_values(self) -> None:
+        """One clear error per malformed option."""
+        rpn = self.ranks_per_node
+        if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+            raise ValueError(
+                f"ranks_per_node must be a positive int or None (detect from the launcher), got {rpn!r}"
+                + (f"; write ranks_per_node={int(rpn)}." if str(rpn).isdigit() else ".")
+            )
+        reshard = self.reshard_after_forward
+        if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool) and reshard < 1):
+            raise ValueError(f"reshard_after_forward={reshard!r} must be True, False or a positive group size.")
+        make_wrap_predicate(self.auto_wrap_policy)  # a malformed policy fails here, not at setup
+        if self.activation_checkpointing_policy is not True:
+            make_wrap_predicate(self.activation_checkpointing_policy)
+        as_timedelta(self.timeout)
+        depth = self.prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"prefetch_depth must be a non-negative int, got {depth!r}.")
+        if self.hierarchical not in (True, False, "auto"):
+            raise ValueError(f"hierarchical must be True, False or 'auto', got {self.hierarchical!r}.")
+        check_grad_accumulation(self.grad_accumulation, allow_auto=True)
+        resolve_wire_format(self.cross_replica_dtype)
+        if self.checkpoint_verify not in VERIFY_MODES:
+            raise ValueError(
+                f"checkpoint_verify={self.checkpoint_verify!r} is not one of {list(VERIFY_MODES)}: 'checksum' checks "
+                "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
+            )
+        for name in ("async_save", "release_gradients_after_step", "compile_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        check_buffer_sync(self.buffer_sync)
+
+    def _check_combinations(self) -> None:
+        sharding = self.sharding
+        if sharding is not None and (self.partition_size is not None or self.reshard_after_forward is not True):
+            raise ValueError(
+                "Pass either sharding=ShardingSpec(...) or partition_size/reshard_after_forward, not both: the spec's "
+                "grads degree is the partition size and its params degree sets the reshard group."
+            )
+        if sharding is not None and sharding != "auto" and not isinstance(sharding, ShardingSpec):
+            raise TypeError(
+                f"sharding must be a lightning_mics.ShardingSpec or 'auto' (the planner picks every degree), got "
+                f"{sharding!r}."
+            )
+        check_planner_cluster(self.planner_cluster, plans=self.plans_anything)
+
+    @property
+    def plans_anything(self) -> bool:
+        """Whether any setting is ``"auto"`` (the planner then runs at set-up)."""
+        return "auto" in (self.partition_size, self.sharding, self.grad_accumulation)
+
+    @property
+    def timeout_delta(self) -> Optional[timedelta]:
+        return as_timedelta(self.timeout)
+
+    @classmethod
+    def check_names(cls, options: Optional[MiCSOptions], values: dict[str, Any]) -> None:
+        """What a strategy constructor was given: an optional options object and keyword options (which
+        replace its values). An unknown keyword is refused with the nearest name."""
+        if options is not None and not isinstance(options, MiCSOptions):
+            raise TypeError(
+                f"The first argument of MiCSStrategy is a lightning_mics.MiCSOptions, got {type(options).__name__}; "
+                "pass options by name, e.g. MiCSStrategy(partition_size=8)."
+            )
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in values if key not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(
+                f"MiCSStrategy got an unknown option {unknown[0]!r}: {hint}the options are {', '.join(names)} "
+                "(docs/options.md)."
+            )
+
+    def refuse_trainer_only(self) -> None:
+        """Fabric: a Trainer-only option set to anything but its default is refused, saying why."""
+        defaults = MiCSOptions()
+        for name, why in TRAINER_ONLY.items():
+            if getattr(self, name) != getattr(defaults, name):
+                raise ValueError(f"{name} is a Trainer option that Fabric's MiCSStrategy does not take: {why}.")
+        if self.grad_accumulation == "auto":
+            raise ValueError(
+                "grad_accumulation='auto' needs the number of micro-steps per optimizer step, which Fabric does not "
+                "know: choose 'sharded' (reduce-scatter every micro-step, least memory) or 'unsharded' (one "
+                "reduce-scatter per optimizer step); lightning_mics.planner.choose_layout(..., training=TrainingSpec("
+                "accumulation=...), grad_accumulation='auto') compares them for yours."
+            )
+
+
+def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:
+    """Collective timeouts are ``timedelta``s in torch; a plain number is taken as seconds."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return timedelta(seconds=timeout)
+    raise ValueError(
+        f"timeout={timeout!r} must be a datetime.timedelta or a positive number of seconds, e.g. timeout=1800."
+    )
+
+
+def option_docs() -> dict[str, str]:
+    """Each option's docstring (the string literal under its field), read from this file's source --
+    the one place options are documented."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(MiCSOptions)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for field_node, doc_node in zip(body, body[1:]):
+        if isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name):
+            if isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant):
+                docs[field_node.target.id] = inspect.cleandoc(doc_node.value.value)
+    return docs
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, timedelta):
+        return f"{value.total_seconds():g} s"
+    return repr(value)
+
+
+def options_markdown() -> str:
+    """The options table of ``docs/options.md``: name, default, which front ends take it, what it does."""
+    docs = option_docs()
+    rows = ["| option | default | front ends | what it does |", "|---|---|---|---|"]
+    for f in dataclasses.fields(MiCSOptions):
+        where = "Trainer" if f.name in TRAINER_ONLY else "Trainer, Fabric"
+        text = " ".join(docs[f.name].split()).replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{_default_text(f.default)}` | {where} | {text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m lightning_mics.options --markdown  (prints docs/options.md's table)")
+    print(options_markdown())

@@ -1,0 +1,250 @@
+"""The README and docs/ hold together: relative links and their anchors resolve, ```python blocks parse,
+the README stays short, and its test command is the one .ci/run runs.
+
+Plain text processing only (no torch, no Lightning): it runs in well under a second."""
+
+import ast
+import re
+import shlex
+import textwrap
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 250
+
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)")
+HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
+# [text](target) and ![alt](target); target without spaces, optionally followed by a "title"
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+(?:\"[^\"]*\"|'[^']*'))?\s*\)")
+INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
+EXTERNAL = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")  # http:, https:, mailto:, ...
+
+
+def markdown_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def split_fences(text: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The lines outside fenced code blocks (fenced lines blanked, so numbering is kept) and the blocks
+    as (info string, dedented body)."""
+    prose, blocks = [], []
+    fence = None  # (indent, marker, info, body lines)
+    for line in text.split("\n"):
+        match = FENCE.match(line)
+        if fence is None:
+            if match:
+                fence = (match.group(1), match.group(2), match.group(3).lower(), [])
+                prose.append("")
+            else:
+                prose.append(line)
+            continue
+        indent, marker, info, body = fence
+        if match and match.group(2)[0] == marker[0] and len(match.group(2)) >= len(marker) and not match.group(3):
+            blocks.append((info, textwrap.dedent("\n".join(body))))
+            fence = None
+        else:
+            body.append(line)
+        prose.append("")
+    if fence is not None:
+        raise AssertionError(f"unclosed ``` fence (opened as {fence[1]}{fence[2]})")
+    return prose, blocks
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor for a heading: the rendered text lowercased, every character that is not a
+    letter, mark, number, connector (`_`), space or `-` dropped, spaces turned into `-`."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text, not its target
+    text = re.sub(r"<[^>]+>", "", text).lower()
+    kept = "".join(
+        ch for ch in text if ch in " -" or unicodedata.category(ch)[0] in "LMN" or unicodedata.category(ch) == "Pc"
+    )
+    return kept.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, duplicates numbered -1, -2, ... as GitHub does."""
+    prose, _ = split_fences(path.read_text(encoding="utf-8"))
+    seen: dict[str, int] = {}
+    result = set()
+    for line in prose:
+        match = HEADING.match(line)
+        if not match:
+            continue
+        slug = github_slug(match.group(2))
+        if slug in seen:
+            seen[slug] += 1
+            slug = f"{slug}-{seen[slug]}"
+        else:
+            seen[slug] = 0
+        result.add(slug)
+    return result
+
+
+def relative_links(path: Path) -> list[tuple[int, str]]:
+    """(line number, target) of every relative link or image outside code (fences and `inline code`)."""
+    prose, _ = split_fences(path.read_text(encoding="utf-8"))
+    found = []
+    for number, line in enumerate(prose, 1):
+        for match in LINK.finditer(INLINE_CODE.sub("", line)):
+            target = match.group(1)
+            if not EXTERNAL.match(target):
+                found.append((number, target))
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    problems = []
+    for number, target in relative_links(path):
+        file_part, _, anchor = target.partition("#")
+        resolved = (path.parent / file_part).resolve() if file_part else path
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{number}: {target}"
+        if not resolved.exists():
+            problems.append(f"{where}: {file_part} does not exist")
+        elif anchor:
+            if resolved.is_dir() or resolved.suffix.lower() != ".md":
+                problems.append(f"{where}: an anchor into {file_part}, which is not a Markdown file")
+            elif anchor not in anchors(resolved):
+                problems.append(f"{where}: no heading with anchor #{anchor} in {resolved.name}")
+    return problems
+
+
+def python_blocks(path: Path) -> list[str]:
+    _, blocks = split_fences(path.read_text(encoding="utf-8"))
+    return [body for info, body in blocks if info in ("python", "py", "python3")]
+
+
+# --- the scanners themselves catch what they are meant to catch -------------------------------------------------
+
+
+def test_github_slug_rules():
+    assert github_slug("Fewer bytes across nodes: `cross_replica_dtype=\"bf16\"` or `\"int8\"`") == (
+        "fewer-bytes-across-nodes-cross_replica_dtypebf16-or-int8"
+    )
+    assert github_slug('`Trainer(strategy="mics")` and `MiCSStrategy(...)`') == "trainerstrategymics-and-micsstrategy"
+    assert github_slug("Per-state sharding (AMSP)") == "per-state-sharding-amsp"
+    assert github_slug("MiCS ≥ 2.5× at ratio 24") == "mics--25-at-ratio-24"
+
+
+def test_checker_reports_broken_links_anchors_and_duplicates(tmp_path):
+    (tmp_path / "other.md").write_text("# Title\n\n## Same\n\n## Same\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "pic.png").write_bytes(b"")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n"
+        "[ok](other.md) [ok](other.md#same-1) ![ok](pic.png) [ok](#page) [web](https://example.com)\n"
+        "[missing](nothere.md) ![missing](img/none.png)\n"
+        "[bad anchor](other.md#same-2) [fenced](other.md#not-a-heading)\n"
+        "`[in code](nothere.md)`\n"
+        "```python\n[in fence](nothere.md)\n```\n"
+    )
+    problems = broken_links(page)
+    assert len(relative_links(page)) == 8
+    assert [p.split(": ", 2)[1] for p in problems] == [
+        "nothere.md",
+        "img/none.png",
+        "other.md#same-2",
+        "other.md#not-a-heading",
+    ]
+
+
+def test_python_block_scanner_finds_indented_blocks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("* item\n\n  ```python\n  x = 1\n  ```\n\n```bash\nnot python(\n```\n\n```python\ndef f(:\n```\n")
+    blocks = python_blocks(page)
+    assert len(blocks) == 2
+    ast.parse(blocks[0])
+    with pytest.raises(SyntaxError):
+        ast.parse(blocks[1])
+
+
+# --- the repository's documents -----------------------------------------------------------------------------------
+
+
+def test_relative_links_and_anchors_resolve():
+    files = markdown_files()
+    assert len(files) >= 10, f"expected README.md and docs/*.md, found {[f.name for f in files]}"
+    links = {path: relative_links(path) for path in files}
+    assert sum(len(found) for found in links.values()) >= 30, "the link scanner found almost no links"
+    assert any("#" in target for found in links.values() for _, target in found), "no anchors were checked"
+    assert any(target.startswith("../") for _, target in links[DOCS / "benchmarks.md"]), "the image link moved"
+    problems = [problem for path in files for problem in broken_links(path)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_every_doc_is_listed_in_the_index():
+    listed = {target.partition("#")[0] for _, target in relative_links(DOCS / "index.md")}
+    missing = sorted(path.name for path in DOCS.glob("*.md") if path.name != "index.md" and path.name not in listed)
+    assert not missing, f"docs/index.md does not link {missing}"
+    assert "docs/index.md" in {target for _, target in relative_links(README)}
+
+
+def test_python_blocks_parse():
+    blocks = {path: python_blocks(path) for path in markdown_files()}
+    assert sum(len(found) for found in blocks.values()) >= 3, "the scanner found almost no ```python blocks"
+    failures = []
+    for path, found in blocks.items():
+        for body in found:
+            try:
+                ast.parse(body)
+            except SyntaxError as error:
+                failures.append(f"{path.relative_to(ROOT)}: {error.msg} at block line {error.lineno}: {error.text!r}")
+    assert not failures, "```python blocks that do not parse:\n" + "\n".join(failures)
+
+
+def test_readme_is_short():
+    lines = len(README.read_text(encoding="utf-8").splitlines())
+    assert 0 < lines <= README_MAX_LINES, f"README.md has {lines} lines; move depth into docs/"
+
+
+def ci_test_command() -> str:
+    """The pytest command of .ci/run (without the shell's `|| ...` tail)."""
+    commands = []
+    for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        head = re.split(r"\s*(?:\|\||&&|;)\s*", line)[0]
+        if " pytest " in f" {head} ":
+            commands.append(head)
+    assert len(commands) == 1, f".ci/run should run pytest once, found {commands}"
+    return commands[0]
+
+
+def section_blocks(path: Path, heading: str) -> list[tuple[str, str]]:
+    """The fenced blocks between the heading `heading` and the next heading of the same or a higher level."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    prose, _ = split_fences("\n".join(lines))
+    start = level = None
+    end = len(lines)
+    for number, line in enumerate(prose):
+        match = HEADING.match(line)
+        if not match:
+            continue
+        if start is None and match.group(2) == heading:
+            start, level = number, len(match.group(1))
+        elif start is not None and len(match.group(1)) <= level:
+            end = number
+            break
+    assert start is not None, f"no heading {heading!r} in {path.name}"
+    return split_fences("\n".join(lines[start:end]))[1]
+
+
+def test_readme_test_command_is_what_ci_runs():
+    command = ci_test_command()
+    assert shlex.split(command)[:3] == ["python", "-m", "pytest"]
+    shell_commands = [
+        part.strip()
+        for info, body in section_blocks(README, "The two commands")
+        if info in ("bash", "sh", "shell")
+        for line in body.splitlines()
+        if not line.lstrip().startswith("#")
+        for part in line.split("&&")
+    ]
+    assert shell_commands, "no shell commands under the README's '## The two commands'"
+    pytest_commands = [c for c in shell_commands if " pytest " in f" {c} "]
+    assert pytest_commands == [command], (
+        f"the README's test command(s) {pytest_commands} should be exactly .ci/run's {command!r}"
+    )
