@@ -1,8 +1,8 @@
 """Emulated cloud cluster benchmark: MiCS against ZeRO-3, replication and Lightning's FSDP peers on
 shaped "nodes" made of network namespaces.
 
-    sudo /work/venv/bin/python benchmarks/emulated_cluster.py            # default: 2 nodes x 4 ranks
-    sudo /work/venv/bin/python benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py            # default: 2 nodes x 4 ranks
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
 throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
@@ -347,7 +347,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
 
 
 def format_markdown(records: list[dict[str, Any]]) -> str:
-    """The same table in Markdown, for the README."""
+    """The same table in Markdown, for docs/benchmarks.md."""
     lines = ["| strategy | partition | hier. | step time (s) | tokens/s | inter-node MB/step | expected | "
              "loopback MB/step | expected | peak RSS/rank (MB) | grad held (MB) |",
              "|---|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -53,7 +53,8 @@ def check_prerequisites(euid: Optional[int] = None, which=shutil.which) -> None:
     if euid != 0:
         raise PrerequisiteError(
             "The emulated cluster creates network namespaces, veth links and tc qdiscs, which needs root. "
-            "Run it as root, e.g. `sudo /work/venv/bin/python benchmarks/emulated_cluster.py`."
+            "Run it as root with this environment's Python, e.g. "
+            "`sudo \"$(command -v python)\" benchmarks/emulated_cluster.py`."
         )
     missing = [tool for tool in ("ip", "tc") if which(tool) is None]
     if missing:

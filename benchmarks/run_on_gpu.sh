@@ -9,7 +9,7 @@
 # Extra arguments after the stage go to gpu_throughput.py, e.g. `bench --modes plain,strategy`.
 # Everything lands in $OUT (the device tool copies it back; default ./gpu_out elsewhere):
 # env.txt, tests.log, benchmark.log, gpu_throughput.json. Copy gpu_throughput.json to
-# benchmarks/results/ in the checkout and the table of benchmark.log into the README's "## GPU".
+# benchmarks/results/ in the checkout and the table of benchmark.log into docs/gpu.md.
 #
 # The package is used from the working tree through PYTHONPATH: `pip install -e .` would need
 # network access (build isolation) and hydra-core, neither of which the machine has. Nothing here

@@ -340,8 +340,9 @@ class MiCSFrontEnd:
     _launcher_class: Any
     cluster_environment: Any
     _launcher: Any
-    #: whether the framework tells the accumulation count (``grad_accumulation="auto"`` can be planned)
-    _knows_accumulation: bool
+    #: the Trainer (it tells the accumulation count, so ``grad_accumulation="auto"`` can be planned, and has
+    #: a teardown that waits for background saves) or Fabric (neither: it refuses the Trainer-only options)
+    _trainer_front_end: bool
 
     def __init__(
         self,
@@ -369,7 +370,7 @@ class MiCSFrontEnd:
         )
         MiCSOptions.check_names(options, option_values)
         given = MiCSOptions(**option_values) if options is None else replace(options, **option_values)
-        if not self._knows_accumulation:
+        if not self._trainer_front_end:
             given.refuse_trainer_only()
         self._engine = MiCSEngine(given)
         self._num_nodes = 1
@@ -390,7 +391,7 @@ class MiCSFrontEnd:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        register_strategy_names(strategy_registry, cls, knows_accumulation=cls._knows_accumulation)
+        register_strategy_names(strategy_registry, cls, knows_accumulation=cls._trainer_front_end)
 
     @property
     def options(self) -> MiCSOptions:
@@ -547,7 +548,6 @@ class ShardedModel:
                 "This model was sharded by an earlier MiCSStrategy that is gone, and it never ran a step, so "
                 "its root unit went with it; " + _REUSE_FIXES + ", or set the model up with one trainer."
             )
-        assert self.layout.settings is not None
         diffs = self.layout.settings.differences(settings)
         if precision != self.precision:
             diffs.append(f"precision: {self.precision!r} vs {precision!r}")

@@ -73,7 +73,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
 
     _precision_argument = "precision"
     _launcher_class = compat.FabricSubprocessScriptLauncher
-    _knows_accumulation = False
+    _trainer_front_end = False
 
     def _init_front_end_state(self) -> None:
         self._modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models set up by this strategy

@@ -127,6 +127,50 @@ def _shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
     return [mesh.get_group(dim) for dim, placement in enumerate(grad.placements) if isinstance(placement, Shard)]
 
 
+def _partial_norms(
+    with_grads: Sequence[Tensor],
+    grads: Sequence[Optional[Tensor]],
+    norm_type: float,
+    disjoint_groups: Mapping[Tensor, Sequence[dist.ProcessGroup]],
+    device: torch.device,
+) -> dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]]:
+    """This rank's part of the norm: ``sum |g|^p`` over its local shards (``max |g|`` for the inf-norm),
+    in fp32, one partial per distinct set of groups across which the shards are disjoint (keyed by
+    the groups' ids, in order of first appearance; empty shards still get their partial, so every
+    rank reduces over the same groups)."""
+    # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
+    partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
+    for param, grad in zip(with_grads, grads):
+        groups = _shard_groups(grad) if isinstance(grad, DTensor) else list(disjoint_groups.get(param, ()))
+        local = local_shard(grad)
+        key = tuple(id(g) for g in groups)
+        if key not in partial:
+            partial[key] = (groups, torch.zeros((), dtype=torch.float32, device=device))
+        acc = partial[key][1]
+        if local.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            acc.copy_(torch.maximum(acc, local.detach().abs().max().float()))
+        else:
+            acc.add_(torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type)
+    return partial
+
+
+def _global_norm(
+    partial: Mapping[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]], norm_type: float, device: torch.device
+) -> Tensor:
+    """The global norm from the partials of :func:`_partial_norms`: each all-reduced (sum, or max for
+    the inf-norm) over its groups in turn -- the same collectives in the same order on every rank --
+    then combined (and for a finite ``p``, the ``1/p``-th power taken)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, acc in partial.values():
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        for group in groups:
+            dist.all_reduce(acc, op=op, group=group)
+        total = torch.maximum(total, acc) if math.isinf(norm_type) else total + acc
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
@@ -157,28 +201,8 @@ def clip_grad_norm_(
     if not grads:
         return torch.tensor(0.0)
     device = local_shard(grads[0]).device
-    # One partial sum per distinct set of groups (all gradients of one MiCS model share a mesh).
-    partial: dict[tuple[int, ...], tuple[list[dist.ProcessGroup], Tensor]] = {}
-    for param, grad in zip(with_grads, grads):
-        groups = _shard_groups(grad) if isinstance(grad, DTensor) else list(disjoint_groups.get(param, ()))
-        local = local_shard(grad)
-        key = tuple(id(g) for g in groups)
-        if key not in partial:
-            partial[key] = (groups, torch.zeros((), dtype=torch.float32, device=device))
-        acc = partial[key][1]
-        if local.numel() == 0:
-            continue
-        if math.isinf(norm_type):
-            acc.copy_(torch.maximum(acc, local.detach().abs().max().float()))
-        else:
-            acc.add_(torch.linalg.vector_norm(local.detach().float(), norm_type) ** norm_type)
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for groups, acc in partial.values():
-        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-        for group in groups:
-            dist.all_reduce(acc, op=op, group=group)
-        total = torch.maximum(total, acc) if math.isinf(norm_type) else total + acc
-    total_norm = total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    partial = _partial_norms(with_grads, grads, norm_type, disjoint_groups, device)
+    total_norm = _global_norm(partial, norm_type, device)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "

@@ -82,7 +82,7 @@ LayoutPlanner = Callable[[int, Optional[int], str, bool], Any]
 #: name -> (description, MiCSStrategy keyword arguments). ``"mics_auto"`` is the fastest layout the
 #: planner finds for the cluster the job runs on (measured at set-up); on the emulated cloud
 #: cluster it ran 1.08-1.10x Lightning's DDP and ~1.7x HYBRID_SHARD, where ``"mics"`` (MiCS's
-#: least-memory schedule) ran 0.87-0.90x HYBRID_SHARD (README, Benchmarks).
+#: least-memory schedule) ran 0.87-0.90x HYBRID_SHARD (docs/benchmarks.md).
 REGISTERED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mics": ("MiCS: shard inside one node, replicate across nodes, 2-hop gradient sync", {}),
     "mics_auto": (
@@ -144,30 +144,57 @@ class MiCSLayout:
     """Everything a rank knows about the layout once its process groups exist. Build it with
     :func:`resolve_layout` and :func:`build_layout`."""
 
-    topology: MiCSTopology
+    #: what the layout was resolved to (:func:`resolve_layout`); compared when a new strategy meets a model an
+    #: earlier one sharded
+    settings: LayoutSettings
     device_mesh: DeviceMesh
-    #: the per-state degrees in use: the user's spec, the planner's for ``sharding="auto"``, or ``None``
-    sharding: Optional[ShardingSpec]
-    #: the ``reshard_after_forward`` FSDP2 gets: the user's, or what a ShardingSpec's params degree means
-    reshard_after_forward: Union[bool, int]
-    backend: str
-    #: how gradients accumulate between optimizer steps (the user's mode, or the planner's for "auto")
-    grad_accumulation: GradAccumulation = "sharded"
-    #: why the planner chose the layout (``"auto"`` settings only), for the layout log
-    planner_reason: Optional[str] = None
-    #: AMSP optimizer-state degree (``None``: no ShardingSpec, i.e. the partition size)
-    optim_degree: Optional[int] = None
-    #: AMSP ``params=1``: keep gathered parameters through the micro-steps of one optimizer step
-    keep_params_within_step: bool = False
     #: AMSP ``optim > grads``: this rank's (optimizer-shard, optimizer-replica) groups
     optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     hierarchical_groups: Optional[HierarchicalGroups] = None
-    #: hop 2 in this compressed format (``cross_replica_dtype``,
-    #: :class:`~lightning_mics.grad_sync.CompressedCrossReplicaSync`), or ``None``
-    cross_replica_wire: Optional[WireFormat] = None
-    #: what the layout was built from (:func:`build_layout`); compared when a new strategy meets a
-    #: model an earlier one sharded
-    settings: Optional[LayoutSettings] = None
+
+    # The settings, read through: what the groups were created for.
+    @property
+    def topology(self) -> MiCSTopology:
+        return self.settings.topology
+
+    @property
+    def sharding(self) -> Optional[ShardingSpec]:
+        """The per-state degrees in use: the user's spec, the planner's for ``sharding="auto"``, or ``None``."""
+        return self.settings.sharding
+
+    @property
+    def reshard_after_forward(self) -> Union[bool, int]:
+        """What FSDP2 gets: the user's, or what a ShardingSpec's params degree means."""
+        return self.settings.reshard_after_forward
+
+    @property
+    def backend(self) -> str:
+        return self.settings.backend
+
+    @property
+    def grad_accumulation(self) -> GradAccumulation:
+        """How gradients accumulate between optimizer steps (the user's mode, or the planner's for "auto")."""
+        return self.settings.grad_accumulation
+
+    @property
+    def planner_reason(self) -> Optional[str]:
+        """Why the planner chose the layout (``"auto"`` settings only), for the layout log."""
+        return self.settings.planner_reason
+
+    @property
+    def optim_degree(self) -> Optional[int]:
+        """AMSP optimizer-state degree (``None``: no ShardingSpec, i.e. the partition size)."""
+        return self.settings.optim_degree
+
+    @property
+    def keep_params_within_step(self) -> bool:
+        """AMSP ``params=1``: keep gathered parameters through the micro-steps of one optimizer step."""
+        return self.settings.keep_params_within_step
+
+    @property
+    def cross_replica_wire(self) -> Optional[WireFormat]:
+        """Hop 2 in this compressed format (``cross_replica_dtype``), or ``None``."""
+        return self.settings.cross_replica_wire
 
     @property
     def shards_optimizer_beyond_partition(self) -> bool:
@@ -389,21 +416,7 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     hierarchical_groups = None
     if settings.hierarchical:
         hierarchical_groups = create_hierarchical_groups(topology, settings.rank, timeout=timeout)
-    return MiCSLayout(
-        topology=topology,
-        device_mesh=mesh,
-        sharding=settings.sharding,
-        reshard_after_forward=settings.reshard_after_forward,
-        backend=settings.backend,
-        grad_accumulation=settings.grad_accumulation,
-        planner_reason=settings.planner_reason,
-        optim_degree=settings.optim_degree,
-        keep_params_within_step=settings.keep_params_within_step,
-        optim_groups=optim_groups,
-        hierarchical_groups=hierarchical_groups,
-        cross_replica_wire=settings.cross_replica_wire,
-        settings=settings,
-    )
+    return MiCSLayout(settings, mesh, optim_groups, hierarchical_groups)
 
 
 def layout_planner(

@@ -189,74 +189,114 @@ def _on_group(
     return [across, within] if collective.kind == "all_gather" else [within, across]
 
 
+def _issued(
+    entry: ScheduledCollective, layout: StepLayout, role: Optional[Literal["partition", "param_group"]] = None
+) -> list[ScheduledCollective]:
+    """``entry`` as the rank issues it: not at all on a one-rank group (FSDP2 skips it), and on a
+    partition or parameter group (``role``) as MiCS's two stages when the group spans nodes."""
+    if entry.group_size <= 1:
+        return []
+    return _on_group(entry, role, layout.hierarchical_ranks_per_node) if role else [entry]
+
+
+def _parameter_gathers(unit: UnitSize, layout: StepLayout) -> list[ScheduledCollective]:
+    """The all-gathers of ``unit``'s parameters: in forward on the partition (every micro-step, or only
+    the first while parameters stay gathered through the step, ``params_degree == 1``), and again in
+    backward when the unit reshards after forward -- on the partition, or on hpZ's parameter group."""
+    p, params_degree = layout.partition_size, layout.params
+    gathered = unit.gather_numel * layout.gather_bytes
+    kept_gathered = params_degree == 1  # gathered on the first micro-step, resharded after the boundary
+    forward = ScheduledCollective(
+        "forward", "param all-gather", "all_gather", "partition", p, gathered, 1, not kept_gathered
+    )
+    entries = _issued(forward, layout, "partition")
+    if unit.regathered_in_backward and params_degree > 1:
+        role: Literal["partition", "param_group"] = "partition" if params_degree == p else "param_group"
+        what = "param re-gather" + ("" if params_degree == p else f" (hpZ, {params_degree} ranks)")
+        entries += _issued(
+            ScheduledCollective("backward", what, "all_gather", role, params_degree, gathered, 1, True), layout, role
+        )
+    return entries
+
+
+def _gradient_reductions(unit: UnitSize, layout: StepLayout) -> list[ScheduledCollective]:
+    """The reductions of ``unit``'s gradients: the reduce-scatter on the partition (every micro-step
+    with ``"sharded"`` accumulation, once at the boundary with ``"unsharded"``), then the hop across
+    replicas -- unless that hop is compressed and packs every unit's shard (:func:`_packed_cross_replica`)."""
+    sharded = layout.grad_accumulation == "sharded"
+    reduced = unit.reduce_numel * layout.reduce_bytes
+    entries = _issued(
+        ScheduledCollective(
+            "backward" if sharded else "boundary",
+            "grad reduce-scatter",
+            "reduce_scatter",
+            "partition",
+            layout.partition_size,
+            reduced,
+            1,
+            sharded,
+        ),
+        layout,
+        "partition",
+    )
+    if layout.cross_replica_bytes is not None and layout.optim == layout.partition_size:
+        return entries  # packed with the other units' shards (_packed_cross_replica)
+    return entries + _cross_replica_reductions(unit, layout, reduced)
+
+
+def _cross_replica_reductions(unit: UnitSize, layout: StepLayout, reduced: Number) -> list[ScheduledCollective]:
+    """The boundary hop of one unit's ``reduced`` gradient bytes across replicas: an all-reduce of its
+    partition shard; with optimizer states sharded over ``OS > P`` ranks instead a reduce-scatter
+    across the ``OS / P`` replicas sharing them, an all-reduce of the ``R_u / OS`` slice across the
+    rest, and after the optimizer step an all-gather of the updated parameter shard."""
+    p, w, optim = layout.partition_size, layout.world_size, layout.optim
+    shard = _div(reduced, p)
+    if optim == p:
+        return _issued(ScheduledCollective(
+            "boundary", "grad all-reduce across replicas", "all_reduce", "replication", w // p, shard, 1, False
+        ), layout)
+    return [
+        *_issued(ScheduledCollective(
+            "boundary", "grad reduce-scatter across replicas", "reduce_scatter", "optim_shard", optim // p,
+            shard, 1, False,
+        ), layout),
+        *_issued(ScheduledCollective(
+            "boundary", "grad all-reduce across replicas", "all_reduce", "optim_replica", w // optim,
+            _div(reduced, optim), 1, False,
+        ), layout),
+        *_issued(ScheduledCollective(
+            "post_step", "updated param all-gather across replicas", "all_gather", "optim_shard", optim // p,
+            _div(unit.gather_numel * layout.param_bytes, p), 1, False,
+        ), layout),
+    ]
+
+
+def _packed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
+    """The compressed hop across replicas (``cross_replica_bytes``, ``OS = P``): one reduce-scatter
+    and one all-gather per optimizer step of every unit's ``R_u / P`` shard packed together, the
+    total padded to whole blocks of ``cross_replica_block`` elements for each replica."""
+    p = layout.partition_size
+    replicas = layout.world_size // p
+    if layout.cross_replica_bytes is None or layout.optim != p or replicas <= 1:
+        return []
+    packed = sum(_div(unit.reduce_numel, p) for unit in units)
+    piece = layout.cross_replica_block * -(-packed // (replicas * layout.cross_replica_block))
+    payload = _exact(piece * replicas * layout.cross_replica_bytes)
+    return [
+        ScheduledCollective(
+            "boundary", f"compressed grad {kind.replace('_', '-')} across replicas", kind,  # type: ignore[arg-type]
+            "replication", replicas, payload, 1, False,
+        )
+        for kind in ("reduce_scatter", "all_gather")
+    ]
+
+
 def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
     """Every collective one rank issues in one optimizer step of ``layout`` (module docstring), one
     entry per unit and collective; entries on one-rank groups are left out (FSDP2 skips them)."""
-    p, w, hier = layout.partition_size, layout.world_size, layout.hierarchical_ranks_per_node
-    params_degree, optim = layout.params, layout.optim
-    sharded = layout.grad_accumulation == "sharded"
     schedule: list[ScheduledCollective] = []
-
-    def add(entry: ScheduledCollective, role: Optional[Literal["partition", "param_group"]] = None) -> None:
-        if entry.group_size > 1:
-            schedule.extend(_on_group(entry, role, hier) if role else [entry])
-
     for unit in units:
-        gathered = unit.gather_numel * layout.gather_bytes
-        reduced = unit.reduce_numel * layout.reduce_bytes
-        kept_gathered = params_degree == 1  # gathered on the first micro-step, resharded after the boundary
-        add(
-            ScheduledCollective(
-                "forward", "param all-gather", "all_gather", "partition", p, gathered, 1, not kept_gathered
-            ),
-            "partition",
-        )
-        if unit.regathered_in_backward and params_degree > 1:
-            role: Literal["partition", "param_group"] = "partition" if params_degree == p else "param_group"
-            what = "param re-gather" + ("" if params_degree == p else f" (hpZ, {params_degree} ranks)")
-            add(ScheduledCollective("backward", what, "all_gather", role, params_degree, gathered, 1, True), role)
+        schedule += _parameter_gathers(unit, layout)
         if unit.reduce_numel:
-            add(
-                ScheduledCollective(
-                    "backward" if sharded else "boundary",
-                    "grad reduce-scatter",
-                    "reduce_scatter",
-                    "partition",
-                    p,
-                    reduced,
-                    1,
-                    sharded,
-                ),
-                "partition",
-            )
-            shard = _div(reduced, p)
-            if layout.cross_replica_bytes is not None and optim == p:
-                continue  # packed with the other units' shards below
-            if optim == p:
-                add(ScheduledCollective(
-                    "boundary", "grad all-reduce across replicas", "all_reduce", "replication", w // p, shard, 1, False
-                ))
-            else:
-                add(ScheduledCollective(
-                    "boundary", "grad reduce-scatter across replicas", "reduce_scatter", "optim_shard", optim // p,
-                    shard, 1, False,
-                ))
-                add(ScheduledCollective(
-                    "boundary", "grad all-reduce across replicas", "all_reduce", "optim_replica", w // optim,
-                    _div(reduced, optim), 1, False,
-                ))
-                add(ScheduledCollective(
-                    "post_step", "updated param all-gather across replicas", "all_gather", "optim_shard", optim // p,
-                    _div(unit.gather_numel * layout.param_bytes, p), 1, False,
-                ))
-    replicas = w // p
-    if layout.cross_replica_bytes is not None and optim == p and replicas > 1:
-        packed = sum(_div(unit.reduce_numel, p) for unit in units)
-        piece = layout.cross_replica_block * -(-packed // (replicas * layout.cross_replica_block))
-        payload = _exact(piece * replicas * layout.cross_replica_bytes)
-        for kind in ("reduce_scatter", "all_gather"):
-            add(ScheduledCollective(
-                "boundary", f"compressed grad {kind.replace('_', '-')} across replicas", kind,  # type: ignore[arg-type]
-                "replication", replicas, payload, 1, False,
-            ))
-    return schedule
+            schedule += _gradient_reductions(unit, layout)
+    return schedule + _packed_cross_replica(units, layout)

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import _compat as compat
+from lightning_mics import checkpoint as ckpt
 from lightning_mics.engine import SHARDED_MODELS, MiCSFrontEnd, ShardedModel, sharded_before, unwrap_optimizer
 from lightning_mics.grad_sync import fsdp_units
 from lightning_mics.layout import accumulation_context, uses_hierarchical_collectives
@@ -51,7 +52,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
 
     _precision_argument = "precision_plugin"
     _launcher_class = compat.SubprocessScriptLauncher
-    _knows_accumulation = True
+    _trainer_front_end = True
 
     def _init_front_end_state(self) -> None:
         self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
@@ -133,7 +134,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         if self._root is None or self._root.module is not self.lightning_module:
-            self._root = self._adopt(self.lightning_module) or self._shard(self.lightning_module)
+            with torch.inference_mode(False):  # a caller's inference mode would make the shards inference tensors
+                self._root = self._adopt(self.lightning_module) or self._shard(self.lightning_module)
         # else: sharded by an earlier stage of this trainer (fit, then validate/test): reuse it
         for unit in self._fsdp_units:
             # An evaluation leaves the root unit's parameters gathered (FSDP reshards the root after
@@ -158,7 +160,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def _adopt(self, module: LightningModule) -> Optional[RootUnit]:
         """The root unit an earlier MiCSStrategy made of ``module``, taken over with its units and layout (refused
         when this strategy would shard it differently); ``None`` when none sharded the module."""
-        assert self.layout.settings is not None
         precision = self.precision_plugin.precision
         earlier = sharded_before(module, self.layout.settings, precision, self._converts_batchnorm())
         if earlier is None:
@@ -233,6 +234,24 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         empty_init_context = torch.device("meta") if empty_init else nullcontext()
         with empty_init_context, self.precision_plugin.tensor_init_context():
             yield
+
+    # Evaluation runs outside inference mode, as Lightning runs its own FSDP strategy's (pytorch#95957): FSDP2
+    # keeps the all-gather buffers its first unshard makes, and made under inference mode -- Lightning's loops
+    # with NCCL, or a caller's `with torch.inference_mode(): trainer.test(...)` -- they break the next fit.
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with ckpt.outside_inference_mode():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with ckpt.outside_inference_mode():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with ckpt.outside_inference_mode():
+            return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ gradient sync and collectives
     @contextmanager

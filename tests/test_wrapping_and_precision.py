@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 from toy import Block, RunConfig, ToyLM, full_parameters, strip_prefix, trainer_kwargs
 
-from lightning_mics.layout import MiCSLayout
+from lightning_mics.layout import LayoutSettings, MiCSLayout
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.topology import MiCSTopology
 from lightning_mics.wrapping import SIZE_RULE, materialize_meta_module, plan_wrapping, select_modules_to_wrap
@@ -126,7 +126,9 @@ def test_layout_log_warns_when_the_whole_model_is_one_unit(caplog: pytest.LogCap
 
 
 def _layout(partition_size: int) -> MiCSLayout:
-    return MiCSLayout(MiCSTopology.create(4, 2, partition_size), None, None, True, "gloo")  # type: ignore[arg-type]
+    topology = MiCSTopology.create(4, 2, partition_size)
+    settings = LayoutSettings(0, topology, None, True, "sharded", None, False, False, None, "cpu", "gloo")
+    return MiCSLayout(settings, None)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------

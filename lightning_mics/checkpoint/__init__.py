@@ -60,7 +60,7 @@ from lightning_mics.checkpoint.from_checkpoint import load_from_checkpoint
 from lightning_mics.checkpoint.loading import inspect_checkpoint, load, read_full_state
 from lightning_mics.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mics.checkpoint.saving import AsyncCheckpointSaver, save
-from lightning_mics.checkpoint.state_dicts import model_state_dict, optimizer_state_dict
+from lightning_mics.checkpoint.state_dicts import model_state_dict, optimizer_state_dict, outside_inference_mode
 
 __all__ = [
     "FORMAT_VERSION",
@@ -88,6 +88,7 @@ __all__ = [
     "load_from_checkpoint",
     "model_state_dict",
     "optimizer_state_dict",
+    "outside_inference_mode",
     "read_full_state",
     "read_record",
     "remove",

@@ -65,6 +65,7 @@ from lightning_mics.checkpoint.state_dicts import (
     model_state_dict,
     name_keyed_to_indexed,
     optimizer_state_dict,
+    outside_inference_mode,
 )
 
 log = logging.getLogger(__name__)
@@ -256,27 +257,27 @@ def load(
     size is the one that saved them. ``for_trainer``: the caller resumes Lightning's loops, so a
     file with bare model weights is rejected with the fix. ``check_state`` is called with the
     checkpoint's other (non-tensor) state once it is read and before anything is loaded: an exception
-    from it refuses the load with nothing changed (the Fabric strategy checks requested keys there)."""
+    from it refuses the load with nothing changed (the Fabric strategy checks requested keys there).
+
+    Runs outside inference mode whatever the caller's (``with torch.inference_mode():
+    trainer.test(model, ckpt_path=...)``): see :func:`.state_dicts.outside_inference_mode`."""
+    with outside_inference_mode():
+        return _load(path, module, optimizers, strict, restore_rng, for_trainer, verify, check_state)
+
+
+def _load(
+    path: PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool,
+    restore_rng: bool,
+    for_trainer: bool,
+    verify: integrity.VerifyMode,
+    check_state: Optional[Callable[[Mapping[str, Any]], None]],
+) -> dict[str, Any]:
     integrity.check_verify_mode(verify)
     info, raw = open_checkpoint(Path(path))
-    if for_trainer and info.kind == "weights":
-        raise CheckpointError(
-            f"{info.path} holds bare model weights (a state dict, e.g. from `python -m lightning_mics.consolidate` "
-            "without --with-optimizer), which Lightning cannot restore a run from. Load them into the module before "
-            "calling the Trainer -- `lightning_mics.checkpoint.load(path, model)` or "
-            "`model.load_state_dict(torch.load(path, weights_only=True))` -- or consolidate with --with-optimizer."
-        )
-    if optimizers and info.num_optimizers == 0:
-        raise CheckpointError(
-            f"{info.path} holds no optimizer state (saved with weights_only=True?), so training cannot resume from "
-            "it. Use it with trainer.validate/test, or load its weights into the module before fit with "
-            "`lightning_mics.checkpoint.load(path, model)` and start a new run."
-        )
-    if optimizers and info.num_optimizers != len(optimizers):
-        raise CheckpointError(
-            f"{info.path} holds the state of {info.num_optimizers} optimizer(s), this run has {len(optimizers)}: it "
-            "was saved with another `configure_optimizers`."
-        )
+    _check_usable(info, optimizers, for_trainer)
     saved_world = info.layout.world_size if info.layout else None
     want_rng = restore_rng and saved_world == coordination.world_size()
     if info.kind == "sharded":
@@ -304,14 +305,41 @@ def load(
     if want_rng and rng_state is not None:
         restore_rng_state(rng_state)
     elif restore_rng and coordination.rank() == 0:
-        log.warning(
-            "RNG states not restored: %s was saved by %s ranks, this run has %d. Training resumes correctly, "
-            "but random draws (dropout, augmentation) differ from an uninterrupted run.",
-            info.path,
-            saved_world if saved_world is not None else "an unknown number of",
-            coordination.world_size(),
-        )
+        _warn_rng_not_restored(info, saved_world)
     return trainer_state
+
+
+def _check_usable(info: CheckpointInfo, optimizers: Sequence[Optimizer], for_trainer: bool) -> None:
+    """Refuse, before anything is read, a checkpoint that cannot do what the caller asks: resume Lightning's
+    loops from bare weights, or resume optimizers it holds no (or another number of) states for."""
+    if for_trainer and info.kind == "weights":
+        raise CheckpointError(
+            f"{info.path} holds bare model weights (a state dict, e.g. from `python -m lightning_mics.consolidate` "
+            "without --with-optimizer), which Lightning cannot restore a run from. Load them into the module before "
+            "calling the Trainer -- `lightning_mics.checkpoint.load(path, model)` or "
+            "`model.load_state_dict(torch.load(path, weights_only=True))` -- or consolidate with --with-optimizer."
+        )
+    if optimizers and info.num_optimizers == 0:
+        raise CheckpointError(
+            f"{info.path} holds no optimizer state (saved with weights_only=True?), so training cannot resume from "
+            "it. Use it with trainer.validate/test, or load its weights into the module before fit with "
+            "`lightning_mics.checkpoint.load(path, model)` and start a new run."
+        )
+    if optimizers and info.num_optimizers != len(optimizers):
+        raise CheckpointError(
+            f"{info.path} holds the state of {info.num_optimizers} optimizer(s), this run has {len(optimizers)}: it "
+            "was saved with another `configure_optimizers`."
+        )
+
+
+def _warn_rng_not_restored(info: CheckpointInfo, saved_world: Optional[int]) -> None:
+    log.warning(
+        "RNG states not restored: %s was saved by %s ranks, this run has %d. Training resumes correctly, "
+        "but random draws (dropout, augmentation) differ from an uninterrupted run.",
+        info.path,
+        saved_world if saved_world is not None else "an unknown number of",
+        coordination.world_size(),
+    )
 
 
 def _read_rng_file(path: Path) -> Optional[dict[str, Any]]:

@@ -8,9 +8,11 @@ mean the same parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -25,18 +27,35 @@ from lightning_mics.checkpoint.format import CheckpointError
 MAX_LISTED_KEYS = 20
 
 
+@contextmanager
+def outside_inference_mode() -> Generator[None, None, None]:
+    """Leave ``torch.inference_mode`` (keeping autograd off) for a checkpoint's save or load.
+
+    Saves and loads run in whatever mode their caller is in: inside a user's
+    ``with torch.inference_mode(): trainer.test(model, ckpt_path=...)`` (as Lightning's own FSDP test
+    ``_run_multiple_stages`` does), or in a callback of a test/predict loop, which Lightning runs in
+    inference mode with NCCL. There ``param.detach()`` of a DTensor parameter, which every state dict
+    takes, fails ("Cannot set version_counter for inference tensor": the new DTensor wrapper is an
+    inference tensor, the parameter it shares a version counter with is not), and tensors a load
+    made would be inference tensors that a later ``fit`` cannot update or save for backward."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def model_state_dict(module: nn.Module, full: bool = False) -> dict[str, Any]:
     """The module's state keyed by its own parameter names (no wrapper prefixes).
 
     Sharded (default): DTensor shards, no communication. ``full``: gathered, unsharded CPU tensors on
     rank 0 and an empty dict on the other ranks (a collective: call it on every rank)."""
-    return get_model_state_dict(module, options=state_dict_options(full))
+    with outside_inference_mode():
+        return get_model_state_dict(module, options=state_dict_options(full))
 
 
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer, full: bool = False) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name (sharded), or -- ``full`` -- gathered on rank 0
     in ``torch.optim``'s own format (integer parameter ids), as a plain optimizer would save it."""
-    state = get_optimizer_state_dict(module, optimizer, options=state_dict_options(full))
+    with outside_inference_mode():
+        state = get_optimizer_state_dict(module, optimizer, options=state_dict_options(full))
     if not full or rank() != 0:
         return state
     indexed, _ = name_keyed_to_indexed(state)

@@ -129,6 +129,99 @@ def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int) -> f
     return statistics.median(samples)
 
 
+def _checked_world(topology: Any) -> tuple[int, int]:
+    """The process group's world size and the topology's ranks per node, once the default process
+    group exists and matches the topology."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "calibrate_cluster needs an initialised default process group (torch.distributed.init_process_group)."
+        )
+    world, per_node = dist.get_world_size(), topology.ranks_per_node
+    if world != topology.world_size:
+        raise ValueError(f"The topology describes {topology.world_size} ranks but the process group has {world}.")
+    return world, per_node
+
+
+def _default_device() -> Any:
+    """Where the probes' buffers live: the current CUDA device under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+_Scope = Literal["intra_node", "inter_node"]
+
+
+def _probe_groups(world: int, per_node: int) -> list[tuple[_Scope, list[Any], list[list[int]]]]:
+    """Per scope, the process groups to probe (none where the cluster has no such link) and their
+    ranks: one group per node (intra-node), one per local rank across nodes (inter-node). Every rank
+    creates every group, as ``new_group`` requires."""
+    import torch.distributed as dist
+
+    intra_groups = [list(range(start, start + per_node)) for start in range(0, world, per_node)]
+    inter_groups = [list(range(local, world, per_node)) for local in range(per_node)]
+    # new_group must be called by every rank for every group, in the same order.
+    intra_handles = [dist.new_group(ranks) for ranks in intra_groups] if per_node > 1 else []
+    inter_handles = [dist.new_group(ranks) for ranks in inter_groups] if world > per_node else []
+    return [("intra_node", intra_handles, intra_groups), ("inter_node", inter_handles, inter_groups)]
+
+
+def _timed_collective(kind: CollectiveKind, group: Any, size: int, elements: int, device: Any, repeats: int) -> float:
+    """:func:`slowest_rank_seconds` of one float32 collective on ``group`` of ``size`` ranks: an
+    all-gather into ``elements`` elements, or an all-reduce of them."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_mics.collectives import all_gather_flat
+
+    full = torch.ones(elements, dtype=torch.float32, device=device)
+    piece = torch.ones(elements // size, dtype=torch.float32, device=device)
+
+    def run() -> None:
+        if kind == "all_gather":
+            all_gather_flat(full, piece, group)
+        else:
+            dist.all_reduce(full, group=group)
+
+    return slowest_rank_seconds(run, device, repeats)
+
+
+def _probe_scope(
+    scope: _Scope,
+    handles: Sequence[Any],
+    groups: Sequence[Sequence[int]],
+    rank: int,
+    payload_bytes: Sequence[int],
+    repeats: int,
+    device: Any,
+) -> list[ProbeTiming]:
+    """Time all-gather and all-reduce at every payload size on this rank's group of the scope (every
+    group of the scope runs at once). Payloads are rounded to float32 elements divisible by the group
+    size (at least one per rank); the probes record the bytes actually moved."""
+    mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
+    size = len(groups[mine])
+    probes: list[ProbeTiming] = []
+    for kind in ("all_gather", "all_reduce"):
+        for payload in payload_bytes:
+            elements = max(size, payload // 4 // size * size)  # float32, divisible by the group size
+            seconds = _timed_collective(kind, handles[mine], size, elements, device, repeats)  # type: ignore[arg-type]
+            probes.append(ProbeTiming(scope, kind, size, elements * 4, seconds))  # type: ignore[arg-type]
+    return probes
+
+
+def _fitted(probes: Sequence[ProbeTiming], per_node: int) -> Calibration:
+    """The :class:`Calibration` of the probes: ``alpha`` and ``B`` fitted per scope; inter-node rings
+    share the node's link among its ``per_node`` concurrent groups."""
+    intra = [p for p in probes if p.scope == "intra_node"]
+    inter = [p for p in probes if p.scope == "inter_node"]
+    intra_alpha, intra_bandwidth = fit_alpha_beta(intra) if intra else (None, None)
+    inter_alpha, inter_bandwidth = fit_alpha_beta(inter, ring_edges_per_node=per_node) if inter else (None, None)
+    return Calibration(intra_bandwidth, intra_alpha, inter_bandwidth, inter_alpha, tuple(probes))
+
+
 def calibrate_cluster(
     topology: Any,
     payload_bytes: Sequence[int] = (1 << 12, 1 << 20, 1 << 22),
@@ -146,58 +239,14 @@ def calibrate_cluster(
     :func:`fit_alpha_beta`. Every rank returns the same result. The default sizes take well under
     a second per probe on NCCL; on CPU/gloo they take a few seconds in all.
     """
-    import torch
     import torch.distributed as dist
 
-    from lightning_mics.collectives import all_gather_flat
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "calibrate_cluster needs an initialised default process group (torch.distributed.init_process_group)."
-        )
-    world, per_node = dist.get_world_size(), topology.ranks_per_node
-    if world != topology.world_size:
-        raise ValueError(f"The topology describes {topology.world_size} ranks but the process group has {world}.")
+    world, per_node = _checked_world(topology)
     rank = dist.get_rank()
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
-    intra_groups = [list(range(start, start + per_node)) for start in range(0, world, per_node)]
-    inter_groups = [list(range(local, world, per_node)) for local in range(per_node)]
-    # new_group must be called by every rank for every group, in the same order.
-    intra_handles = [dist.new_group(ranks) for ranks in intra_groups] if per_node > 1 else []
-    inter_handles = [dist.new_group(ranks) for ranks in inter_groups] if world > per_node else []
-
-    def timed(kind: CollectiveKind, group: Any, size: int, payload: int) -> float:
-        elements = max(size, payload // 4 // size * size)  # float32, divisible by the group size
-        full = torch.ones(elements, dtype=torch.float32, device=device)
-        piece = torch.ones(elements // size, dtype=torch.float32, device=device)
-
-        def run() -> None:
-            if kind == "all_gather":
-                all_gather_flat(full, piece, group)
-            else:
-                dist.all_reduce(full, group=group)
-
-        return slowest_rank_seconds(run, device, repeats)
-
+        device = _default_device()
     probes: list[ProbeTiming] = []
-    for scope, handles, groups in (
-        ("intra_node", intra_handles, intra_groups),
-        ("inter_node", inter_handles, inter_groups),
-    ):
-        if not handles:
-            continue
-        mine = next(i for i, ranks in enumerate(groups) if rank in ranks)
-        size = len(groups[mine])
-        for kind in ("all_gather", "all_reduce"):
-            for payload in payload_bytes:
-                elements = max(size, payload // 4 // size * size)
-                seconds = timed(kind, handles[mine], size, payload)  # type: ignore[arg-type]
-                probes.append(ProbeTiming(scope, kind, size, elements * 4, seconds))  # type: ignore[arg-type]
-    intra = [p for p in probes if p.scope == "intra_node"]
-    inter = [p for p in probes if p.scope == "inter_node"]
-    intra_alpha, intra_bandwidth = fit_alpha_beta(intra) if intra else (None, None)
-    inter_alpha, inter_bandwidth = fit_alpha_beta(inter, ring_edges_per_node=per_node) if inter else (None, None)
-    return Calibration(intra_bandwidth, intra_alpha, inter_bandwidth, inter_alpha, tuple(probes))
+    for scope, handles, groups in _probe_groups(world, per_node):
+        if handles:
+            probes += _probe_scope(scope, handles, groups, rank, payload_bytes, repeats, device)
+    return _fitted(probes, per_node)

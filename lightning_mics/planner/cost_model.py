@@ -396,6 +396,37 @@ def estimate(
     ``grad_accumulation``: see :func:`layout_schedule` (``"unsharded"`` also models FSDP1 peers);
     ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (2 for bf16,
     1 + 4 / 256 for int8)."""
+    layout = _resolved(layout, cluster)
+    spans = layout.grads > layout.ranks_per_node
+    use_hierarchical = spans if hierarchical == "auto" else bool(hierarchical)
+    a = training.accumulation
+    tokens_micro = training.micro_batch * model.seq_len
+    compute_micro = _compute_s_per_micro_step(model, training, cluster)
+    schedule = layout_schedule(
+        layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes
+    )
+    comm, first_forward = _costs_by_phase(schedule, cluster)
+    exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a)
+    optimizer_step = _optimizer_step_s(layout, model, training, cluster)
+    return LayoutEstimate(
+        layout=layout,
+        hierarchical=use_hierarchical and spans,
+        compute_s=a * compute_micro,
+        comm_s=_comm_s_by_phase(comm, first_forward, a),
+        exposed_comm_s=exposed,
+        optimizer_step_s=optimizer_step,
+        step_time_s=a * compute_micro + exposed + optimizer_step,
+        inter_node_bytes=_inter_node_bytes(comm, first_forward, a),
+        memory=memory_breakdown(layout, model, training, grad_accumulation),
+        usable_memory_bytes=cluster.gpu_memory_bytes * (1 - cluster.memory_reserve_fraction),
+        tokens_per_step=tokens_micro * a * cluster.world_size,
+        grad_accumulation=grad_accumulation,
+    )
+
+
+def _resolved(layout: Union[ShardingDegrees, ShardingSpec], cluster: ClusterSpec) -> ShardingDegrees:
+    """``layout``'s degrees on ``cluster`` (a :class:`ShardingSpec` resolved for its shape); degrees
+    resolved for another shape are an error."""
     if isinstance(layout, ShardingSpec):
         layout = layout.resolve(cluster.world_size, cluster.gpus_per_node)
     if (layout.world_size, layout.ranks_per_node) != (cluster.world_size, cluster.gpus_per_node):
@@ -404,14 +435,22 @@ def estimate(
             f"{layout.ranks_per_node}, but the cluster has {cluster.nodes} nodes x {cluster.gpus_per_node} GPUs. "
             f"Resolve the ShardingSpec with the cluster's shape."
         )
-    spans = layout.grads > layout.ranks_per_node
-    use_hierarchical = spans if hierarchical == "auto" else bool(hierarchical)
-    units = model.num_units
+    return layout
+
+
+def _compute_s_per_micro_step(model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> float:
+    """Compute time of one micro-step: ``flops_per_token * tokens / compute_rate``, x 4/3 with
+    activation checkpointing (the forward runs twice)."""
     tokens_micro = training.micro_batch * model.seq_len
     recompute = 4 / 3 if training.activation_checkpointing else 1.0
-    compute_micro = model.training_flops_per_token * tokens_micro * recompute / cluster.compute_flops
-    forward_compute, backward_compute = compute_micro / 3, compute_micro * 2 / 3
+    return model.training_flops_per_token * tokens_micro * recompute / cluster.compute_flops
 
+
+def _costs_by_phase(
+    schedule: list[Collective], cluster: ClusterSpec
+) -> tuple[dict[str, CollectiveCost], CollectiveCost]:
+    """The schedule's costs summed by phase (forward and backward per micro-step, boundary and
+    post-step per optimizer step), and apart from them those of the first forward only."""
     # Per micro-step collectives by phase, and those of the first forward only (parameters kept
     # gathered through the step, P = 1): the latter join the first micro-step's forward.
     comm = {
@@ -421,17 +460,28 @@ def estimate(
         "post_step": CollectiveCost(),
     }
     first_forward = CollectiveCost()
-    schedule = layout_schedule(
-        layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes
-    )
     for collective in schedule:
         cost = collective.cost(cluster, hierarchical=False)  # hierarchical stages are separate collectives
         if collective.phase == "forward" and not collective.every_micro_step:
             first_forward = first_forward + cost
         else:
             comm[collective.phase] = comm[collective.phase] + cost
+    return comm, first_forward
+
+
+def _exposed_comm_s(
+    comm: dict[str, CollectiveCost],
+    first_forward: CollectiveCost,
+    compute_micro: float,
+    units: int,
+    cluster: ClusterSpec,
+    a: int,
+) -> float:
+    """Communication time left visible in one optimizer step of ``a`` micro-steps: of each micro-step's
+    forward and backward (:func:`_exposed`; compute split 1/3 forward, 2/3 backward), plus the
+    post-step all-gather in full."""
     fwd, bwd, boundary, post = (comm[k].time_s for k in ("forward", "backward", "boundary", "post_step"))
-    a = training.accumulation
+    forward_compute, backward_compute = compute_micro / 3, compute_micro * 2 / 3
 
     def exposed_micro_step(forward_comm: float, backward_comm: float) -> float:
         return _exposed(forward_comm, forward_compute, units, cluster.overlap) + _exposed(
@@ -448,30 +498,29 @@ def estimate(
             + (a - 2) * exposed_micro_step(fwd, bwd)
             + exposed_micro_step(fwd, bwd + boundary)
         )
+    return exposed_steps + post
+
+
+def _comm_s_by_phase(comm: dict[str, CollectiveCost], first_forward: CollectiveCost, a: int) -> dict[str, float]:
+    """Total communication time per optimizer step of ``a`` micro-steps, by phase."""
+    return {
+        "forward": a * comm["forward"].time_s + first_forward.time_s,
+        "backward": a * comm["backward"].time_s,
+        "boundary": comm["boundary"].time_s,
+        "post_step": comm["post_step"].time_s,
+    }
+
+
+def _inter_node_bytes(comm: dict[str, CollectiveCost], first_forward: CollectiveCost, a: int) -> float:
+    """Bytes each node sends across the network per optimizer step of ``a`` micro-steps."""
+    egress = a * (comm["forward"].node_egress_bytes + comm["backward"].node_egress_bytes)
+    egress += first_forward.node_egress_bytes + comm["boundary"].node_egress_bytes + comm["post_step"].node_egress_bytes
+    return egress
+
+
+def _optimizer_step_s(layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> float:
+    """The optimizer step on this rank's ``Psi / OS`` slice, memory-bound: its bytes through HBM."""
     b = training.bytes
     optim_shard = model.params / layout.optim
     # Adam reads param, grad, two moments and writes param and both moments.
-    optimizer_step = optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / cluster.memory_bandwidth
-    exposed = exposed_steps + post
-    step = a * compute_micro + exposed + optimizer_step
-    egress = a * (comm["forward"].node_egress_bytes + comm["backward"].node_egress_bytes)
-    egress += first_forward.node_egress_bytes + comm["boundary"].node_egress_bytes + comm["post_step"].node_egress_bytes
-    return LayoutEstimate(
-        layout=layout,
-        hierarchical=use_hierarchical and spans,
-        compute_s=a * compute_micro,
-        comm_s={
-            "forward": a * fwd + first_forward.time_s,
-            "backward": a * bwd,
-            "boundary": boundary,
-            "post_step": post,
-        },
-        exposed_comm_s=exposed,
-        optimizer_step_s=optimizer_step,
-        step_time_s=step,
-        inter_node_bytes=egress,
-        memory=memory_breakdown(layout, model, training, grad_accumulation),
-        usable_memory_bytes=cluster.gpu_memory_bytes * (1 - cluster.memory_reserve_fraction),
-        tokens_per_step=tokens_micro * a * cluster.world_size,
-        grad_accumulation=grad_accumulation,
-    )
+    return optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / cluster.memory_bandwidth

@@ -11,7 +11,7 @@ from lightning_mics.grad_sync import GRAD_ACCUMULATION_MODES, GradAccumulation, 
 from lightning_mics.planner.cost_model import LayoutEstimate, estimate
 from lightning_mics.planner.report import Plan, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
-from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
+from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec, all_sharding_degrees
 
 
 def plan(
@@ -49,14 +49,7 @@ def plan(
     if not 0.0 <= tie_tolerance < 1.0:
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
     check_grad_accumulation(grad_accumulation, allow_auto=True)
-    layouts = all_sharding_degrees(cluster.world_size, cluster.gpus_per_node, uniform_only=uniform_only)
-    if partition_size is not None:
-        layouts = [layout for layout in layouts if layout.partition_size == partition_size]
-        if not layouts:
-            raise ValueError(
-                f"partition_size={partition_size} is not a valid layout for {cluster.world_size} ranks of "
-                f"{cluster.gpus_per_node} per node."
-            )
+    layouts = _candidate_layouts(cluster, uniform_only, partition_size)
     modes: tuple[GradAccumulation, ...] = (
         GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
     )
@@ -67,24 +60,54 @@ def plan(
         # the modes differ only when a sharded gradient is accumulated over several micro-steps
         if mode == modes[0] or (layout.grads > 1 and training.accumulation > 1)
     ]
+    return Plan(cluster, model, training, tuple(_ranked(estimates, tie_tolerance)))
+
+
+def _candidate_layouts(
+    cluster: ClusterSpec, uniform_only: bool, partition_size: Optional[int]
+) -> list[ShardingDegrees]:
+    """The valid layouts of the cluster (only ``P = G = OS`` with ``uniform_only``), only those of
+    partition size ``partition_size`` when given -- which must be one of them."""
+    layouts = all_sharding_degrees(cluster.world_size, cluster.gpus_per_node, uniform_only=uniform_only)
+    if partition_size is not None:
+        layouts = [layout for layout in layouts if layout.partition_size == partition_size]
+        if not layouts:
+            raise ValueError(
+                f"partition_size={partition_size} is not a valid layout for {cluster.world_size} ranks of "
+                f"{cluster.gpus_per_node} per node."
+            )
+    return layouts
+
+
+def _ranked(estimates: list[LayoutEstimate], tie_tolerance: float) -> list[LayoutEstimate]:
+    """``estimates`` in :func:`plan`'s order (sorted in place): fitting first, then by step time and
+    memory, with the winner among the near-ties moved to the front (:func:`_tie_break_winner`)."""
     estimates.sort(key=lambda c: (not c.fits, c.step_time_s, c.memory.total))
     if estimates[0].fits:
-        limit = estimates[0].step_time_s * (1 + tie_tolerance)
-        near_best = [c for c in estimates if c.fits and c.step_time_s <= limit]
-        fewest_bytes = min(c.inter_node_bytes for c in near_best)
-        frugal = [c for c in near_best if c.inter_node_bytes <= fewest_bytes * 1.01 + 1.0]
-        winner = min(
-            frugal,
-            key=lambda c: (
-                c.layout.grads > c.layout.ranks_per_node,
-                c.layout.optim > c.layout.grads,
-                c.step_time_s,
-                c.memory.total,
-            ),
-        )
+        winner = _tie_break_winner(estimates, tie_tolerance)
         estimates.remove(winner)
         estimates.insert(0, winner)
-    return Plan(cluster, model, training, tuple(estimates))
+    return estimates
+
+
+def _tie_break_winner(ranked: list[LayoutEstimate], tie_tolerance: float) -> LayoutEstimate:
+    """The winner among the fitting layouts within ``tie_tolerance`` of the fastest (``ranked[0]``):
+    of those sending the fewest bytes across nodes (within 1 %, plus a byte), a partition inside one
+    node first, then optimizer states sharded like the gradients, then the fastest, then the leanest
+    (why: :func:`plan`)."""
+    limit = ranked[0].step_time_s * (1 + tie_tolerance)
+    near_best = [c for c in ranked if c.fits and c.step_time_s <= limit]
+    fewest_bytes = min(c.inter_node_bytes for c in near_best)
+    frugal = [c for c in near_best if c.inter_node_bytes <= fewest_bytes * 1.01 + 1.0]
+    return min(
+        frugal,
+        key=lambda c: (
+            c.layout.grads > c.layout.ranks_per_node,
+            c.layout.optim > c.layout.grads,
+            c.step_time_s,
+            c.memory.total,
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -151,21 +174,9 @@ def choose_layout(
     """
     if world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}.")
-    if cluster is None:
-        cluster = ClusterSpec.generic(world_size // ranks_per_node, ranks_per_node, device_memory_bytes)
-    else:
-        cluster = replace(
-            cluster,
-            nodes=world_size // ranks_per_node,
-            gpus_per_node=ranks_per_node,
-            gpu_memory_bytes=device_memory_bytes,
-        )
-    model = model or ModelSpec.from_param_count(param_count)
-    if model.params != param_count:
-        model = replace(model, params=int(param_count))
     result = plan(
-        cluster,
-        model,
+        _job_cluster(world_size, ranks_per_node, device_memory_bytes, cluster),
+        _job_model(param_count, model),
         training or TrainingSpec(),
         uniform_only=uniform_only,
         grad_accumulation=grad_accumulation,
@@ -173,20 +184,50 @@ def choose_layout(
         cross_replica_bytes=cross_replica_bytes,
     )
     if not result.any_fits:
-        lean = leanest(result.ranked)
-        what = "partition size" if partition_size is None else f"accumulation mode of partition_size={partition_size}"
-        raise ValueError(
-            f"partition_size='auto': no {what} fits a {param_count:,}-parameter model in "
-            f"{gib_text(device_memory_bytes)} per device on {world_size} ranks; even {lean.layout.label} needs "
-            f"~{gib_text(lean.memory.total)}. Use more devices, a smaller micro-batch, activation checkpointing or "
-            f"bf16-true, or pass partition_size explicitly."
-        )
+        raise _nothing_fits(result, world_size, param_count, device_memory_bytes, partition_size)
     winner = result.winner
     return LayoutChoice(
         partition_size=winner.layout.partition_size,
         grad_accumulation=winner.grad_accumulation,
         estimate=winner,
         reason=_accumulation_reason(result, winner, grad_accumulation),
+    )
+
+
+def _job_cluster(
+    world_size: int, ranks_per_node: int, device_memory_bytes: float, cluster: Optional[ClusterSpec]
+) -> ClusterSpec:
+    """``cluster``'s links and rates (:meth:`ClusterSpec.generic` without one) in the job's shape:
+    its nodes, ranks per node and device memory."""
+    if cluster is None:
+        return ClusterSpec.generic(world_size // ranks_per_node, ranks_per_node, device_memory_bytes)
+    return replace(
+        cluster,
+        nodes=world_size // ranks_per_node,
+        gpus_per_node=ranks_per_node,
+        gpu_memory_bytes=device_memory_bytes,
+    )
+
+
+def _job_model(param_count: int, model: Optional[ModelSpec]) -> ModelSpec:
+    """``model`` (a GPT shape guessed from ``param_count`` without one) with ``param_count`` parameters."""
+    model = model or ModelSpec.from_param_count(param_count)
+    if model.params != param_count:
+        model = replace(model, params=int(param_count))
+    return model
+
+
+def _nothing_fits(
+    result: Plan, world_size: int, param_count: int, device_memory_bytes: float, partition_size: Optional[int]
+) -> ValueError:
+    """The error when no candidate fits: the memory the leanest one needs, and the ways out."""
+    lean = leanest(result.ranked)
+    what = "partition size" if partition_size is None else f"accumulation mode of partition_size={partition_size}"
+    return ValueError(
+        f"partition_size='auto': no {what} fits a {param_count:,}-parameter model in "
+        f"{gib_text(device_memory_bytes)} per device on {world_size} ranks; even {lean.layout.label} needs "
+        f"~{gib_text(lean.memory.total)}. Use more devices, a smaller micro-batch, activation checkpointing or "
+        f"bf16-true, or pass partition_size explicitly."
     )
 
 
