@@ -11,7 +11,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_mics.checkpoint import load_from_checkpoint
 from lightning_mics.collectives import CollectiveRecorder
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
+from lightning_mics.fault_tolerance import FaultTolerance
 from lightning_mics.grad_sync import clip_grad_norm_, defer_cross_replica_sync
+from lightning_mics.options import MiCSOptions
 from lightning_mics.precision import MiCSPrecision
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.strategy import MiCSStrategy
@@ -21,7 +23,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveRecorder",
+    "FaultTolerance",
     "MiCSFabricStrategy",
+    "MiCSOptions",
     "MiCSPrecision",
     "MiCSStrategy",
     "MiCSTopology",

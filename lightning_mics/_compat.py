@@ -123,6 +123,22 @@ def expose_device_mesh(module: Any, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
+# Creating an optimizer's states before its first step, as DCP's state-dict helpers do (a step with zero
+# gradients and a zero learning rate): a fault-tolerant group that heals before it ever stepped needs its
+# states to exist as DTensors on its mesh to copy a peer's into. torch 2.2 - 2.13.
+from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optimizer_state  # noqa: E402
+
+
+def set_global_step(trainer: Any, step: int) -> None:
+    """Move the Trainer's optimizer-step count (``trainer.global_step``, what ``max_steps`` and checkpoint
+    names read) to ``step``: a fault-tolerant group that healed from a peer continues at the peer's step.
+    The count lives in the fit loop's progress tracker (lightning 2.0 - 2.6)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    progress.total.ready = progress.total.completed = step
+    epoch_loop._batches_that_stepped = step
+
+
 __all__ = [
     "AllGather",
     "BackwardSyncControl",
@@ -138,11 +154,13 @@ __all__ = [
     "dispatch_mode_stack",
     "distributed_is_initialized",
     "expose_device_mesh",
+    "init_optimizer_state",
     "init_dist_connection",
     "load_state_dict_into",
     "local_tensor",
     "optimizers_to_device",
     "set_element",
+    "set_global_step",
     "sync_ddp_if_available",
     "unbox_process_group",
 ]

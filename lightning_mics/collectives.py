@@ -34,15 +34,20 @@ class CollectiveCall:
     """One collective as seen by this rank."""
 
     kind: str  #: "all_gather", "reduce_scatter", "all_reduce" or "broadcast"
-    ranks: tuple[int, ...]  #: global ranks of the group it ran on
+    ranks: tuple[int, ...]  #: global ranks of the group it ran on (``()``: a group outside this world)
     bytes: int  #: payload bytes: the full (gathered / pre-scatter / reduced) buffer on this rank
     step: int  #: the value of :attr:`CollectiveRecorder.step` when it was issued
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of ``group``; ``()`` for a group that is not part of this world -- torchft's
+    reconfigurable groups across replica groups (fault tolerance), each rank's peers in other jobs."""
     if group is None or group is dist.GroupMember.WORLD:
         return tuple(range(dist.get_world_size()))
-    return tuple(dist.get_process_group_ranks(group))
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except KeyError:
+        return ()
 
 
 def _nbytes(value: Any) -> int:

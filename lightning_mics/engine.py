@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Optional, TypeVar, Union
 
@@ -50,6 +50,7 @@ from lightning_mics.layout import (
     shard_module,
     shard_optimizer_states,
 )
+from lightning_mics.fault_tolerance import ManagedCrossReplicaSync, ReplicaGroup, check_fault_tolerant_layout
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import MiCSOptions, ShardingOption
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
@@ -58,8 +59,10 @@ from lightning_mics.wrapping import WrapPlan, plan_wrapping
 
 log = logging.getLogger("lightning_mics")
 
-#: What runs around an optimizer's step: AMSP optimizer-state sharding, or the compressed hop 2.
-StepHook = Union[ReplicaShardedOptimizerStates, CompressedCrossReplicaSync]
+#: Hop 2 when the engine runs it: in a compressed wire format, or through torchft across fault domains.
+CrossReplicaHook = Union[CompressedCrossReplicaSync, ManagedCrossReplicaSync]
+#: What runs around an optimizer's step: AMSP optimizer-state sharding, or hop 2 run by the engine.
+StepHook = Union[ReplicaShardedOptimizerStates, CrossReplicaHook]
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
@@ -79,9 +82,13 @@ class MiCSEngine:
         self.layout_or_none: Optional[MiCSLayout] = None
         #: per optimizer (by id): AMSP ``optim > grads`` states sharded across replicas
         self._state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
-        #: per optimizer (by id): its model's hop 2 in ``cross_replica_dtype``; per model (by id), the same
-        self._compressed: dict[int, CompressedCrossReplicaSync] = {}
-        self._model_syncs: dict[int, CompressedCrossReplicaSync] = {}
+        #: per optimizer (by id): its model's hop 2 run by the engine (``cross_replica_dtype``, or through torchft
+        #: with ``fault_tolerance``); per model (by id), the same
+        self._cross_replica: dict[int, CrossReplicaHook] = {}
+        self._model_syncs: dict[int, CrossReplicaHook] = {}
+        #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
+        self.replica_group: Optional[ReplicaGroup] = None
+        self._step_open = False
         #: optimizers whose gradients already crossed replicas this step (clipping came first)
         self._synced_before_step: set[int] = set()
         #: the background checkpoint writer with ``async_save``, else ``None``
@@ -140,7 +147,7 @@ class MiCSEngine:
                 log=log if strategy.is_global_zero else None,
                 planner_cluster=o.planner_cluster,
             )
-        return resolve_layout(
+        settings = resolve_layout(
             world_size=world_size,
             rank=strategy.global_rank,
             ranks_per_node=resolve_ranks_per_node(o.ranks_per_node, strategy.num_processes, world_size),
@@ -154,6 +161,10 @@ class MiCSEngine:
             cross_replica_wire=self.cross_replica_wire,
             plan_layout=planner,
         )
+        if o.fault_tolerance is not None:
+            beyond = settings.optim_degree is not None and settings.optim_degree > settings.topology.partition_size
+            check_fault_tolerant_layout(settings.topology.replication_degree, beyond, settings.cross_replica_wire)
+        return settings
 
     def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:
         """Create the mesh and groups ``settings`` call for (a collective), or take ``existing`` (a model an
@@ -197,20 +208,51 @@ class MiCSEngine:
             return
         sync = self._model_syncs.get(id(module))
         if sync is None:
-            sync = cross_replica_sync(module, layout)
+            sync = self._cross_replica_hook(module, layout)
             if sync is None:
                 return
             self._model_syncs[id(module)] = sync
-        self._compressed.update({id(optimizer): sync for optimizer in optimizers})
+        self._cross_replica.update({id(optimizer): sync for optimizer in optimizers})
+
+    def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaHook]:
+        if self.replica_group is not None:
+            return ManagedCrossReplicaSync(module, self.replica_group)
+        return cross_replica_sync(module, layout)
+
+    # ------------------------------------------------------------------ fault tolerance (torchft)
+    def join_fault_domain(
+        self, device: torch.device, state_fn: Callable[[], dict[str, Any]], load_fn: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """With ``fault_tolerance``: this group's torchft Manager, serving ``state_fn()`` to groups that join
+        and healing through ``load_fn`` when this one joins (once; before the optimizers are attached)."""
+        ft = self.options.fault_tolerance
+        if ft is not None and (self.replica_group is None or self.replica_group.closed):
+            self.replica_group = ReplicaGroup(ft.resolved(), device, state_fn, load_fn)
+
+    def data_share(self, world_size: int, rank: int) -> tuple[int, int]:
+        """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``,
+        of every replica group's world, this group's shares at its index."""
+        ft = self.options.fault_tolerance
+        if ft is None:
+            return world_size, rank
+        ft = ft.resolved()
+        assert ft.num_replica_groups is not None and ft.replica_group is not None
+        return world_size * ft.num_replica_groups, ft.replica_group * world_size + rank
+
+    def begin_step(self) -> None:
+        """Before the first micro-step of an optimizer step: the quorum (a joining group heals here)."""
+        if self.replica_group is not None and not self._step_open:
+            self.replica_group.start_step()
+            self._step_open = True
 
     def detach_optimizers(self) -> None:
         """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit)."""
         self._state_sharding.clear()
-        self._compressed.clear()
+        self._cross_replica.clear()
         self._synced_before_step.clear()
 
     def step_hook(self, optimizer: Optimizer) -> Optional[StepHook]:
-        return self._state_sharding.get(id(optimizer)) or self._compressed.get(id(optimizer))
+        return self._state_sharding.get(id(optimizer)) or self._cross_replica.get(id(optimizer))
 
     def disjoint_groups(self, optimizer: Optional[Optimizer] = None) -> dict[Tensor, Sequence[dist.ProcessGroup]]:
         """For clipping: the groups over which the optimizer-state slices' gradients are disjoint (AMSP
@@ -229,6 +271,7 @@ class MiCSEngine:
     def finish_step(self, optimizer: Optimizer) -> None:
         """After the step: AMSP gathers the updated slices into the parameters."""
         self._synced_before_step.discard(id(optimizer))
+        self._step_open = False
         hook = self.step_hook(optimizer)
         if hook is not None:
             hook.after_step()
@@ -285,8 +328,12 @@ class MiCSEngine:
 
     def teardown(self) -> None:
         """The run ends only once its last checkpoint is committed (a failed background save raises here)."""
-        if self.async_saver is not None:
-            self.async_saver.close()
+        try:
+            if self.async_saver is not None:
+                self.async_saver.close()
+        finally:
+            if self.replica_group is not None:
+                self.replica_group.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,6 +448,11 @@ class MiCSFrontEnd:
     @property
     def engine(self) -> MiCSEngine:
         return self._engine
+
+    @property
+    def fsdp_units(self) -> list[FSDPModule]:
+        """The FSDP2 units of every model set up so far (per model: blocks, then its root), after setup."""
+        return list(self._fsdp_units)
 
     @property
     def root_device(self) -> torch.device:

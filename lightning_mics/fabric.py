@@ -23,7 +23,6 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -80,11 +79,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         self._optimizers: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._backward_sync_control = _MiCSBackwardSyncControl(self)
         self._shards = ShardRegistry()  # so that optimizers created before setup step the shards
-
-    @property
-    def fsdp_units(self) -> list[FSDPModule]:
-        """The FSDP2 units of every model set up so far (per model: blocks, then its root)."""
-        return list(self._fsdp_units)
 
     precision = precision_property("_precision", MiCSFabricPrecision, Precision)  # type: ignore[assignment]
 

@@ -254,20 +254,38 @@ class CompressedCrossReplicaSync:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if not params or self.replicas == 1:
             return
-        first = local_shard(params[0].grad)
-        flat = torch.zeros(sum(self.packed_numel(p) for p in params), dtype=first.dtype, device=first.device)
-        offset = 0
-        for param in params:
-            grad = local_shard(param.grad).reshape(-1)
-            flat[offset : offset + grad.numel()].copy_(grad)
-            offset += self.packed_numel(param)
+        flat = pack_gradient_shards(params)
         compressed_all_reduce_(flat, self.replica_group, self.wire)
         flat.div_(self.replicas)
-        offset = 0
-        for param in params:
-            grad = local_shard(param.grad).view(-1)
-            grad.copy_(flat[offset : offset + grad.numel()])
-            offset += self.packed_numel(param)
+        unpack_gradient_shards(flat, params)
 
     def after_step(self) -> None:
         """Nothing to do after the optimizer step (the hook protocol of the strategy's step)."""
+
+
+def padded_shard_numel(param: Tensor) -> int:
+    """Elements one rank packs for ``param``: its gradient shard padded as FSDP2 pads dim 0, so that every
+    rank of a replication group packs alike (the same offsets for the same parameters)."""
+    return CompressedCrossReplicaSync.packed_numel(param)
+
+
+def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
+    """This rank's gradient shards of ``params`` in one flat buffer (each at its padded size, zeros in the
+    padding): one message for the cross-replica hop instead of one per parameter."""
+    first = local_shard(params[0].grad)  # type: ignore[arg-type]
+    flat = torch.zeros(sum(padded_shard_numel(p) for p in params), dtype=first.dtype, device=first.device)
+    offset = 0
+    for param in params:
+        grad = local_shard(param.grad).reshape(-1)  # type: ignore[arg-type]
+        flat[offset : offset + grad.numel()].copy_(grad)
+        offset += padded_shard_numel(param)
+    return flat
+
+
+def unpack_gradient_shards(flat: Tensor, params: Sequence[Tensor]) -> None:
+    """Copy a buffer :func:`pack_gradient_shards` made (and a collective reduced) back into the gradients."""
+    offset = 0
+    for param in params:
+        grad = local_shard(param.grad).view(-1)  # type: ignore[arg-type]
+        grad.copy_(flat[offset : offset + grad.numel()])
+        offset += padded_shard_numel(param)

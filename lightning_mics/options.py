@@ -31,6 +31,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
 from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
+from lightning_mics.fault_tolerance import FaultTolerance
 from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
 from lightning_mics.sharding_spec import ShardingSpec
@@ -47,6 +48,10 @@ TRAINER_ONLY: dict[str, str] = {
     "async_save": "Fabric ends a script without a teardown that could wait for a background save",
     "release_gradients_after_step": (
         "Fabric's loop is yours: call optimizer.zero_grad(set_to_none=True) right after optimizer.step()"
+    ),
+    "fault_tolerance": (
+        "the quorum and commit of each step are wired to the Trainer's step so far; use Trainer(strategy=MiCSStrategy("
+        "fault_tolerance=...)), or torchft's Manager directly in a Fabric loop"
     ),
 }
 
@@ -163,7 +168,22 @@ class MiCSOptions:
     compute rate and optimizer-step rate at set-up. A preset name (``"p4d"``, ``"p3dn"``, ``"dgx-h100"``),
     the path of a ``lightning-mics plan calibrate --out`` JSON, or a ``lightning_mics.planner.ClusterSpec``."""
 
+    fault_tolerance: Union[FaultTolerance, bool, dict, None] = None
+    """Partition groups as fault domains (torchft): each replica group runs as its own job, a lost group
+    costs a step instead of the job, and a restarted one heals from a live peer. A
+    ``lightning_mics.FaultTolerance`` (Lighthouse address, this group's index, ...), ``True`` (all of it from
+    the environment: ``TORCHFT_LIGHTHOUSE``, ``MICS_REPLICA_GROUP``, ``MICS_NUM_REPLICA_GROUPS``) or a dict of
+    its fields; needs the ``[ft]`` extra. See docs/fault-tolerance.md."""
+
     def __post_init__(self) -> None:
+        ft = self.fault_tolerance
+        if ft is True or isinstance(ft, dict):
+            object.__setattr__(self, "fault_tolerance", FaultTolerance(**({} if ft is True else ft)))
+        elif ft is not None and not isinstance(ft, FaultTolerance):
+            raise TypeError(
+                f"fault_tolerance must be a lightning_mics.FaultTolerance, True (from the environment), a dict of its "
+                f"fields or None, got {ft!r}."
+            )
         self._check_values()
         self._check_combinations()
 

@@ -1,9 +1,8 @@
 """``Trainer(strategy="mics")``: the Trainer's hooks mapped onto one :class:`~lightning_mics.engine.MiCSEngine`.
 
-The ideas live in their own modules (topology, wrapping, grad_sync, collectives, checkpoint, planner) and the
-run's state and behaviour in the engine, which Fabric's strategy (:mod:`lightning_mics.fabric`) holds too.
-What is the Trainer's alone is here: the root unit around the LightningModule, a model sharded by an earlier
-Trainer used as it is, optimizers created by Lightning after sharding, hop 2 inside the step's closure.
+The run's state and behaviour live in the engine, which Fabric's strategy holds too. What is the Trainer's
+alone is here: the root unit around the LightningModule, a model sharded by an earlier Trainer used as it is,
+optimizers created by Lightning after sharding, hop 2 inside the step's closure, the fault-tolerant quorum.
 """
 
 from __future__ import annotations
@@ -20,12 +19,12 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import fault_tolerance as ft
 from lightning_mics.engine import SHARDED_MODELS, MiCSFrontEnd, ShardedModel, sharded_before, unwrap_optimizer
 from lightning_mics.grad_sync import fsdp_units
 from lightning_mics.layout import accumulation_context, uses_hierarchical_collectives
@@ -60,11 +59,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
 
     # ------------------------------------------------------------------ properties
     @property
-    def fsdp_units(self) -> list[FSDPModule]:
-        """The FSDP2 units (wrapped blocks, then the root), available after ``setup``."""
-        return self._fsdp_units
-
-    @property
     def is_distributed(self) -> bool:
         """Tells Lightning to insert a ``DistributedSampler`` (it only knows its built-in strategies)."""
         return True
@@ -73,7 +67,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel worker: partitions shard states, not data.
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        num_replicas, rank = self._engine.data_share(self.num_nodes * self.num_processes, self.global_rank)
+        return {"num_replicas": num_replicas, "rank": rank}
 
     @property
     @override
@@ -150,12 +145,35 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             compat.optimizers_to_device(self.optimizers, self.root_device)
+            self._join_fault_domain(trainer)
             self._engine.detach_optimizers()
             raw = [unwrap_optimizer(o) for o in self.optimizers]
             self._engine.attach_optimizers(raw, self._root, loss_scaling=self.precision_plugin.scaler is not None)
             self.precision_plugin.disjoint_groups = self._engine.disjoint_groups()
         if self.is_global_zero:
             self.layout.log_description(log, self.lightning_module, len(self._fsdp_units), self._wrap_plan)
+
+    def _join_fault_domain(self, trainer: Trainer) -> None:
+        """With ``fault_tolerance``: this group's torchft Manager, healing from and serving the training state."""
+        module = self.lightning_module
+        if self.options.fault_tolerance is None or module is None:
+            return
+        if not module.automatic_optimization:
+            raise ValueError("fault_tolerance needs automatic optimization: each step must be one quorum and commit.")
+        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        schedulers = [config.scheduler for config in self.lr_scheduler_configs]
+        self._engine.join_fault_domain(
+            self.root_device,
+            lambda: ft.training_state(module, optimizers, schedulers, trainer.global_step),
+            lambda state: ft.load_training_state(
+                state, module, optimizers, schedulers, lambda step: compat.set_global_step(trainer, step)
+            ),
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._engine.begin_step()  # fault tolerance: the quorum of this optimizer step, before its forward
+        return super().training_step(*args, **kwargs)
 
     def _adopt(self, module: LightningModule) -> Optional[RootUnit]:
         """The root unit an earlier MiCSStrategy made of ``module``, taken over with its units and layout (refused

@@ -109,7 +109,8 @@ def classify_calls(calls: Iterable[CollectiveCall], topology: Optional[MiCSTopol
     below assumes flat collectives and does not model those two stages).
     A group that is both the partition and the replication group (a single rank) counts as
     intra-partition; with ZeRO-3 the partition group is the world, so world-wide calls are intra.
-    Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag every batch) and
+    A call on a group outside this world (torchft's, with ``fault_tolerance``) is hop 2 across replica
+    groups: cross-replica. Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag every batch) and
     always count as other.
     """
     by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
@@ -125,6 +126,8 @@ def classify_calls(calls: Iterable[CollectiveCall], topology: Optional[MiCSTopol
         ranks = set(call.ranks)
         if call.kind == "broadcast":
             by_group[OTHER] += call.bytes  # control traffic (e.g. Lightning's per-batch SIGTERM flag)
+        elif not ranks:  # a group outside this world: hop 2 across fault-tolerant replica groups
+            by_group[CROSS_REPLICA] += call.bytes
         elif ranks <= partition:  # the partition group, or its intra-/inter-node sub-groups
             by_group[INTRA_PARTITION] += call.bytes
         elif ranks <= replication:

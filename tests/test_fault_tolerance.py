@@ -1,0 +1,264 @@
+"""Partition groups as fault domains (torchft): options, refused layouts, equivalence, a lost and healed group.
+
+The multi-group tests run a real Lighthouse and two replica groups of two gloo ranks, each group its own
+``torch.distributed`` world (its own port), as two jobs would on a cluster. Every process they start is
+killed at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from distributed import exit_after_distributed_work, free_port
+from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, trainer_kwargs
+
+from lightning_mics import FaultTolerance, MiCSStrategy
+from lightning_mics.fault_tolerance import check_fault_tolerant_layout
+
+pytest.importorskip("torchft")
+LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+GROUP_WORLD = 2
+
+
+# ------------------------------------------------------------------------------------------------ options
+def test_fault_tolerance_reads_the_environment_and_names_what_is_missing(monkeypatch) -> None:
+    for name in ("TORCHFT_LIGHTHOUSE", "MICS_REPLICA_GROUP", "MICS_NUM_REPLICA_GROUPS"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="needs the Lighthouse's address"):
+        FaultTolerance().resolved()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="needs this group's index and the number of groups"):
+        FaultTolerance().resolved()
+    monkeypatch.setenv("MICS_REPLICA_GROUP", "1")
+    monkeypatch.setenv("MICS_NUM_REPLICA_GROUPS", "3")
+    assert FaultTolerance(min_replica_groups=2).resolved() == FaultTolerance("http://127.0.0.1:1", 1, 3, 2)
+    with pytest.raises(ValueError, match=r"replica_group=3, num_replica_groups=3"):
+        FaultTolerance(replica_group=3).resolved()
+    with pytest.raises(ValueError, match="min_replica_groups=0"):
+        FaultTolerance(min_replica_groups=0)
+
+
+def test_the_strategy_takes_fault_tolerance_as_an_object_true_or_a_dict() -> None:
+    assert MiCSStrategy(fault_tolerance=True).options.fault_tolerance == FaultTolerance()
+    by_dict = MiCSStrategy(fault_tolerance={"lighthouse": "http://h:29510", "timeout": 5}).options.fault_tolerance
+    assert by_dict == FaultTolerance(lighthouse="http://h:29510", timeout=5)
+    with pytest.raises(TypeError, match="fault_tolerance must be a lightning_mics.FaultTolerance"):
+        MiCSStrategy(fault_tolerance="yes")
+
+
+def test_layouts_that_cannot_lose_a_group_are_refused() -> None:
+    check_fault_tolerant_layout(1, False, None)
+    with pytest.raises(ValueError, match="holds 2 replicas of the partition. Launch each partition as its own job"):
+        check_fault_tolerant_layout(2, False, None)
+    with pytest.raises(ValueError, match="optimizer states sharded across replicas"):
+        check_fault_tolerant_layout(1, True, None)
+    with pytest.raises(ValueError, match="compressed hop 2"):
+        check_fault_tolerant_layout(1, False, "int8")
+
+
+# ------------------------------------------------------------------------------------------------ harness
+@contextmanager
+def lighthouse(min_replicas: int) -> Iterator[str]:
+    """A Lighthouse on loopback for the test's groups; killed at the end."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+         "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        time.sleep(0.5)
+        assert process.poll() is None, "the Lighthouse did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def _group_rank(rank: int, group: int, port: int, out_dir: str, fn: Any, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(GROUP_WORLD), RANK=str(rank),
+        LOCAL_RANK=str(rank), NODE_RANK="0",
+    )
+    torch.set_num_threads(1)
+    result = fn(rank, group, *args)
+    torch.save(result, Path(out_dir) / f"group{group}_rank{rank}.pt")
+    exit_after_distributed_work()
+
+
+def start_group(group: int, out_dir: str, fn: Any, *args: Any) -> Any:
+    """One replica group's job: ``GROUP_WORLD`` spawned ranks with their own world, not waited for."""
+    return mp.start_processes(
+        _group_rank, args=(group, free_port(), out_dir, fn, args), nprocs=GROUP_WORLD, join=False,
+        start_method="spawn",
+    )
+
+
+def wait(context: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a replica group did not finish within {timeout} s")
+    finally:
+        kill(context)
+
+
+def kill(context: Any) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=10)
+
+
+def read(out_dir: str, group: int) -> list[Any]:
+    return [torch.load(Path(out_dir) / f"group{group}_rank{r}.pt", weights_only=False) for r in range(GROUP_WORLD)]
+
+
+def fault_tolerant_trainer(cfg: RunConfig, ft: FaultTolerance, callbacks: list) -> Any:
+    import lightning.pytorch as pl
+
+    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": callbacks}
+    return pl.Trainer(strategy=MiCSStrategy(fault_tolerance=ft), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ equivalence
+EQUIVALENCE = RunConfig(world_size=2 * GROUP_WORLD, steps=3, accumulate=2)
+
+
+def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
+    from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
+
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
+    module = ToyModule(EQUIVALENCE)
+    telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
+    trainer = fault_tolerant_trainer(EQUIVALENCE, ft, [telemetry])
+    trainer.fit(module)
+    return {
+        "params": full_parameters(module),
+        "cross_replica_bytes": [record.comm.by_group[CROSS_REPLICA] for record in telemetry.steps],
+        "discarded": trainer.strategy.engine.replica_group.discarded_steps,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_two_fault_tolerant_groups_train_like_one_process() -> None:
+    """2 groups x 2 ranks, hop 2 through torchft, accumulation 2: the same parameters as single-process
+    training on the 4 ranks' global batches."""
+    with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out_dir:
+        groups = [start_group(g, out_dir, _fit_in_group, address) for g in range(2)]
+        for context in groups:
+            wait(context, timeout=240)
+        results = read(out_dir, 0) + read(out_dir, 1)
+    assert_matches_reference([result["params"] for result in results], EQUIVALENCE)
+    assert all(result["discarded"] == 0 for result in results)
+    # hop 2 through torchft is counted as cross-replica traffic: the packed fp32 gradient shards once per step
+    shard_bytes = {bytes_ for result in results for bytes_ in result["cross_replica_bytes"]}
+    assert len(shard_bytes) == 1 and shard_bytes.pop() > 0
+
+
+def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
+    from lightning_mics.collectives import CollectiveCall
+    from lightning_mics.telemetry import CROSS_REPLICA, INTRA_PARTITION, OTHER, classify_calls
+    from lightning_mics.topology import MiCSTopology
+
+    topology = MiCSTopology.create(world_size=2, ranks_per_node=2, partition_size=2)
+    calls = [CollectiveCall("reduce_scatter", (0, 1), 40, 0), CollectiveCall("all_reduce", (), 12, 0)]
+    assert classify_calls(calls, topology, rank=0).by_group == {INTRA_PARTITION: 40, CROSS_REPLICA: 12, OTHER: 0}
+
+
+# ------------------------------------------------------------------------------------------------ a lost group
+LONG = RunConfig(world_size=2 * GROUP_WORLD, steps=24)
+FAIL_AFTER_STEPS_TOGETHER = 2
+
+
+def _shard_digest(module: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for _, p in sorted(module.named_parameters()):
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _run_group(rank: int, group: int, address: str, fail: bool) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    class Record(pl.Callback):
+        """Per step: (the Manager's step, live groups) and this rank's shard digest. Told to fail, the group dies
+        during its third step with the other group (after the quorum, before hop 2); the survivor slows down
+        while alone so that the restarted group can rejoin before the run ends."""
+
+        def __init__(self) -> None:
+            self.digests: dict[int, str] = {}
+            self.participants: list[tuple[int, int]] = []
+
+        def on_after_backward(self, trainer, module) -> None:
+            together = [step for step, live in self.participants if live == 2]
+            if fail and rank == 1 and len(together) >= FAIL_AFTER_STEPS_TOGETHER:
+                os._exit(1)  # a node lost mid-step: no cleanup, no goodbye
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            manager = trainer.strategy.engine.replica_group.manager
+            self.digests[manager.current_step()] = _shard_digest(module)
+            self.participants.append((manager.current_step(), manager.num_participants()))
+            if manager.num_participants() < 2 and not fail and len(self.participants) > 1:
+                time.sleep(3.0)  # alone: give the restarted group time to start and heal
+
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
+    record = Record()
+    module = ToyModule(LONG)
+    trainer = fault_tolerant_trainer(LONG, ft, [record])
+    trainer.fit(module)
+    replica_group = trainer.strategy.engine.replica_group
+    return {
+        "digests": record.digests,
+        "participants": record.participants,
+        "global_step": trainer.global_step,
+        "discarded": replica_group.discarded_steps if replica_group is not None else None,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        survivor = start_group(0, out_dir, _run_group, address, False)
+        doomed = start_group(1, out_dir, _run_group, address, True)
+        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
+            wait(doomed, timeout=180)
+        restarted = start_group(1, out_dir, _run_group, address, False)
+        wait(survivor, timeout=300)
+        wait(restarted, timeout=120)
+        first, second = read(out_dir, 0), read(out_dir, 1)
+    for rank in range(GROUP_WORLD):
+        alone, healed = first[rank], second[rank]
+        live = [count for _, count in alone["participants"]]
+        assert alone["global_step"] == healed["global_step"] == LONG.steps  # both finished the run
+        assert 1 <= alone["discarded"] <= 2, alone  # the step the failure hit, not the job
+        lost_at = next(step for (step, count), before in zip(alone["participants"][1:], live) if count < before)
+        assert live[-1] == 2  # alone after the loss, together again at the end
+        assert min(healed["digests"]) >= lost_at > 0  # the restart started at the survivor's step, not at 0
+        common = sorted(set(alone["digests"]) & set(healed["digests"]))
+        assert len(common) >= 2, "the groups never trained together after the heal"
+        for step in common:  # bit-identical shards at every step both took part in
+            assert alone["digests"][step] == healed["digests"][step], f"rank {rank}, step {step}"
+
+
+def test_the_lighthouse_binary_is_installed() -> None:
+    assert LIGHTHOUSE.exists() or shutil.which("torchft_lighthouse"), "the [ft] extra brings torchft_lighthouse"
