@@ -1,0 +1,189 @@
+"""Fault tolerance on one machine: a Lighthouse, replica groups of CPU ranks, one group killed and restarted.
+
+    python examples/fault_tolerance_demo.py                       # 2 groups x 2 ranks, group 1 killed at 25 s
+    python examples/fault_tolerance_demo.py --groups 3 --steps 120 --kill-after 40 --restart-after 10
+
+Each replica group is its own job (its own ``torch.distributed`` world, as on a cluster) training the demo
+GPT with ``MiCSStrategy(fault_tolerance=True)``; every rank appends one line per optimizer step to
+``<out>/group<g>.jsonl`` (time, torchft step, live groups, loss). At ``--kill-after`` seconds the last group's
+whole process group is killed (a lost node: SIGKILL, no cleanup); ``--restart-after`` seconds later it is
+started afresh and heals from a live group. The run ends with a summary (outage, discarded steps, the step
+the restarted group healed at) and ``<out>/fault_tolerance.png``: each group's step over time, and the loss.
+Needs the ``[ft]`` and ``[examples]`` extras. Every process it starts is killed when it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ one group
+def run_group(args: argparse.Namespace) -> None:
+    """A replica group's job: Lightning starts its ranks (this script again) and trains with fault tolerance."""
+    import lightning.pytorch as pl
+
+    from examples.models import ByteCorpusDataModule, GPTLightningModule
+    from lightning_mics import MiCSStrategy
+
+    group = int(os.environ["MICS_REPLICA_GROUP"])
+    out = Path(args.out)
+
+    class StepLog(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            manager = trainer.strategy.engine.replica_group.manager
+            loss = outputs["loss"].item() if isinstance(outputs, dict) else float(outputs)
+            line = {"t": time.time(), "group": group, "rank": trainer.global_rank, "step": manager.current_step(),
+                    "live": manager.num_participants(), "loss": loss}
+            with open(out / f"group{group}.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+            if args.step_delay:
+                time.sleep(args.step_delay)
+
+    pl.seed_everything(1234)
+    trainer = pl.Trainer(
+        strategy=MiCSStrategy(fault_tolerance=True),
+        accelerator="cpu", devices=args.ranks, max_steps=args.steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[StepLog()], num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(GPTLightningModule("tiny", warmup_steps=5), ByteCorpusDataModule(batch_size=4, max_bytes=200_000))
+
+
+# ------------------------------------------------------------------------------------------------ the cluster
+def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A process in a session of its own, so that it and everything it starts can be killed together."""
+    return subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait(timeout=30)
+
+
+def launch_group(group: int, args: argparse.Namespace, lighthouse: str, out: Path, port: int) -> subprocess.Popen:
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, MICS_REPLICA_GROUP=str(group),
+               MICS_NUM_REPLICA_GROUPS=str(args.groups), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(ROOT))
+    argv = [sys.executable, __file__, "--group", "--out", str(out), "--ranks", str(args.ranks),
+            "--steps", str(args.steps), "--step-delay", str(args.step_delay)]
+    return start(argv, env, out / f"group{group}-{int(time.time())}.log")
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+    address = f"127.0.0.1:{args.port}"
+    processes: list[subprocess.Popen] = []
+    try:
+        processes.append(start([lighthouse_bin, "--min_replicas", "1", "--bind", address, "--join_timeout_ms",
+                                "1000", "--heartbeat_timeout_ms", "2000"], dict(os.environ), out / "lighthouse.log"))
+        groups = {
+            g: launch_group(g, args, f"http://{address}", out, args.port + 10 * (g + 1)) for g in range(args.groups)
+        }
+        processes += groups.values()
+        started = time.time()
+        victim = args.groups - 1
+        events: dict[str, float] = {}
+        while time.time() - started < args.kill_after:
+            time.sleep(0.5)
+        kill(groups[victim])
+        events["killed"] = time.time()
+        print(f"killed group {victim} at {events['killed'] - started:.1f} s", flush=True)
+        time.sleep(args.restart_after)
+        groups[victim] = launch_group(victim, args, f"http://{address}", out, args.port + 10 * (victim + 1) + 5)
+        processes.append(groups[victim])
+        events["restarted"] = time.time()
+        print(f"restarted group {victim} at {events['restarted'] - started:.1f} s", flush=True)
+        for group, process in groups.items():
+            process.wait(timeout=args.timeout)
+            print(f"group {group} exited with {process.returncode}", flush=True)
+    finally:
+        for process in processes:
+            kill(process)
+    report(out, started, events, victim, args.groups)
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def report(out: Path, started: float, events: dict[str, float], victim: int, groups: int) -> None:
+    """Summary and plot from the groups' step logs (rank 0 of each group)."""
+    rows = [json.loads(line) for g in range(groups) for line in (out / f"group{g}.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["rank"] == 0]
+    survivor = [r for r in rows if r["group"] == 0]
+    alone = [r for r in survivor if r["live"] < groups and r["t"] > events["killed"]]
+    after = [r for r in rows if r["group"] == victim and r["t"] > events["restarted"]]
+    steps = [r["step"] for r in survivor]
+    discarded = sum(1 for a, b in zip(steps, steps[1:]) if a == b)
+    rejoined = min((r["t"] for r in survivor if r["t"] > events["killed"] and r["live"] == groups), default=None)
+    lines = [
+        f"group {victim} killed at {events['killed'] - started:.1f} s, "
+        f"restarted at {events['restarted'] - started:.1f} s",
+        f"group 0 trained alone for {len(alone)} steps; steps repeated (discarded) on group 0: {discarded}",
+        f"outage seen by group 0: {rejoined - events['killed']:.1f} s" if rejoined else "group 0 never saw it rejoin",
+        f"the restarted group's first step: {after[0]['step'] if after else 'none'} (healed from a live group)",
+    ]
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(out, rows, started, events, groups)
+
+
+def plot(out: Path, rows: list[dict[str, Any]], started: float, events: dict[str, float], groups: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_step, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for g in range(groups):
+        mine = [r for r in rows if r["group"] == g]
+        style = {"marker": "o" if g == 0 else "x", "markersize": 6 if g == 0 else 4, "linestyle": "none"}
+        ax_step.plot([r["t"] - started for r in mine], [r["step"] for r in mine], label=f"group {g}", **style)
+        ax_loss.plot([r["step"] for r in mine], [r["loss"] for r in mine], label=f"group {g}", **style)
+    for name, t in events.items():
+        ax_step.axvline(t - started, color="grey", linestyle="--")
+        ax_step.text(t - started, 0, f" {name}", rotation=90, va="bottom")
+    ax_step.set(xlabel="seconds", ylabel="torchft step (committed)", title="steps over time")
+    ax_loss.set(xlabel="torchft step", ylabel="training loss", title="loss")
+    ax_step.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fault_tolerance.png", dpi=100)
+    print(f"plot: {out / 'fault_tolerance.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--group", action="store_true", help=argparse.SUPPRESS)  # internal: run one group
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="CPU ranks per group")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--kill-after", type=float, default=25.0, help="seconds until the last group is killed")
+    parser.add_argument("--restart-after", type=float, default=5.0, help="seconds until it is started again")
+    parser.add_argument("--step-delay", type=float, default=0.2, help="seconds each step sleeps (a longer run)")
+    parser.add_argument("--port", type=int, default=29510, help="the Lighthouse's; groups use the ones above it")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", default="outputs/fault_tolerance_demo")
+    args = parser.parse_args()
+    if args.group:
+        run_group(args)
+    else:
+        orchestrate(args)
+
+
+if __name__ == "__main__":
+    main()
