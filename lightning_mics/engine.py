@@ -59,6 +59,9 @@ from lightning_mics.wrapping import WrapPlan, plan_wrapping
 
 log = logging.getLogger("lightning_mics")
 
+#: The checkpoint entry that holds the fault-tolerance state (torchft's step count).
+FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
+
 #: Hop 2 when the engine runs it: in a compressed wire format, or through torchft across fault domains.
 CrossReplicaHook = Union[CompressedCrossReplicaSync, ManagedCrossReplicaSync]
 #: What runs around an optimizer's step: AMSP optimizer-state sharding, or hop 2 run by the engine.
@@ -302,7 +305,13 @@ class MiCSEngine:
             return [ckpt.optimizer_state_dict(module, optimizer, full=full) for optimizer in optimizers]
 
     def save(self, path: Any, checkpoint: dict[str, Any]) -> None:
-        """Write ``checkpoint`` (with states from :meth:`model_state` / :meth:`optimizer_states`). A collective."""
+        """Write ``checkpoint`` (with states from :meth:`model_state` / :meth:`optimizer_states`). A collective.
+        With ``fault_tolerance`` one replica group writes (see :attr:`ReplicaGroup.writes_checkpoints`) and the
+        checkpoint keeps torchft's step."""
+        if self.replica_group is not None:
+            if not self.replica_group.writes_checkpoints:
+                return
+            checkpoint[FAULT_TOLERANCE_KEY] = self.replica_group.state_dict()
         started = time.perf_counter()
         layout = self.layout().checkpoint_layout
         ckpt.save(path, checkpoint, layout, full=self.options.save_full_state_dict, saver=self.async_saver)
@@ -316,11 +325,17 @@ class MiCSEngine:
         if self.async_saver is not None:
             self.async_saver.wait()
         with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=True):
-            return ckpt.load(
+            state = ckpt.load(
                 path, module, optimizers, strict, restore_rng=True, verify=self.options.checkpoint_verify, **kwargs
             )
+        fault_tolerance = state.pop(FAULT_TOLERANCE_KEY, None)
+        if fault_tolerance is not None and self.replica_group is not None:
+            self.replica_group.load_state_dict(fault_tolerance)
+        return state
 
     def remove(self, path: Any) -> None:
+        if self.replica_group is not None and not self.replica_group.writes_checkpoints:
+            return  # this group wrote nothing
         saver = self.async_saver
         if saver is not None and saver.in_flight is not None and str(saver.in_flight) == os.path.abspath(path):
             saver.wait()  # never delete a checkpoint while it is being written

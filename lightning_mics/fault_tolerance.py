@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -61,9 +62,12 @@ class FaultTolerance:
     timeout: float = 60.0
     #: seconds to wait for a quorum (longer than a step)
     quorum_timeout: float = 60.0
+    #: seconds without a new step (quorum) after which a rank takes its whole process down: a hung group must
+    #: die, not keep heartbeating and block everyone's quorum. Longer than a step plus any validation or save.
+    watchdog: float = 900.0
 
     def __post_init__(self) -> None:
-        for name in ("min_replica_groups", "timeout", "quorum_timeout"):
+        for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
@@ -85,7 +89,7 @@ class FaultTolerance:
                 f"replica_group={group!r}, num_replica_groups={groups!r}: set FaultTolerance(replica_group=..., "
                 f"num_replica_groups=...) or {REPLICA_GROUP_ENV} and {NUM_REPLICA_GROUPS_ENV} in each group's job."
             )
-        return FaultTolerance(lighthouse, group, groups, self.min_replica_groups, self.timeout, self.quorum_timeout)
+        return replace(self, lighthouse=lighthouse, replica_group=group, num_replica_groups=groups)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -159,9 +163,11 @@ class ReplicaGroup:
         self.closed = False
         self._participants: Optional[int] = None
         self._outage_started: Optional[float] = None
+        self._watchdog = Watchdog(options.watchdog)
 
     def start_step(self) -> None:
         """The quorum for the next optimizer step (a group that joins heals here, before its forward)."""
+        self._watchdog.kick()
         self.manager.start_quorum()
         participants = self.manager.num_participants()
         if participants != self._participants:
@@ -206,11 +212,54 @@ class ReplicaGroup:
             )
         return committed
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """One group writes checkpoints for all (the others' would be copies): the first group of the
+        current quorum -- the same answer on every rank of a group, and on one group of the quorum."""
+        return self.manager.participating_rank() == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of fault tolerance: torchft's step count (a group resumed from the checkpoint
+        is then ahead of a fresh one, which heals from it instead of averaging with it)."""
+        return {"manager": self.manager.state_dict(), "replica_group": self.options.replica_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state["manager"])
+
     def shutdown(self) -> None:
         """Stop serving and heartbeating (the Lighthouse then drops this group); idempotent."""
         if not self.closed:
             self.closed = True
+            self._watchdog.stop()
             self.manager.shutdown(wait=False)
+
+
+class Watchdog:
+    """Takes the process down when no step has started for ``seconds``: a rank that hangs outside a
+    collective (whose timeout would end it) would otherwise keep its group heartbeating to the Lighthouse and
+    block the quorum of every group. Killing one rank ends the group: its peers' collectives fail."""
+
+    def __init__(self, seconds: float, exit: Callable[[int], None] = os._exit) -> None:
+        self.seconds = seconds
+        self._exit = exit
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mics-ft-watchdog", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.seconds / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.seconds:
+                log.error("fault tolerance: no step for %.0f s (watchdog %.0f s): ending this rank", idle, self.seconds)
+                self._exit(1)
+                return
 
 
 class ManagedCrossReplicaSync:

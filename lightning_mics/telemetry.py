@@ -110,8 +110,8 @@ def classify_calls(calls: Iterable[CollectiveCall], topology: Optional[MiCSTopol
     A group that is both the partition and the replication group (a single rank) counts as
     intra-partition; with ZeRO-3 the partition group is the world, so world-wide calls are intra.
     A call on a group outside this world (torchft's, with ``fault_tolerance``) is hop 2 across replica
-    groups: cross-replica. Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag every batch) and
-    always count as other.
+    groups: cross-replica. Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag
+    every batch) and always count as other.
     """
     by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
     by_group: Counter[str] = Counter()

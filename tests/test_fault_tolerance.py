@@ -69,6 +69,20 @@ def test_layouts_that_cannot_lose_a_group_are_refused() -> None:
         check_fault_tolerant_layout(1, False, "int8")
 
 
+def test_the_watchdog_ends_a_rank_that_stops_stepping() -> None:
+    from lightning_mics.fault_tolerance import Watchdog
+
+    exits: list[int] = []
+    watchdog = Watchdog(0.4, exit=exits.append)
+    for _ in range(4):  # kicked in time: nothing happens
+        time.sleep(0.2)
+        watchdog.kick()
+    assert exits == []
+    time.sleep(1.5)  # no step for longer than the watchdog
+    assert exits == [1]
+    watchdog.stop()
+
+
 # ------------------------------------------------------------------------------------------------ harness
 @contextmanager
 def lighthouse(min_replicas: int) -> Iterator[str]:
@@ -130,10 +144,10 @@ def read(out_dir: str, group: int) -> list[Any]:
     return [torch.load(Path(out_dir) / f"group{group}_rank{r}.pt", weights_only=False) for r in range(GROUP_WORLD)]
 
 
-def fault_tolerant_trainer(cfg: RunConfig, ft: FaultTolerance, callbacks: list) -> Any:
+def fault_tolerant_trainer(cfg: RunConfig, ft: FaultTolerance, callbacks: list, **overrides: Any) -> Any:
     import lightning.pytorch as pl
 
-    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": callbacks}
+    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": callbacks} | overrides
     return pl.Trainer(strategy=MiCSStrategy(fault_tolerance=ft), **kwargs)
 
 
@@ -181,6 +195,79 @@ def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
     topology = MiCSTopology.create(world_size=2, ranks_per_node=2, partition_size=2)
     calls = [CollectiveCall("reduce_scatter", (0, 1), 40, 0), CollectiveCall("all_reduce", (), 12, 0)]
     assert classify_calls(calls, topology, rank=0).by_group == {INTRA_PARTITION: 40, CROSS_REPLICA: 12, OTHER: 0}
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+EPOCH = RunConfig(world_size=2 * GROUP_WORLD, steps=3, accumulate=2)  # one epoch is 3 steps
+
+
+def two_epoch_reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Single-process training for two epochs of ``cfg``'s data, in the order Lightning's DistributedSampler
+    deals each epoch to the ranks (a permutation seeded with the epoch; global micro-batch i is slice i)."""
+    from toy import ToyLM, lm_loss, make_dataset
+
+    torch.manual_seed(cfg.seed)
+    model = ToyLM()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum)
+    tokens, targets = make_dataset(cfg.num_samples).tensors
+    size = cfg.world_size * cfg.micro_batch
+    for epoch in range(2):
+        order = torch.randperm(cfg.num_samples, generator=torch.Generator().manual_seed(epoch))
+        for step in range(cfg.steps):
+            optimizer.zero_grad()
+            for micro in range(step * cfg.accumulate, (step + 1) * cfg.accumulate):
+                batch = order[micro * size : (micro + 1) * size]
+                (lm_loss(model, (tokens[batch], targets[batch])) / cfg.accumulate).backward()
+            optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fit_then_save(rank: int, group: int, address: str, directory: str, resume: bool) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
+    module = ToyModule(EPOCH)
+    epochs = {"max_steps": -1, "max_epochs": 2 if resume else 1}
+    if resume:
+        fault_tolerant_trainer(EPOCH, ft, [], **epochs).fit(module, ckpt_path=str(Path(directory) / "last.ckpt"))
+        trainer = module.trainer
+    else:  # every group's callback saves to the same (shared) directory; one group writes
+        callback = ModelCheckpoint(dirpath=directory, save_last=True)
+        trainer = fault_tolerant_trainer(EPOCH, ft, [callback], enable_checkpointing=True, **epochs)
+        trainer.fit(module)
+    return {"params": full_parameters(module), "step": trainer.strategy.engine.replica_group.manager.current_step()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_one_group_writes_the_checkpoint_and_the_groups_resume_from_it() -> None:
+    """Both groups' ModelCheckpoint saves to the same directory after an epoch: the quorum's first group writes
+    it, with torchft's step; both resume from it for a second epoch and end where two epochs of single-process
+    training do."""
+    from lightning_mics.checkpoint import inspect_checkpoint
+    from lightning_mics.engine import FAULT_TOLERANCE_KEY
+
+    with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out_dir:
+        directory = Path(out_dir) / "shared"
+        checkpoint = directory / "last.ckpt"
+        for resume in (False, True):
+            groups = [start_group(g, out_dir, _fit_then_save, address, str(directory), resume) for g in range(2)]
+            for context in groups:
+                wait(context, timeout=300)
+            results = read(out_dir, 0) + read(out_dir, 1)
+            if not resume:
+                assert [result["step"] for result in results] == [EPOCH.steps] * 4
+                info = inspect_checkpoint(checkpoint)
+                assert info.data_dir is not None
+                state = torch.load(info.data_dir / "trainer_state.pt", weights_only=False)
+                assert state[FAULT_TOLERANCE_KEY]["manager"]["step"] == EPOCH.steps
+                assert state[FAULT_TOLERANCE_KEY]["replica_group"] == 0  # the first group of the quorum wrote it
+    assert [result["step"] for result in results] == [2 * EPOCH.steps] * 4  # torchft's step went on from it
+    reference = two_epoch_reference(EPOCH)
+    for result in results:
+        for name, expected in reference.items():
+            got = result["params"]["model." + name]
+            assert ((got - expected).norm() / expected.norm()).item() < 1e-5, name
 
 
 # ------------------------------------------------------------------------------------------------ a lost group
