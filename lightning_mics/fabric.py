@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import process_groups
 from lightning_mics.checkpoint import fabric_entries
-from lightning_mics.engine import MiCSFrontEnd
+from lightning_mics.front_end import MiCSFrontEnd
 from lightning_mics.grad_sync import fsdp_units
 from lightning_mics.layout import accumulation_context
 from lightning_mics.precision import MiCSFabricPrecision, precision_property

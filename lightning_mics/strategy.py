@@ -25,7 +25,8 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import fault_tolerance as ft
-from lightning_mics.engine import SHARDED_MODELS, MiCSFrontEnd, ShardedModel, sharded_before, unwrap_optimizer
+from lightning_mics.engine import SHARDED_MODELS, ShardedModel, sharded_before, unwrap_optimizer
+from lightning_mics.front_end import MiCSFrontEnd
 from lightning_mics.grad_sync import fsdp_units
 from lightning_mics.layout import accumulation_context, uses_hierarchical_collectives
 from lightning_mics.precision import MiCSPrecision, precision_property
