@@ -125,6 +125,8 @@ class MiCSEngine:
         (``strategy`` is the Lightning ``ParallelStrategy`` that holds this engine). A collective."""
         reset_seed()
         process_groups.assign_world_ranks(strategy)
+        if self.options.fault_tolerance is not None:  # one replica group logs for all: rank 0 of group 0
+            process_groups.set_logging_rank(self.data_share(strategy.world_size, strategy.global_rank)[1])
         self.backend = process_groups.join_world(
             strategy.cluster_environment, strategy.root_device, self.backend, self.options.timeout_delta
         )

@@ -65,15 +65,22 @@ def assign_world_ranks(strategy: Any) -> None:
     ``rank_zero_only`` agree (the launcher may have set neither). ``strategy`` is a Lightning
     ``ParallelStrategy`` (Trainer or Fabric): it has ``cluster_environment``, ``node_rank``,
     ``num_processes``, ``local_rank``, ``num_nodes`` and ``global_rank``."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
-    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-
     environment = strategy.cluster_environment
     if environment is not None:
         environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
         environment.set_world_size(strategy.num_nodes * strategy.num_processes)
-    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = strategy.global_rank
+    set_logging_rank(strategy.global_rank)
+
+
+def set_logging_rank(rank: int) -> None:
+    """The rank Lightning's ``rank_zero_only`` output (loggers, progress messages) sees: only rank 0 writes.
+    Normally the global rank; with fault tolerance, the rank among every replica group's ranks, so that one
+    group logs for all."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    rank_zero_only.rank = utils_rank_zero_only.rank = fabric_rank_zero_only.rank = rank
 
 
 def join_world(

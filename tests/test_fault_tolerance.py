@@ -163,8 +163,11 @@ def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
     trainer = fault_tolerant_trainer(EQUIVALENCE, ft, [telemetry])
     trainer.fit(module)
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
     return {
         "params": full_parameters(module),
+        "logging_rank": rank_zero_only.rank,
         "cross_replica_bytes": [record.comm.by_group[CROSS_REPLICA] for record in telemetry.steps],
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
     }
@@ -182,6 +185,7 @@ def test_two_fault_tolerant_groups_train_like_one_process() -> None:
         results = read(out_dir, 0) + read(out_dir, 1)
     assert_matches_reference([result["params"] for result in results], EQUIVALENCE)
     assert all(result["discarded"] == 0 for result in results)
+    assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
     # hop 2 through torchft is counted as cross-replica traffic: the packed fp32 gradient shards once per step
     shard_bytes = {bytes_ for result in results for bytes_ in result["cross_replica_bytes"]}
     assert len(shard_bytes) == 1 and shard_bytes.pop() > 0
