@@ -232,11 +232,13 @@ class MiCSEngine:
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
             self.replica_group = ReplicaGroup(ft.resolved(), device, state_fn, load_fn)
 
-    def data_share(self, world_size: int, rank: int) -> tuple[int, int]:
-        """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``,
-        of every replica group's world, this group's shares at its index."""
+    def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
+        """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``
+        and ``across_groups`` (training data), of every replica group's world, this group's shares at its
+        index. Evaluation data is shared within the group only: every group evaluates the same model on the
+        same data, so that metrics, and the decisions taken on them, agree across groups."""
         ft = self.options.fault_tolerance
-        if ft is None:
+        if ft is None or not across_groups:
             return world_size, rank
         ft = ft.resolved()
         assert ft.num_replica_groups is not None and ft.replica_group is not None

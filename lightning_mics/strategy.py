@@ -42,12 +42,10 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     """Train with MiCS: shard model states inside small partition groups, replicate across them.
 
     Every option is a field of :class:`lightning_mics.options.MiCSOptions` (``docs/options.md``), passed by
-    name -- ``MiCSStrategy(partition_size=8, grad_accumulation="unsharded")`` -- or as an options object,
-    ``MiCSStrategy(MiCSOptions(...))``, which keyword options then override. They are readable as
-    attributes of the strategy; ``partition_size_spec``, ``sharding``, ``reshard_after_forward`` and
-    ``grad_accumulation`` show the layout's resolved values once it exists.
-    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and ``precision_plugin``
-    are set by the Trainer.
+    name -- ``MiCSStrategy(partition_size=8)`` -- or as an object, ``MiCSStrategy(MiCSOptions(...))``, which
+    keyword options override; readable as attributes (``partition_size_spec``, ``sharding``,
+    ``reshard_after_forward``, ``grad_accumulation``: the layout's resolved values once it exists). The
+    Lightning arguments (``accelerator``, ``precision_plugin``, ...) are set by the Trainer.
     """
 
     _precision_argument = "precision_plugin"
@@ -68,7 +66,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel worker: partitions shard states, not data.
-        num_replicas, rank = self._engine.data_share(self.num_nodes * self.num_processes, self.global_rank)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        world, training = self.num_nodes * self.num_processes, trainer is not None and trainer.training
+        num_replicas, rank = self._engine.data_share(world, self.global_rank, across_groups=training)
         return {"num_replicas": num_replicas, "rank": rank}
 
     @property
@@ -283,8 +283,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             yield None
 
     def no_cross_replica_sync(self) -> Any:
-        """For manual optimization: wrap the backward of every non-boundary micro-step in this.
-        It is the same context Lightning enters for automatic optimization."""
+        """For manual optimization: the backward of every non-boundary micro-step (as automatic optimization)."""
         return self.block_backward_sync()
 
     @override

@@ -155,19 +155,35 @@ def fault_tolerant_trainer(cfg: RunConfig, ft: FaultTolerance, callbacks: list, 
 EQUIVALENCE = RunConfig(world_size=2 * GROUP_WORLD, steps=3, accumulate=2)
 
 
+class ValidatedToyModule(ToyModule):
+    """The toy with a validation set: each group must evaluate all of it (not a share), so that the groups'
+    metrics agree."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        from toy import lm_loss
+
+        self.log("val_loss", lm_loss(self, batch), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        from toy import make_dataset
+
+        return torch.utils.data.DataLoader(make_dataset(16, seed=7), batch_size=2)
+
+
 def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
     from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
-    module = ToyModule(EQUIVALENCE)
+    module = ValidatedToyModule(EQUIVALENCE)
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
-    trainer = fault_tolerant_trainer(EQUIVALENCE, ft, [telemetry])
+    trainer = fault_tolerant_trainer(EQUIVALENCE, ft, [telemetry], limit_val_batches=None, val_check_interval=2)
     trainer.fit(module)
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     return {
         "params": full_parameters(module),
         "logging_rank": rank_zero_only.rank,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
         "cross_replica_bytes": [record.comm.by_group[CROSS_REPLICA] for record in telemetry.steps],
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
     }
@@ -186,6 +202,7 @@ def test_two_fault_tolerant_groups_train_like_one_process() -> None:
     assert_matches_reference([result["params"] for result in results], EQUIVALENCE)
     assert all(result["discarded"] == 0 for result in results)
     assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
+    assert len({result["val_loss"] for result in results}) == 1  # every group evaluated the same data
     # hop 2 through torchft is counted as cross-replica traffic: the packed fp32 gradient shards once per step
     shard_bytes = {bytes_ for result in results for bytes_ in result["cross_replica_bytes"]}
     assert len(shard_bytes) == 1 and shard_bytes.pop() > 0
