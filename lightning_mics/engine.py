@@ -219,7 +219,7 @@ class MiCSEngine:
 
     def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaHook]:
         if self.replica_group is not None:
-            return ManagedCrossReplicaSync(module, self.replica_group)
+            return ManagedCrossReplicaSync(module, self.replica_group, layout.cross_replica_wire)
         return cross_replica_sync(module, layout)
 
     # ------------------------------------------------------------------ fault tolerance (torchft)

@@ -103,8 +103,8 @@ def _env_int(name: str) -> Optional[int]:
 
 def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition: bool, wire: Any) -> None:
     """Refuse the layouts that cannot lose a group: inside one group's job, the world must be one partition
-    (replicas live in other groups), optimizer states may not be sharded across groups, and hop 2 runs in
-    the gradients' own dtype (torchft's all-reduce)."""
+    (replicas live in other groups) and optimizer states may not be sharded across groups; hop 2 runs in the
+    gradients' own dtype or a 16-bit float (torchft's all-reduce has no int8 wire)."""
     if replication_degree != 1:
         raise ValueError(
             f"With fault_tolerance each replica group's job is one partition, but this world holds "
@@ -116,10 +116,10 @@ def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition:
             "fault_tolerance cannot be combined with optimizer states sharded across replicas (ShardingSpec optim > "
             "grads): a lost group would take its slice of every optimizer state with it. Use optim <= grads."
         )
-    if wire is not None:
+    if wire is not None and wire.dtype is None:
         raise ValueError(
-            "fault_tolerance does not yet carry a compressed hop 2 (cross_replica_dtype): torchft averages the "
-            "gradients in their own dtype. Drop cross_replica_dtype, or fault_tolerance."
+            f"fault_tolerance does not yet carry hop 2 in {wire.name} (torchft all-reduces floating-point tensors): "
+            "use cross_replica_dtype='bf16' or 'fp16' (half the bytes), or None."
         )
 
 
@@ -265,11 +265,17 @@ class Watchdog:
 class ManagedCrossReplicaSync:
     """Hop 2 through torchft, as the engine's step hook: at the boundary, this rank's gradient shards are
     packed into one buffer, averaged over the live groups and unpacked; if the quorum does not commit, the
-    gradients are dropped so that the optimizer step changes nothing (parameters and optimizer states)."""
+    gradients are dropped so that the optimizer step changes nothing (parameters and optimizer states).
 
-    def __init__(self, module: nn.Module, group: ReplicaGroup) -> None:
+    With a 16-bit ``wire`` (``cross_replica_dtype="bf16"`` / ``"fp16"``) the buffer crosses in that dtype:
+    half the bytes; torchft's all-reduce sums in it, one rounding per group added (G - 1 for G groups) plus
+    the message's own, where the non-fault-tolerant ring sums 16-bit messages in fp32. Every group gets the
+    same result, so the groups stay identical."""
+
+    def __init__(self, module: nn.Module, group: ReplicaGroup, wire: Optional[Any] = None) -> None:
         self.module = module
         self.group = group
+        self.dtype: Optional[torch.dtype] = None if wire is None else wire.dtype
         #: no optimizer-state slices here (the protocol clipping reads)
         self.disjoint_groups: dict[Tensor, Sequence[Any]] = {}
 
@@ -278,8 +284,9 @@ class ManagedCrossReplicaSync:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if params:
             flat = pack_gradient_shards(params)
-            self.group.average_(flat)
-            unpack_gradient_shards(flat, params)
+            message = flat if self.dtype is None else flat.to(self.dtype)
+            self.group.average_(message)
+            unpack_gradient_shards(message.to(flat.dtype), params)
         if not self.group.commit():
             for param in self.module.parameters():
                 param.grad = None

@@ -65,8 +65,11 @@ def test_layouts_that_cannot_lose_a_group_are_refused() -> None:
         check_fault_tolerant_layout(2, False, None)
     with pytest.raises(ValueError, match="optimizer states sharded across replicas"):
         check_fault_tolerant_layout(1, True, None)
-    with pytest.raises(ValueError, match="compressed hop 2"):
-        check_fault_tolerant_layout(1, False, "int8")
+    from lightning_mics.wire import BF16, INT8
+
+    check_fault_tolerant_layout(1, False, BF16)
+    with pytest.raises(ValueError, match="does not yet carry hop 2 in int8.*use cross_replica_dtype='bf16'"):
+        check_fault_tolerant_layout(1, False, INT8)
 
 
 def test_the_watchdog_ends_a_rank_that_stops_stepping() -> None:
@@ -170,13 +173,25 @@ class ValidatedToyModule(ToyModule):
         return torch.utils.data.DataLoader(make_dataset(16, seed=7), batch_size=2)
 
 
-def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
+def _fit_in_group(rank: int, group: int, address: str, wire: Any) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from lightning_mics.grad_sync import padded_shard_numel
     from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
     module = ValidatedToyModule(EQUIVALENCE)
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
-    trainer = fault_tolerant_trainer(EQUIVALENCE, ft, [telemetry], limit_val_batches=None, val_check_interval=2)
+    class Packed(pl.Callback):  # what hop 2 packs: this rank's shards of the gradients the step has
+        numel = 0
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.numel = sum(padded_shard_numel(p) for p in module.parameters() if p.grad is not None)
+
+    packed = Packed()
+    strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_dtype=wire)
+    kwargs = trainer_kwargs(EQUIVALENCE) | {"devices": GROUP_WORLD, "limit_val_batches": None, "val_check_interval": 2}
+    trainer = pl.Trainer(strategy=strategy, callbacks=[telemetry, packed], **kwargs)
     trainer.fit(module)
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -186,7 +201,16 @@ def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "cross_replica_bytes": [record.comm.by_group[CROSS_REPLICA] for record in telemetry.steps],
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
+        "packed_numel": packed.numel,
     }
+
+
+def _run_two_groups(wire: Any) -> list[dict[str, Any]]:
+    with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out_dir:
+        groups = [start_group(g, out_dir, _fit_in_group, address, wire) for g in range(2)]
+        for context in groups:
+            wait(context, timeout=240)
+        return read(out_dir, 0) + read(out_dir, 1)
 
 
 @pytest.mark.distributed
@@ -194,18 +218,30 @@ def _fit_in_group(rank: int, group: int, address: str) -> dict[str, Any]:
 def test_two_fault_tolerant_groups_train_like_one_process() -> None:
     """2 groups x 2 ranks, hop 2 through torchft, accumulation 2: the same parameters as single-process
     training on the 4 ranks' global batches."""
-    with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out_dir:
-        groups = [start_group(g, out_dir, _fit_in_group, address) for g in range(2)]
-        for context in groups:
-            wait(context, timeout=240)
-        results = read(out_dir, 0) + read(out_dir, 1)
+    results = _run_two_groups(None)
     assert_matches_reference([result["params"] for result in results], EQUIVALENCE)
     assert all(result["discarded"] == 0 for result in results)
     assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
     assert len({result["val_loss"] for result in results}) == 1  # every group evaluated the same data
-    # hop 2 through torchft is counted as cross-replica traffic: the packed fp32 gradient shards once per step
-    shard_bytes = {bytes_ for result in results for bytes_ in result["cross_replica_bytes"]}
-    assert len(shard_bytes) == 1 and shard_bytes.pop() > 0
+    for result in results:  # hop 2 through torchft is cross-replica traffic: the packed fp32 shards once a step
+        assert set(result["cross_replica_bytes"]) == {4 * result["packed_numel"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_bf16_hop_2_between_groups_halves_its_bytes_and_keeps_the_groups_identical() -> None:
+    from toy import reference_training
+
+    results = _run_two_groups("bf16")
+    params = [result["params"] for result in results]
+    assert_matches_reference(params, EQUIVALENCE, rtol=1e-2)
+    for rank in range(GROUP_WORLD):  # both groups hold the same model: they got the same average
+        for name, value in params[rank].items():
+            assert torch.equal(value, params[GROUP_WORLD + rank][name]), name
+    reference, _ = reference_training(EQUIVALENCE)
+    assert any(not torch.allclose(params[0]["model." + n], reference[n], rtol=0, atol=0) for n in reference)
+    for result in results:  # telemetry: the packed shards once per step, 2 bytes an element
+        assert set(result["cross_replica_bytes"]) == {2 * result["packed_numel"]}
 
 
 def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
