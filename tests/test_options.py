@@ -84,3 +84,14 @@ def test_fabric_refuses_trainer_only_options_saying_why(name: str) -> None:
         MiCSFabricStrategy(**{name: value})
     with pytest.raises(ValueError, match="grad_accumulation='auto' needs the number of micro-steps"):
         MiCSFabricStrategy(grad_accumulation="auto")
+
+
+def test_lightning_cli_takes_fault_tolerance_as_true_or_its_fields() -> None:
+    from lightning_mics import FaultTolerance
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(MiCSStrategy, "strategy")
+    assert parser.parse_args(["--strategy.fault_tolerance=true"]).strategy.fault_tolerance is True
+    fields = '{"lighthouse": "http://h:29510", "replica_group": 1, "num_replica_groups": 2}'
+    built = parser.instantiate(parser.parse_args([f"--strategy.fault_tolerance={fields}"]))
+    assert built.strategy.options.fault_tolerance == FaultTolerance("http://h:29510", 1, 2)
