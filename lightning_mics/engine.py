@@ -230,7 +230,17 @@ class MiCSEngine:
         and healing through ``load_fn`` when this one joins (once; before the optimizers are attached)."""
         ft = self.options.fault_tolerance
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
-            self.replica_group = ReplicaGroup(ft.resolved(), device, state_fn, load_fn)
+            ft = ft.resolved()
+            self.replica_group = ReplicaGroup(ft, device, state_fn, load_fn)
+            if dist.get_rank() == 0:  # one line in each group's job log
+                log.info(
+                    "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "
+                    "steps commit with at least %d group(s)",
+                    ft.replica_group,
+                    ft.num_replica_groups,
+                    ft.lighthouse,
+                    ft.min_replica_groups,
+                )
 
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
         """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``
