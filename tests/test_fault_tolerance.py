@@ -285,13 +285,11 @@ def _fit_then_save(rank: int, group: int, address: str, directory: str, resume: 
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
     module = ToyModule(EPOCH)
     epochs = {"max_steps": -1, "max_epochs": 2 if resume else 1}
-    if resume:
-        fault_tolerant_trainer(EPOCH, ft, [], **epochs).fit(module, ckpt_path=str(Path(directory) / "last.ckpt"))
-        trainer = module.trainer
-    else:  # every group's callback saves to the same (shared) directory; one group writes
-        callback = ModelCheckpoint(dirpath=directory, save_last=True)
-        trainer = fault_tolerant_trainer(EPOCH, ft, [callback], enable_checkpointing=True, **epochs)
-        trainer.fit(module)
+    # every group's callback saves to the same (shared) directory; one group writes. Every group's job is
+    # launched alike, with ckpt_path="last": the first run finds no checkpoint and starts afresh
+    callback = ModelCheckpoint(dirpath=directory, save_last=True)
+    trainer = fault_tolerant_trainer(EPOCH, ft, [callback], enable_checkpointing=True, **epochs)
+    trainer.fit(module, ckpt_path="last")
     return {"params": full_parameters(module), "step": trainer.strategy.engine.replica_group.manager.current_step()}
 
 
