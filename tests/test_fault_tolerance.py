@@ -338,8 +338,9 @@ def _shard_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _run_group(rank: int, group: int, address: str, fail: bool) -> dict[str, Any]:
+def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) -> dict[str, Any]:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     class Record(pl.Callback):
         """Per step: (the Manager's step, live groups) and this rank's shard digest. Told to fail, the group dies
@@ -365,14 +366,16 @@ def _run_group(rank: int, group: int, address: str, fail: bool) -> dict[str, Any
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
     record = Record()
     module = ToyModule(LONG)
-    trainer = fault_tolerant_trainer(LONG, ft, [record])
-    trainer.fit(module)
+    checkpoints = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3)
+    trainer = fault_tolerant_trainer(LONG, ft, [record, checkpoints], enable_checkpointing=True)
+    trainer.fit(module, ckpt_path="last")  # as every group's job is launched: the restart loads, then heals
     replica_group = trainer.strategy.engine.replica_group
     return {
         "digests": record.digests,
         "participants": record.participants,
         "global_step": trainer.global_step,
         "discarded": replica_group.discarded_steps if replica_group is not None else None,
+        "resumed_from": trainer.ckpt_path,
     }
 
 
@@ -380,11 +383,12 @@ def _run_group(rank: int, group: int, address: str, fail: bool) -> dict[str, Any
 @pytest.mark.timeout(420)
 def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> None:
     with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
-        survivor = start_group(0, out_dir, _run_group, address, False)
-        doomed = start_group(1, out_dir, _run_group, address, True)
+        shared = str(Path(out_dir) / "checkpoints")
+        survivor = start_group(0, out_dir, _run_group, address, False, shared)
+        doomed = start_group(1, out_dir, _run_group, address, True, shared)
         with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
             wait(doomed, timeout=180)
-        restarted = start_group(1, out_dir, _run_group, address, False)
+        restarted = start_group(1, out_dir, _run_group, address, False, shared)
         wait(survivor, timeout=300)
         wait(restarted, timeout=120)
         first, second = read(out_dir, 0), read(out_dir, 1)
@@ -395,7 +399,8 @@ def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> 
         assert 1 <= alone["discarded"] <= 2, alone  # the step the failure hit, not the job
         lost_at = next(step for (step, count), before in zip(alone["participants"][1:], live) if count < before)
         assert live[-1] == 2  # alone after the loss, together again at the end
-        assert min(healed["digests"]) >= lost_at > 0  # the restart started at the survivor's step, not at 0
+        assert alone["resumed_from"] is None and healed["resumed_from"] is not None  # it loaded "last", then
+        assert min(healed["digests"]) >= lost_at > 0  # healed: it started at the survivor's step, not at 0
         common = sorted(set(alone["digests"]) & set(healed["digests"]))
         assert len(common) >= 2, "the groups never trained together after the heal"
         for step in common:  # bit-identical shards at every step both took part in
