@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mics import _compat as compat
 from lightning_mics.grad_sync import pack_gradient_shards, unpack_gradient_shards
 
 log = logging.getLogger(__name__)
@@ -276,8 +277,6 @@ class ManagedCrossReplicaSync:
         self.module = module
         self.group = group
         self.dtype: Optional[torch.dtype] = None if wire is None else wire.dtype
-        #: no optimizer-state slices here (the protocol clipping reads)
-        self.disjoint_groups: dict[Tensor, Sequence[Any]] = {}
 
     @torch.no_grad()
     def before_step(self) -> None:
@@ -331,11 +330,11 @@ def optimizer_local_state(optimizer: Optimizer) -> dict[str, Any]:
     return {"state": local_state(state["state"]), "param_groups": state["param_groups"]}
 
 
-def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any], init_state: Callable[[], None]) -> None:
-    """Give ``optimizer`` a peer's states: created first if it never stepped (``init_state``), then copied
-    into in place, so that they stay DTensors on this group's mesh; hyper-parameters (learning rate) too."""
+def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
+    """Give ``optimizer`` a peer's states: created first if it never stepped, then copied into in place, so
+    that they stay DTensors on this group's mesh; hyper-parameters (learning rate) too."""
     if received["state"] and not optimizer.state:
-        init_state()
+        compat.init_optimizer_state(optimizer)
     own = optimizer.state_dict()
     copy_local_state_(own["state"], received["state"])
     for group, peer in zip(optimizer.param_groups, received["param_groups"]):
@@ -364,11 +363,9 @@ def load_training_state(
     set_global_step: Callable[[int], None],
 ) -> None:
     """Heal from a peer's :func:`training_state`, in place (every rank of the group loads its own shards)."""
-    from lightning_mics import _compat as compat
-
     copy_local_state_(module.state_dict(), state["model"])
     for optimizer, received in zip(optimizers, state["optimizers"]):
-        load_optimizer_local_state(optimizer, received, lambda o=optimizer: compat.init_optimizer_state(o))
+        load_optimizer_local_state(optimizer, received)
     for scheduler, received in zip(schedulers, state["schedulers"]):
         scheduler.load_state_dict(received)
     set_global_step(state["global_step"])

@@ -239,16 +239,6 @@ class CompressedCrossReplicaSync:
         self.wire = wire
         self.replicas = replica_group.size()
 
-    @staticmethod
-    def packed_numel(param: Tensor) -> int:
-        """Elements one rank packs for ``param``: its shard padded as FSDP2 pads dim 0."""
-        if not isinstance(param, DTensor):
-            return param.numel()
-        shards = math.prod(param.device_mesh.size(d) for d, pl in enumerate(param.placements) if isinstance(pl, Shard))
-        shape = tuple(param.shape) or (1,)
-        rows = -(-shape[0] // shards)
-        return rows * math.prod(shape[1:])
-
     @torch.no_grad()
     def before_step(self) -> None:
         params = [p for p in self.module.parameters() if p.grad is not None]
@@ -266,7 +256,12 @@ class CompressedCrossReplicaSync:
 def padded_shard_numel(param: Tensor) -> int:
     """Elements one rank packs for ``param``: its gradient shard padded as FSDP2 pads dim 0, so that every
     rank of a replication group packs alike (the same offsets for the same parameters)."""
-    return CompressedCrossReplicaSync.packed_numel(param)
+    if not isinstance(param, DTensor):
+        return param.numel()
+    shards = math.prod(param.device_mesh.size(d) for d, pl in enumerate(param.placements) if isinstance(pl, Shard))
+    shape = tuple(param.shape) or (1,)
+    rows = -(-shape[0] // shards)
+    return rows * math.prod(shape[1:])
 
 
 def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
