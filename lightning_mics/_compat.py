@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -86,6 +87,77 @@ def backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
     return options
 
 
+# FSDP2's post-forward (hpZ) mesh. An int ``reshard_after_forward`` makes ``fully_shard`` build a new
+# DeviceMesh -- new process groups -- for every unit; lightning-mics builds it once per layout with torch's
+# own helper and hands the same mesh info to every unit (lightning_mics.post_forward_mesh). The helper lives
+# in ``_fsdp_init`` and FSDPParamGroup / FSDPParam hold it as ``post_forward_mesh_info`` (torch 2.4 - 2.13);
+# torch 2.13 keeps a list of param groups per state, older releases a single ``_fsdp_param_group``.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+except ImportError:  # pragma: no cover - a torch that moved it
+    _get_post_forward_mesh_info = None
+
+
+def _fsdp_internal_missing(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"lightning-mics shares one post-forward (hpZ) mesh among FSDP units through torch's private {what}, "
+        f"which torch {torch.__version__} does not have (checked on 2.11 and 2.13). Use a ShardingSpec whose "
+        "params degree is 1 or equals grads (or reshard_after_forward=True/False), or a torch version from "
+        "2.11 to 2.13, and report the torch version at lightning-mics."
+    )
+
+
+def post_forward_mesh_info(reshard_after_forward: int, mesh_info: Any) -> Any:
+    """The mesh info FSDP2 reshards a unit on ``mesh_info`` to after forward, for a group of
+    ``reshard_after_forward`` ranks: built as ``fully_shard`` builds it (a new 2-D DeviceMesh, i.e. new
+    process groups, for an int between 1 and the shard size), so sharing it changes no arithmetic."""
+    if _get_post_forward_mesh_info is None:
+        raise _fsdp_internal_missing("_fsdp_init._get_post_forward_mesh_info")
+    return _get_post_forward_mesh_info(reshard_after_forward, mesh_info)
+
+
+def fsdp_param_groups(unit: Any) -> list[Any]:
+    """The FSDPParamGroups of one ``fully_shard``-ed module (one, unless a shard placement puts
+    parameters on several meshes)."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    if get_state is None:
+        raise _fsdp_internal_missing("FSDPModule._get_fsdp_state")
+    state = get_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before per-parameter meshes: at most one group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def set_post_forward_mesh_info(param_group: Any, mesh_info: Any) -> None:
+    """Make ``param_group`` reshard to ``mesh_info`` after forward (``None``: not at all). The group and
+    each of its FSDPParams hold it; each FSDPParam also derived its post-forward shard's size from it at
+    init, which is recomputed here from the parameter's original size (a meta tensor: sizes only)."""
+    params = getattr(param_group, "fsdp_params", None)
+    if params is None or not hasattr(param_group, "post_forward_mesh_info"):
+        raise _fsdp_internal_missing("FSDPParamGroup.post_forward_mesh_info / fsdp_params")
+    param_group.post_forward_mesh_info = mesh_info
+    for fsdp_param in params:
+        init_metadata = getattr(fsdp_param, "_init_sharded_post_forward_param_metadata", None)
+        if init_metadata is None or not hasattr(fsdp_param, "_orig_size"):
+            raise _fsdp_internal_missing("FSDPParam._init_sharded_post_forward_param_metadata / _orig_size")
+        fsdp_param.post_forward_mesh_info = mesh_info
+        if mesh_info is not None:
+            init_metadata(torch.empty(fsdp_param._orig_size, device="meta"))
+
+
+def process_group_count() -> int:
+    """How many process groups this process is a member of, the default group included: torch's registry
+    of live groups (``destroy_process_group`` removes them; 0 without a default group). The map is
+    private (``distributed_c10d._world.pg_map``, torch 2.0 - 2.13)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    from torch.distributed.distributed_c10d import _world
+
+    return len(_world.pg_map)
+
+
 # ----------------------------------------------------------------------------------------------- Lightning
 # lightning 2.5 - 2.6: the helpers Lightning's own DDP/FSDP strategies use to start processes, move
 # optimizer state and reduce across ranks; a ParallelStrategy subclass needs the same.
@@ -154,13 +226,17 @@ __all__ = [
     "dispatch_mode_stack",
     "distributed_is_initialized",
     "expose_device_mesh",
+    "fsdp_param_groups",
     "init_optimizer_state",
     "init_dist_connection",
     "load_state_dict_into",
     "local_tensor",
     "optimizers_to_device",
+    "post_forward_mesh_info",
+    "process_group_count",
     "set_element",
     "set_global_step",
+    "set_post_forward_mesh_info",
     "sync_ddp_if_available",
     "unbox_process_group",
 ]

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics.collectives import (
     HierarchicalGroups,
@@ -52,6 +53,7 @@ from lightning_mics.grad_sync import (
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import Hierarchical, ShardingOption
 from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
+from lightning_mics.post_forward_mesh import PostForwardMeshes
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
@@ -151,6 +153,10 @@ class MiCSLayout:
     #: AMSP ``optim > grads``: this rank's (optimizer-shard, optimizer-replica) groups
     optim_groups: Optional[tuple[dist.ProcessGroup, dist.ProcessGroup]] = None
     hierarchical_groups: Optional[HierarchicalGroups] = None
+    #: process groups :func:`build_layout` created in this process (mesh, AMSP and hierarchical groups)
+    created_process_groups: int = field(default=0, compare=False)
+    #: hpZ's post-forward meshes, one per group size, shared by every unit sharded onto this layout
+    post_forward_meshes: PostForwardMeshes = field(default_factory=PostForwardMeshes, compare=False)
 
     # The settings, read through: what the groups were created for.
     @property
@@ -210,6 +216,13 @@ class MiCSLayout:
         return self.device_mesh
 
     @property
+    def process_groups(self) -> int:
+        """Process groups this layout created in this process: its mesh, AMSP and hierarchical groups and
+        hpZ's post-forward meshes. A budget (each is an NCCL communicator on GPUs): it depends on the layout,
+        never on the number of FSDP units."""
+        return self.created_process_groups + self.post_forward_meshes.process_groups
+
+    @property
     def checkpoint_layout(self) -> ckpt.CheckpointLayout:
         """What a checkpoint records about the layout that wrote it (informational)."""
         t = self.topology
@@ -236,6 +249,10 @@ class MiCSLayout:
                 + (f" -- {self.planner_reason}" if self.planner_reason else ""),
                 "  cross-replica all-reduce in "
                 + ("the gradients' dtype" if self.cross_replica_wire is None else str(self.cross_replica_wire)),
+                (
+                    f"  {self.process_groups} process groups created by this layout "
+                    f"({compat.process_group_count()} alive in this process, the default group included)"
+                ),
             ]
         )
 
@@ -409,6 +426,7 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
 
     A collective: every rank calls it, in the same order relative to other group creations."""
     topology = settings.topology
+    groups_before = compat.process_group_count()
     mesh = build_device_mesh(topology, settings.device_type, settings.backend, timeout)
     optim_groups = None
     if settings.optim_degree is not None and settings.optim_degree > topology.partition_size:
@@ -416,7 +434,8 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     hierarchical_groups = None
     if settings.hierarchical:
         hierarchical_groups = create_hierarchical_groups(topology, settings.rank, timeout=timeout)
-    return MiCSLayout(settings, mesh, optim_groups, hierarchical_groups)
+    created = compat.process_group_count() - groups_before
+    return MiCSLayout(settings, mesh, optim_groups, hierarchical_groups, created_process_groups=created)
 
 
 def layout_planner(
@@ -520,6 +539,7 @@ def shard_module(
         activation_checkpointing=activation_checkpointing,
         compile_blocks=compile_blocks,
         prefetch_depth=prefetch_depth,
+        post_forward_meshes=layout.post_forward_meshes,
     )
     install_layout_collectives(units, layout)
     if on_meta:

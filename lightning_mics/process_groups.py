@@ -33,14 +33,18 @@ def build_device_mesh(
 
     The mesh's sub-groups get the strategy's collective ``timeout`` (``init_device_mesh`` would
     otherwise create them with torch's 30-minute default, and a hung peer would stall the others
-    that long).
+    that long). Each dimension gets an options object of its own: creating a group may write into
+    its options (NCCL's split does, which is why torch deep-copies a parent's options before a
+    split), so one object shared by both dimensions could carry the first group's settings into the
+    second. (Gloo's options cannot be deep-copied, so each dimension's are made afresh.)
     """
     if topology.replication_degree == 1:
         return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
-    options = compat.backend_options(backend, timeout)
     kwargs: dict[str, Any] = {}
-    if options is not None:
-        kwargs["backend_override"] = {REPLICATE_DIM: (backend, options), SHARD_DIM: (backend, options)}
+    if compat.backend_options(backend, timeout) is not None:
+        kwargs["backend_override"] = {
+            dim: (backend, compat.backend_options(backend, timeout)) for dim in (REPLICATE_DIM, SHARD_DIM)
+        }
     return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
 
 

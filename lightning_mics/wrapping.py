@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_mics import _compat as compat
+from lightning_mics.post_forward_mesh import PostForwardMeshes, shard_with_shared_post_forward_mesh
 
 log = logging.getLogger(__name__)
 
@@ -414,6 +415,7 @@ def shard_model(
     activation_checkpointing: AutoWrapPolicy = None,
     compile_blocks: bool = False,
     prefetch_depth: int = 0,
+    post_forward_meshes: PostForwardMeshes | None = None,
 ) -> list[FSDPModule]:
     """Apply ``fully_shard`` to the selected blocks and then to ``root``; return all FSDP units
     (blocks in forward order, then the root).
@@ -429,8 +431,13 @@ def shard_model(
 
     ``policy``: an ``auto_wrap_policy``, or the :class:`WrapPlan` that :func:`plan_wrapping` made
     for this ``root`` (the strategies plan first, to log what they wrapped).
+
+    An int ``reshard_after_forward`` (hpZ) reshards every block onto one post-forward mesh per size,
+    held by ``post_forward_meshes`` (the layout's; a new one for this call when ``None``), instead of
+    the mesh ``fully_shard`` would create for each block (:mod:`lightning_mics.post_forward_mesh`).
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    post_forward_meshes = post_forward_meshes if post_forward_meshes is not None else PostForwardMeshes()
     plan = policy if isinstance(policy, WrapPlan) else plan_wrapping(root, policy)
     if plan.root is not root:
         raise ValueError("This WrapPlan was made for another module: call plan_wrapping(root, policy) for this root.")
@@ -440,7 +447,9 @@ def shard_model(
     for _, module in wrapped:
         if compile_blocks:
             module.compile()
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+        shard_with_shared_post_forward_mesh(
+            module, mesh, reshard_after_forward, post_forward_meshes, mp_policy=mp_policy
+        )
         blocks.append(module)  # type: ignore[arg-type]
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
     blocks.reverse()  # forward (pre-)order

@@ -236,8 +236,9 @@ def calibrate_cluster(
     across nodes (inter-node probes; all of them run at once, as the 2-hop boundary all-reduce
     does), times each collective at every payload size (``repeats`` runs after a warm-up, the
     slowest rank's time, median over runs), and fits ``alpha`` and ``B`` per scope with
-    :func:`fit_alpha_beta`. Every rank returns the same result. The default sizes take well under
-    a second per probe on NCCL; on CPU/gloo they take a few seconds in all.
+    :func:`fit_alpha_beta`. The probe groups are destroyed before it returns, so the job keeps no
+    group it does not train with. Every rank returns the same result. The default sizes take well
+    under a second per probe on NCCL; on CPU/gloo they take a few seconds in all.
     """
     import torch.distributed as dist
 
@@ -246,7 +247,23 @@ def calibrate_cluster(
     if device is None:
         device = _default_device()
     probes: list[ProbeTiming] = []
-    for scope, handles, groups in _probe_groups(world, per_node):
-        if handles:
-            probes += _probe_scope(scope, handles, groups, rank, payload_bytes, repeats, device)
+    scopes = _probe_groups(world, per_node)
+    try:
+        for scope, handles, groups in scopes:
+            if handles:
+                probes += _probe_scope(scope, handles, groups, rank, payload_bytes, repeats, device)
+    finally:
+        _destroy_probe_groups([handle for _, handles, _ in scopes for handle in handles])
     return _fitted(probes, per_node)
+
+
+def _destroy_probe_groups(handles: Sequence[Any]) -> None:
+    """Free the groups the probes ran on. Nothing else uses them, and on NCCL each is a communicator
+    (GPU memory, a finite number of NVLS slots) that would otherwise stay for the whole job: the
+    calibration must leave the job's group count where it found it. A rank outside a group holds a
+    placeholder for it, which there is nothing to free for."""
+    import torch.distributed as dist
+
+    for handle in handles:
+        if handle is not None and handle != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(handle)
