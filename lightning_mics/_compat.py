@@ -95,7 +95,7 @@ def backend_options(backend: str, timeout: Optional[timedelta]) -> Any:
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
 except ImportError:  # pragma: no cover - a torch that moved it
-    _get_post_forward_mesh_info = None
+    _get_post_forward_mesh_info = None  # type: ignore[assignment]
 
 
 def _fsdp_internal_missing(what: str) -> RuntimeError:

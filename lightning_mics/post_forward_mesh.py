@@ -42,9 +42,6 @@ class PostForwardMeshes:
         #: process groups these meshes created in this process (for the layout log)
         self.process_groups = 0
 
-    def __len__(self) -> int:
-        return len(self._infos)
-
     def mesh_info(self, mesh_info: Any, size: int) -> Any:
         """The shared post-forward mesh info for units sharded on ``mesh_info`` (an FSDP2
         ``FSDPMeshInfo``) that reshard to ``size`` ranks."""
