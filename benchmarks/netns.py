@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
@@ -201,12 +201,34 @@ class EmulatedCluster:
     ) -> subprocess.Popen[bytes]:
         """Start ``argv`` inside node ``node``'s namespace, in a session of its own (so Ctrl-C on the
         terminal reaches only the orchestrator, which then stops it here)."""
+        return self.spawn_in(self.node_namespace(node), argv, env=env, stdout=stdout, stderr=stderr)
+
+    def spawn_in(
+        self,
+        namespace: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        stdout: int | IO[bytes] | None = None,
+        stderr: int | IO[bytes] | None = None,
+    ) -> subprocess.Popen[bytes]:
+        """:meth:`spawn` in any of this cluster's namespaces (e.g. :attr:`switch_namespace`, with
+        :meth:`add_switch_address`): a service that belongs to no node."""
+        if namespace not in self.namespaces:
+            raise ValueError(f"{namespace!r} is not one of this cluster's namespaces: {self.namespaces}")
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.node_namespace(node), *argv],
+            ["ip", "netns", "exec", namespace, *argv],
             env=env, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
         )
         self._processes.append(proc)
         return proc
+
+    def add_switch_address(self) -> str:
+        """Give the switch's bridge the node subnet's last address and return it: a host on the switch that
+        every node reaches over its own (shaped) link, and that no node's failure takes down."""
+        address = str(NODE_SUBNET.broadcast_address - 1)
+        assert ipaddress.ip_address(address) in BENCHMARK_NETWORK
+        _run(["ip", "-n", self.switch_namespace, "addr", "replace", f"{address}/{NODE_SUBNET.prefixlen}", "dev", BRIDGE])
+        return address
 
     def forget(self, proc: subprocess.Popen[bytes]) -> None:
         """Stop tracking a process that has exited."""

@@ -1,0 +1,656 @@
+"""Fault tolerance on the emulated cluster: what losing a node costs with ``MiCSStrategy(fault_tolerance=...)``
+and without it.
+
+    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # < 10 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/fault_tolerance.py --output-dir /tmp/ft
+
+3 emulated nodes x 2 CPU ranks (:mod:`benchmarks.netns`; links shaped as in ``emulated_cluster.py``: 1/15 of
+the measured gloo loopback throughput), the Lighthouse on the switch (a host no node's failure takes down).
+With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Four
+runs of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
+
+1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant: the parameters'
+   largest difference, and the step-time ratio (fault-tolerant / plain);
+2. fault-tolerant, every rank of node 2 SIGKILLed once it logged step ``--kill-at-step``: seconds from the
+   kill to the survivors' next committed step without it, steps discarded, the survivors' committed steps
+   during the outage;
+3. node 2 started again ``--restart-delay`` seconds after the kill (launched as the first time, with
+   ``ckpt_path="last"``): seconds to its first committed step, and whether its model and optimizer shards
+   equal the survivors' at every step both committed after the heal (a SHA-256 per rank and step);
+4. the same failure without fault tolerance: plain ``mics``, ``ModelCheckpoint`` every ``--checkpoint-every``
+   steps, the job killed at the same step and started again from its last checkpoint by a loop (as a job
+   scheduler would) -- wall time to the final step, against run 2's (which checkpoints alike).
+
+Writes ``<output-dir>/fault_tolerance.json`` (nested objects: ``{"no_failure": {"max_abs_diff": ...}, ...}``)
+and ``fault_tolerance.png`` (committed step over time, both failure runs, kill and restart marked). Every
+process started is killed and the namespaces are removed on every exit (errors, Ctrl-C, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks`, `examples` and `lightning_mics` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.emulated_cluster import _last_error, _raise_on_signal, set_up_network
+from benchmarks.fault_tolerance_worker import Job
+from benchmarks.netns import REPO_ROOT, UPLINK, EmulatedCluster, PrerequisiteError, check_prerequisites
+from benchmarks.scenarios import ClusterShape, TrainingSetup
+from examples.fault_tolerance_demo import kill as sigkill_session
+from examples.models import GPTConfig
+
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+NODES = 3
+RANKS_PER_NODE = 2
+VICTIM = NODES - 1
+LIGHTHOUSE_PORT = 29510
+MASTER_PORT_BASE = 29700
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Run lengths of a mode: long enough after the kill for the restarted node to start (imports, ~20-40 s on
+    a busy 2-core host) and train with the others before the end."""
+
+    no_failure_steps: int
+    steps: int
+    kill_at_step: int
+    checkpoint_every: int
+    restart_delay: float
+    probe_seconds: float
+    run_timeout: float
+
+
+FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=5.0,
+              probe_seconds=3.0, run_timeout=900.0)
+QUICK = Preset(no_failure_steps=40, steps=150, kill_at_step=35, checkpoint_every=10, restart_delay=3.0,
+               probe_seconds=1.0, run_timeout=400.0)
+#: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
+MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in < 10 minutes")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 150, default 300)")
+    parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 40, default 100)")
+    parser.add_argument("--kill-at-step", type=int,
+                        help="kill node 2 half a step after it logged this step (quick: 35, default 70)")
+    parser.add_argument("--checkpoint-every", type=int, help="ModelCheckpoint interval in steps (quick: 10, 25)")
+    parser.add_argument("--restart-delay", type=float, help="seconds from the kill to the node's restart (3, 5)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
+    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
+                        help="inter-node rate = per-node gloo loopback throughput / this (default 15)")
+    parser.add_argument("--inter-node-mbps", type=float, help="inter-node rate in MB/s instead of the ratio")
+    parser.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000)")
+    parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
+                        "temporary directory, removed at the end)")
+    args = parser.parse_args(argv)
+    if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
+        parser.error(f"--work-dir {args.work_dir} is not empty: give a new or empty directory.")
+    preset = QUICK if args.quick else FULL
+    for name, value in asdict(preset).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if not 0 < args.kill_at_step < args.steps:
+        parser.error(f"--kill-at-step must lie between 0 and --steps ({args.steps}), got {args.kill_at_step}.")
+    if min(args.checkpoint_every, args.no_failure_steps, args.batch_size) < 1 or args.restart_delay < 0:
+        parser.error("--checkpoint-every, --no-failure-steps and --batch-size must be positive, --restart-delay >= 0.")
+    args.calibrate = "gloo"  # what set_up_network (emulated_cluster.py) reads
+    args.setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
+                               measured_steps=args.steps)
+    return args
+
+
+def check_host() -> None:
+    """Refuse early with one message naming what is missing: root, ip/tc (netns.py), unshare, torchft."""
+    check_prerequisites()
+    if shutil.which("unshare") is None:
+        raise PrerequisiteError(
+            "Missing `unshare` on PATH: each emulated node's ranks get their own hostname (the node's address, "
+            "which torchft advertises to the other groups); install util-linux."
+        )
+    if importlib.util.find_spec("torchft") is None or lighthouse_binary() is None:
+        raise PrerequisiteError(
+            "Missing torchft (its Manager and the torchft_lighthouse server) in this Python: "
+            "pip install -e '.[ft]' and run with this environment's Python."
+        )
+
+
+def lighthouse_binary() -> str | None:
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    return str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+
+
+# ---------------------------------------------------------------------------------- launching
+@dataclass
+class Bench:
+    """The cluster, where this benchmark's files go, and the ports handed out so far (every launch gets fresh
+    ones, so that no restart waits for a port of the killed processes)."""
+
+    cluster: EmulatedCluster
+    args: argparse.Namespace
+    work: Path
+    lighthouse_host: str
+    launches: int = 0
+
+    def job(self, name: str, mode: str, steps: int, **fields: Any) -> Job:
+        """A run's Job with its own log directory."""
+        log_dir = self.work / name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        nodes = NODES if mode == "plain" else 1
+        return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
+                   model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
+                   **fields)
+
+    def next_port(self) -> int:
+        self.launches += 1
+        return MASTER_PORT_BASE + self.launches
+
+
+def launch_node(bench: Bench, job: Job, node: int, port: int) -> list[subprocess.Popen[bytes]]:
+    """Start node ``node``'s ranks of ``job`` in its namespace. Each rank runs under ``unshare --uts`` with the
+    node's address as hostname: the namespaces share the host's hostname otherwise (resolving to 127.0.0.1),
+    and torchft advertises ``socket.gethostname()`` for its manager and checkpoint servers."""
+    cluster = bench.cluster
+    path = Path(job.log_dir) / f"job-node{node}-{port}.json"
+    path.write_text(json.dumps(asdict(job)))
+    plain = job.mode == "plain"
+    master = cluster.node_address(0 if plain else node)
+    address = cluster.node_address(node)
+    procs = []
+    for local in range(RANKS_PER_NODE):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": master, "MASTER_PORT": str(port),
+               "WORLD_SIZE": str(RANKS_PER_NODE * job.nodes), "NODE_RANK": str(node if plain else 0),
+               "LOCAL_RANK": str(local), "GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1",
+               "PYTHONWARNINGS": "ignore"}
+        argv = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', address, sys.executable, "-m",
+                "benchmarks.fault_tolerance_worker", "--job", str(path), "--node", str(node)]
+        log = Path(job.log_dir) / f"node{node}.rank{local}.port{port}.log"
+        with log.open("wb") as handle:
+            procs.append(cluster.spawn(node, argv, env=env, stdout=handle, stderr=subprocess.STDOUT))
+    return procs
+
+
+def launch_all(bench: Bench, job: Job) -> dict[int, list[subprocess.Popen[bytes]]]:
+    """Every node's ranks: one world on one port (plain), or one world per node on ports of its own (ft)."""
+    port = bench.next_port()
+    return {node: launch_node(bench, job, node, port if job.mode == "plain" else bench.next_port())
+            for node in range(NODES)}
+
+
+def start_lighthouse(bench: Bench, min_replicas: int, port: int) -> tuple[str, subprocess.Popen[bytes]]:
+    """A Lighthouse on the switch (its own host): join timeout 1 s, heartbeat timeout 2 s, as the demo's."""
+    binary = lighthouse_binary()
+    assert binary is not None
+    bind = f"{bench.lighthouse_host}:{port}"
+    argv = [binary, "--min_replicas", str(min_replicas), "--bind", bind, "--join_timeout_ms", "1000",
+            "--heartbeat_timeout_ms", "2000"]
+    log = (bench.work / f"lighthouse-{port}.log").open("wb")
+    proc = bench.cluster.spawn_in(bench.cluster.switch_namespace, argv, stdout=log, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    if proc.poll() is not None:
+        raise RuntimeError(f"the Lighthouse did not start: {_last_error(Path(log.name))}")
+    return f"http://{bind}", proc
+
+
+class RunFailed(RuntimeError):
+    """A run that should have finished did not (a rank failed or the run timed out); says which and why."""
+
+
+def watch(
+    nodes: dict[int, list[subprocess.Popen[bytes]]], deadline: float, trigger: Callable[[], bool] | None = None
+) -> str:
+    """Wait until every rank exited (``"done"``), ``trigger()`` holds (``"trigger"``), a rank failed
+    (``"failed: ..."``) or ``deadline`` passed (``"timeout"``)."""
+    while True:
+        codes = [(node, proc.poll()) for node, procs in nodes.items() for proc in procs]
+        failed = [(node, code) for node, code in codes if code not in (None, 0)]
+        if failed:
+            return f"failed: node {failed[0][0]} exited with {failed[0][1]}"
+        if all(code == 0 for _, code in codes):
+            return "done"
+        if trigger is not None and trigger():
+            return "trigger"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.05)
+
+
+def logged_step(log_dir: str, node: int, key: str = "global_step") -> int:
+    """The last ``key`` that node ``node``'s rank 0 logged (0 before its first step)."""
+    path = Path(log_dir) / f"node{node}.rank0.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    complete = [line for line in lines if line.endswith("}")]
+    return int(json.loads(complete[-1])[key]) if complete else 0
+
+
+def kill_node(bench: Bench, run: RunLog, procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL a node's ranks (their whole process groups: a lost node, no cleanup) half a step after it logged
+    the kill step -- in the middle of its next step, where a failure lands on average."""
+    times = [row["t"] for row in read_rows(run) if row["node"] == VICTIM][-6:]
+    if len(times) > 1:
+        time.sleep(0.5 * median_interval(times))
+    for proc in procs:
+        sigkill_session(proc)
+        bench.cluster.forget(proc)
+    run.events["kill"] = time.time()
+
+
+def expect_done(outcome: str, job: Job, what: str) -> None:
+    if outcome != "done":
+        logs = sorted(Path(job.log_dir).glob("*.log"))
+        details = "; ".join(f"{log.name}: {_last_error(log)}" for log in logs)
+        raise RunFailed(f"{what}: {outcome} ({details})")
+
+
+def stop_all(bench: Bench, nodes: dict[int, list[subprocess.Popen[bytes]]]) -> None:
+    for procs in nodes.values():
+        for proc in procs:
+            bench.cluster.stop(proc)
+
+
+# ---------------------------------------------------------------------------------- the runs
+@dataclass
+class RunLog:
+    """Where a run's ranks logged, when it was launched, and its events (``time.time()``: every namespace
+    shares the host's clock)."""
+
+    name: str
+    log_dir: str
+    started: float
+    events: dict[str, float] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  #: restarts that failed themselves (and were retried)
+
+
+def run_no_failure(bench: Bench, mode: str) -> RunLog:
+    """Run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards at the end.
+    The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum."""
+    steps = bench.args.no_failure_steps
+    fields: dict[str, Any] = {"save_params": True}
+    lighthouse = None
+    if mode == "ft":
+        address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT)
+        fields |= {"lighthouse": address, "start_barrier": str(bench.work / f"{mode}-no-failure-barrier")}
+        Path(fields["start_barrier"]).mkdir()
+    job = bench.job(f"{mode}-no-failure", mode, steps, **fields)
+    run = RunLog(job.log_dir, job.log_dir, time.time())
+    nodes = launch_all(bench, job)
+    try:
+        expect_done(watch(nodes, time.monotonic() + bench.args.run_timeout), job, f"{mode} without failure")
+    finally:
+        stop_all(bench, nodes)
+        if lighthouse is not None:
+            bench.cluster.stop(lighthouse)
+    return run
+
+
+def run_ft_failure(bench: Bench) -> RunLog:
+    """Runs (2) and (3): fault tolerance, node 2 SIGKILLed at ``--kill-at-step`` and started again (as the
+    first time: ``ckpt_path="last"``) ``--restart-delay`` seconds later; every rank logs its shard digests."""
+    args = bench.args
+    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + 1)  # fewest groups that may train
+    barrier = bench.work / "ft-failure-barrier"
+    barrier.mkdir()
+    job = bench.job("ft-failure", "ft", args.steps, lighthouse=address, digests=True, start_barrier=str(barrier),
+                    checkpoint_dir=str(bench.work / "ft-checkpoints"), checkpoint_every=args.checkpoint_every)
+    run = RunLog("ft-failure", job.log_dir, time.time())
+    nodes = launch_all(bench, job)
+    deadline = time.monotonic() + args.run_timeout
+    try:
+        outcome = watch(nodes, deadline, lambda: logged_step(job.log_dir, VICTIM, "step") >= args.kill_at_step)
+        if outcome != "trigger":
+            expect_done(outcome, job, "fault tolerance, before the kill")
+        kill_node(bench, run, nodes[VICTIM])
+        time.sleep(max(0.0, run.events["kill"] + args.restart_delay - time.time()))
+        restart_victim(bench, replace(job, start_barrier=None), run, nodes, deadline)
+    finally:
+        stop_all(bench, nodes)
+        bench.cluster.stop(lighthouse)
+    return run
+
+
+def restart_victim(
+    bench: Bench, job: Job, run: RunLog, nodes: dict[int, list[subprocess.Popen[bytes]]], deadline: float,
+    max_attempts: int = 3,
+) -> None:
+    """Start node 2 again (it joins a running job: no start barrier) and wait for the end. If the restarted
+    group itself fails, a loop (the scheduler) starts it again, up to ``max_attempts`` times; each failure's
+    last error line is kept in ``run.failures`` and the JSON."""
+    for attempt in range(max_attempts):
+        port = bench.next_port()
+        nodes[VICTIM] = launch_node(bench, job, VICTIM, port)
+        run.events["restart" if attempt == 0 else f"restart{attempt + 1}"] = time.time()
+        outcome = watch(nodes, deadline)
+        if outcome == "done":
+            return
+        if attempt + 1 == max_attempts or not outcome.startswith(f"failed: node {VICTIM} "):
+            expect_done(outcome, job, "fault tolerance, after the restart")
+        reason = _last_error(Path(job.log_dir) / f"node{VICTIM}.rank0.port{port}.log")
+        run.failures.append(f"restart {attempt + 1} of node {VICTIM} failed: {reason}")
+        print(f"    {run.failures[-1]}", flush=True)
+        for proc in nodes[VICTIM]:
+            bench.cluster.stop(proc)
+
+
+def run_restart_baseline(bench: Bench, max_attempts: int = 4) -> RunLog:
+    """Run (4): plain MiCS with checkpoints, relaunched whole from its last checkpoint by a loop whenever it
+    fails; in the first attempt node 2 is SIGKILLed at the same step as in run (2). The other ranks are given
+    30 s to notice (they fail in their next cross-node collective), then stopped."""
+    args = bench.args
+    job = bench.job("restart-baseline", "plain", args.steps, checkpoint_dir=str(bench.work / "plain-checkpoints"),
+                    checkpoint_every=args.checkpoint_every)
+    run = RunLog("restart-baseline", job.log_dir, time.time())
+    deadline = time.monotonic() + args.run_timeout
+    for attempt in range(max_attempts):
+        nodes = launch_all(bench, job)
+        try:
+            trigger = None if attempt else (lambda: logged_step(job.log_dir, VICTIM) >= args.kill_at_step)
+            outcome = watch(nodes, deadline, trigger)
+            if outcome == "done":
+                return run
+            if outcome == "trigger":
+                kill_node(bench, run, nodes.pop(VICTIM))
+                watch(nodes, time.monotonic() + 30)
+                run.events["job_down"] = time.time()
+                time.sleep(max(0.0, run.events["kill"] + args.restart_delay - time.time()))
+            elif outcome == "timeout":
+                expect_done(outcome, job, "plain MiCS with restarts")
+        finally:
+            stop_all(bench, nodes)
+        run.events[f"restart{attempt + 1}" if attempt else "restart"] = time.time()
+    raise RunFailed(f"plain MiCS with restarts did not finish in {max_attempts} attempts: {job.log_dir}")
+
+
+# ---------------------------------------------------------------------------------- analysis
+def read_rows(run: RunLog, rank: int | None = 0) -> list[dict[str, Any]]:
+    """Every logged line of the run (of local rank ``rank`` on every node; ``None``: all ranks), by time."""
+    pattern = "node*.rank*.jsonl" if rank is None else f"node*.rank{rank}.jsonl"
+    rows = [json.loads(line) for path in sorted(Path(run.log_dir).glob(pattern))
+            for line in path.read_text().splitlines() if line.endswith("}")]
+    return sorted(rows, key=lambda row: row["t"])
+
+
+def commits(rows: list[dict[str, Any]], node: int) -> list[dict[str, Any]]:
+    """Node ``node``'s lines that committed a step (the step count grew; a discarded step leaves it)."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if row["node"] == node and (not out or row["step"] > out[-1]["step"]):
+            out.append(row)
+    return out
+
+
+def median_step_seconds(run: RunLog, skip: int = 3) -> float:
+    """Median time between node 0 rank 0's consecutive steps, the first ``skip`` left out (warm-up)."""
+    return median_interval([row["t"] for row in read_rows(run) if row["node"] == 0][skip:])
+
+
+def median_interval(times: list[float]) -> float:
+    return statistics.median([b - a for a, b in itertools.pairwise(times)])
+
+
+def max_abs_diff(plain: RunLog, ft: RunLog) -> tuple[float, float]:
+    """Largest |difference| of any parameter shard: fault-tolerant vs plain (same node and rank: the same
+    shard of the same partition layout), and between the fault-tolerant groups."""
+    import torch
+
+    def shards(run: RunLog, node: int, rank: int) -> dict[str, Any]:
+        return torch.load(Path(run.log_dir) / f"node{node}.rank{rank}.params.pt", weights_only=True)
+
+    to_plain = between_groups = 0.0
+    for rank in range(RANKS_PER_NODE):
+        group0 = shards(ft, 0, rank)
+        for node in range(NODES):
+            mine, reference = shards(ft, node, rank), shards(plain, node, rank)
+            for name, value in mine.items():
+                to_plain = max(to_plain, (value - reference[name]).abs().max().item())
+                between_groups = max(between_groups, (value - group0[name]).abs().max().item())
+    return to_plain, between_groups
+
+
+def no_failure_results(plain: RunLog, ft: RunLog) -> dict[str, Any]:
+    to_plain, between_groups = max_abs_diff(plain, ft)
+    plain_step, ft_step = median_step_seconds(plain), median_step_seconds(ft)
+    plain_loss = {(r["node"], r["step"]): r["loss"] for r in read_rows(plain, None) if r["rank"] == 0}
+    ft_loss = {(r["node"], r["step"]): r["loss"] for r in read_rows(ft, None) if r["rank"] == 0}
+    return {"max_abs_diff": to_plain, "max_abs_diff_between_groups": between_groups, "overhead": ft_step / plain_step,
+            "plain_step_seconds": plain_step, "ft_step_seconds": ft_step,
+            "loss_max_abs_diff": max(abs(loss - plain_loss[key]) for key, loss in ft_loss.items()),
+            "discarded": max(row["discarded"] for row in read_rows(ft))}
+
+
+def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
+    """Run (2)'s numbers from the survivors' (nodes 0 and 1) committed steps."""
+    rows = read_rows(run)
+    kill, restart = run.events["kill"], run.events["restart"]
+    survivors = [commits(rows, node) for node in range(NODES) if node != VICTIM]
+    resumed = [next((r["t"] for r in mine if r["t"] > kill and r["live"] < NODES), None) for mine in survivors]
+    rejoined = [next((r["t"] for r in mine if r["t"] > restart and r["live"] == NODES), None) for mine in survivors]
+    outage_end = max((t for t in rejoined if t is not None), default=rows[-1]["t"])
+    during = [r for r in survivors[0] if kill < r["t"] <= outage_end and r["live"] < NODES]
+    first = survivors[0][0]["t"]
+    before = [r for r in survivors[0] if r["t"] <= kill]
+    return {
+        "seconds_to_next_commit": max(t - kill for t in resumed) if None not in resumed else None,
+        "seconds_to_any_commit": min(r["t"] for mine in survivors for r in mine if r["t"] > kill) - kill,
+        "steps_discarded": max(row["discarded"] for row in rows if row["node"] != VICTIM),
+        "survivor_steps_during_outage": len(during),
+        "outage_seconds": outage_end - kill,
+        "survivor_steps_per_second_during_outage": len(during) / (outage_end - kill),
+        "steps_per_second_before_kill": (len(before) - 1) / (before[-1]["t"] - first) if len(before) > 1 else None,
+        "killed_at_step": max(r["step"] for r in rows if r["node"] == VICTIM and r["t"] <= kill),
+        "final_step": steps,
+    }
+
+
+def rejoin_results(run: RunLog) -> dict[str, Any]:
+    """Run (3)'s numbers: the restarted node's first commit, and its digests vs the survivors' (per rank,
+    at every step both committed after the heal)."""
+    restart = run.events["restart"]
+    mine = [r for r in commits(read_rows(run), VICTIM) if r["t"] > restart]
+    compared, equal = 0, True
+    for rank in range(RANKS_PER_NODE):
+        rows = read_rows(run, rank)
+        healed = {r["step"]: r["digest"] for r in rows if r["node"] == VICTIM and r["t"] > restart}
+        for node in (n for n in range(NODES) if n != VICTIM):
+            peer = {r["step"]: r["digest"] for r in rows if r["node"] == node}
+            common = sorted(set(healed) & set(peer))
+            compared += len(common)
+            equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)
+    return {"seconds": mine[0]["t"] - restart if mine else None, "bit_identical": equal and compared > 0,
+            "first_step": mine[0]["step"] if mine else None, "digests_compared": compared}
+
+
+def seconds_to_final_step(run: RunLog, steps: int) -> float:
+    """Launch to the first moment every node's rank 0 had logged global step ``steps``."""
+    rows = read_rows(run)
+    finals = [min(r["t"] for r in rows if r["node"] == node and r["global_step"] >= steps) for node in range(NODES)]
+    return max(finals) - run.started
+
+
+# ---------------------------------------------------------------------------------- report
+#: One marker per group, so that groups committing the same steps stay visible on top of each other.
+STYLES = ({"marker": "o", "markersize": 6, "fillstyle": "none"}, {"marker": "x", "markersize": 4},
+          {"marker": ".", "markersize": 4})
+
+def draw_timeline(ft: RunLog, baseline: RunLog, steps: int, path: Path, title: str) -> Path | None:
+    """Committed step over time since launch: each replica group of the fault-tolerant run (top), the plain
+    job restarted from its checkpoints (bottom); kill and restarts marked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing, so no plot: `pip install -e '.[bench]'`", file=sys.stderr)
+        return None
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True, sharey=True)
+    for axis, run, label in ((axes[0], ft, "replica group {}"), (axes[1], baseline, "the job (node {}, rank 0)")):
+        rows = read_rows(run)
+        for node, style in zip(range(NODES) if run is ft else [0], STYLES):
+            mine = commits(rows, node) if run is ft else [r for r in rows if r["node"] == node]
+            axis.plot([r["t"] - run.started for r in mine], [r["step"] for r in mine], linestyle="none",
+                      label=label.format(node), **style)
+        for name, t in run.events.items():
+            axis.axvline(t - run.started, color="grey", linestyle="--", linewidth=1)
+            axis.text(t - run.started, steps * 0.02, f" {name}", rotation=90, va="bottom", fontsize=8)
+        axis.axhline(steps, color="black", linewidth=0.5)
+        axis.set_ylabel("committed step" if run is ft else "global step")
+        axis.legend(fontsize=8, loc="upper left")
+        axis.grid(alpha=0.3)
+    axes[0].set_title(textwrap.fill(title, 110), fontsize=9)
+    axes[1].set_title("the same failure without fault tolerance: the job restarted from its last checkpoint",
+                      fontsize=9)
+    axes[1].set_xlabel("seconds since launch")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """The headline numbers, as in docs/fault-tolerance.md."""
+    n, f, r = results["no_failure"], results["failure"], results["rejoin"]
+    rows = [
+        ("no failure: max abs diff to plain `mics`", f"{n['max_abs_diff']:.3g}"),
+        ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
+         f"{n['plain_step_seconds']:.3f} s)")),
+        ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
+        ("node lost: steps discarded", str(f["steps_discarded"])),
+        ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
+         f"{f['outage_seconds']:.1f} s")),
+        ("rejoin: seconds from the restart to its first committed step", _num(r["seconds"])),
+        ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
+        ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
+        ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
+    ]
+    return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+# ---------------------------------------------------------------------------------- main
+def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
+    """The four runs, in order, and their numbers."""
+    args = bench.args
+    runs: dict[str, RunLog] = {}
+    for name, run in (("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft")),
+                      ("ft-failure", lambda: run_ft_failure(bench)),
+                      ("restart-baseline", lambda: run_restart_baseline(bench))):
+        print(f"[{len(runs) + 1}/4] {name} ...", flush=True)
+        began = time.monotonic()
+        runs[name] = run()
+        (Path(runs[name].log_dir) / "run.json").write_text(json.dumps(asdict(runs[name])))  # kept with --work-dir
+        print(f"    {time.monotonic() - began:.0f} s; events: " + ", ".join(
+            f"{k} at {t - runs[name].started:.1f} s" for k, t in runs[name].events.items()), flush=True)
+    ft_seconds = seconds_to_final_step(runs["ft-failure"], args.steps)
+    baseline_seconds = seconds_to_final_step(runs["restart-baseline"], args.steps)
+    results = {
+        "no_failure": no_failure_results(runs["plain"], runs["ft"]),
+        "failure": failure_results(runs["ft-failure"], args.steps),
+        "rejoin": rejoin_results(runs["ft-failure"]),
+        "restart_baseline": {"seconds": baseline_seconds, "events": relative(runs["restart-baseline"]),
+                             "failures": runs["restart-baseline"].failures},
+        "ft": {"seconds": ft_seconds, "events": relative(runs["ft-failure"]), "failures": runs["ft-failure"].failures,
+               "speedup_vs_restart_baseline": baseline_seconds / ft_seconds},
+    }
+    results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
+    return results, runs["ft-failure"], runs["restart-baseline"]
+
+
+def relative(run: RunLog) -> dict[str, float]:
+    return {name: t - run.started for name, t in run.events.items()}
+
+
+def work_directory(keep: Path | None) -> contextlib.AbstractContextManager[str]:
+    """Where the runs' logs go: ``--work-dir`` (kept), or a temporary directory removed at the end."""
+    if keep is None:
+        return tempfile.TemporaryDirectory(prefix="micsft-")
+    keep.mkdir(parents=True, exist_ok=True)
+    return contextlib.nullcontext(str(keep))
+
+
+def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the cluster, shape it, run everything, write the JSON and the plot; return the report."""
+    command = "python benchmarks/fault_tolerance.py " + " ".join(sys.argv[1:])
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
+        network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args)
+        bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())
+        results, ft, baseline = measure(bench)
+        title = (f"{NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), one replica group per node; GPT "
+                 f"{MODEL.num_params / 1e6:.2f} M params, {args.batch_size} x {MODEL.seq_len} tokens per rank; "
+                 f"inter-node {network.inter_node_rate_bytes_per_s / 1e6:.0f} MB/s; node {VICTIM} SIGKILLed at "
+                 f"step {args.kill_at_step}, restarted {args.restart_delay:g} s later; checkpoints every "
+                 f"{args.checkpoint_every} steps")
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        chart = draw_timeline(ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "setup"}
+    report = {
+        **results,
+        "command": command,
+        "title": title,
+        "settings": {**settings, "model": asdict(MODEL), "model_params": MODEL.num_params},
+        "network": asdict(network),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
+                    "load_after": os.getloadavg()},
+        "total_seconds": time.monotonic() - started,
+    }
+    path = args.output_dir / "fault_tolerance.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}" + (f" and {chart}" if chart else ""))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_host()
+    except PrerequisiteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)  # teardown runs on the way out, as for Ctrl-C
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    try:
+        report = benchmark(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: namespaces, links and every process started were removed", file=sys.stderr)
+        return 130
+    except RunFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in report['machine']['load_after'])}; "
+          f"total {report['total_seconds']:.0f} s\n")
+    print(markdown_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""One rank of ``benchmarks/fault_tolerance.py``: train the GPT with plain MiCS or with fault tolerance and
+log every optimizer step.
+
+Started by the orchestrator inside its node's network namespace (with a UTS namespace whose hostname is the
+node's address, so that what torchft advertises -- ``socket.gethostname()`` -- reaches this node from the
+others), with Lightning's usual environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK``,
+``LOCAL_RANK``) and ``GLOO_SOCKET_IFNAME=uplink``. The job JSON says which run this is:
+
+* ``mode="plain"``: one world of every node's ranks, ``MiCSStrategy(partition_size=ranks_per_node)``;
+* ``mode="ft"``: this node's ranks are one replica group (its own world), ``MiCSStrategy(fault_tolerance=...)``.
+
+Each rank appends one JSON line per training batch to ``<log_dir>/node<n>.rank<r>.jsonl``: wall time, the
+committed step (torchft's step; plain: the global step), Lightning's global step, the live groups, the
+steps discarded so far, the loss and -- when asked -- a SHA-256 of this rank's shards of the model and the
+optimizer states (what "bit-identical after the heal" is checked on). A line is written and closed at once,
+so that a SIGKILL loses nothing already logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: One intra-op thread per rank: 6 ranks share the host's cores, oversubscription would only add noise.
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
+
+from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
+from lightning_mics import FaultTolerance, MiCSStrategy
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one run trains and how; the same for every rank of the run (written by the orchestrator)."""
+
+    mode: str  #: "plain" or "ft"
+    steps: int  #: max_steps
+    nodes: int  #: nodes of this rank's world (plain: all; ft: 1, the replica group)
+    ranks_per_node: int
+    num_groups: int  #: replica groups when all are alive (ft), or the nodes (plain)
+    model: dict[str, Any]  #: GPTConfig fields
+    batch_size: int
+    corpus_bytes: int
+    log_dir: str
+    lighthouse: str | None = None  #: ft: the Lighthouse's address
+    checkpoint_dir: str | None = None  #: ModelCheckpoint(save_last=True) every checkpoint_every steps
+    checkpoint_every: int = 0
+    digests: bool = False  #: log a hash of this rank's model and optimizer shards every step
+    save_params: bool = False  #: save this rank's parameter shards at the end (the no-failure comparison)
+    start_barrier: str | None = None  #: a directory: wait for every rank of every group before the first step
+    timeout: float = 10.0  #: ft: seconds a cross-group collective / commit / heal may take
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _loss(outputs: Any) -> float:
+    return float(outputs["loss"] if isinstance(outputs, dict) else outputs)
+
+
+def shard_digest(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> str:
+    """SHA-256 of this rank's shards of every parameter and optimizer state, in a fixed order: equal digests on
+    the same rank index of two groups mean bit-identical model and optimizer states."""
+    digest = hashlib.sha256()
+    for name, param in sorted(module.named_parameters()):
+        digest.update(name.encode())
+        digest.update(_local(param).detach().contiguous().numpy().tobytes())
+    for optimizer in optimizers:
+        for index, state in sorted(optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                digest.update(f"{index}.{key}".encode())
+                if isinstance(value, torch.Tensor):
+                    digest.update(_local(value).detach().contiguous().numpy().tobytes())
+                else:
+                    digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+class StepLog(pl.Callback):
+    """One JSON line per training batch (see the module docstring); the optional start barrier."""
+
+    def __init__(self, job: Job, node: int, local_rank: int) -> None:
+        self.job = job
+        self.node = node
+        self.local_rank = local_rank
+        self.path = Path(job.log_dir) / f"node{node}.rank{local_rank}.jsonl"
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every group's Manager exists (and heartbeats) before any group asks for its first quorum, so the
+        first quorum holds every group -- not whichever started first."""
+        if self.job.start_barrier is None:
+            return
+        barrier = Path(self.job.start_barrier)
+        (barrier / f"node{self.node}.rank{self.local_rank}").touch()
+        expected = self.job.num_groups * self.job.ranks_per_node
+        deadline = time.monotonic() + 600
+        while len(list(barrier.iterdir())) < expected:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"start barrier: {len(list(barrier.iterdir()))} of {expected} ranks after 600 s")
+            time.sleep(0.02)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        line: dict[str, Any] = {"t": time.time(), "node": self.node, "rank": self.local_rank,
+                                "global_step": trainer.global_step, "loss": _loss(outputs)}
+        replica_group = getattr(trainer.strategy.engine, "replica_group", None)
+        if replica_group is not None:
+            manager = replica_group.manager
+            line |= {"step": manager.current_step(), "live": manager.num_participants(),
+                     "discarded": replica_group.discarded_steps}
+        else:
+            line |= {"step": trainer.global_step, "live": self.job.num_groups, "discarded": 0}
+        if self.job.digests:
+            line["digest"] = shard_digest(pl_module, [o for o in trainer.optimizers])
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.job.save_params:
+            shards = {name: _local(p).detach().clone() for name, p in pl_module.named_parameters()}
+            torch.save(shards, self.path.with_suffix(".params.pt"))
+
+
+def build_strategy(job: Job, node: int) -> MiCSStrategy:
+    """Plain MiCS over every node (partition = one node), or one replica group of the fault-tolerant job."""
+    if job.mode == "plain":
+        return MiCSStrategy(partition_size=job.ranks_per_node, ranks_per_node=job.ranks_per_node,
+                            process_group_backend="gloo")
+    ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
+                        timeout=job.timeout, quorum_timeout=60.0)
+    return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo")
+
+
+def run(job: Job, node: int, local_rank: int) -> None:
+    """Train ``job.steps`` optimizer steps (from the last checkpoint when there is one)."""
+    pl.seed_everything(1234, workers=True, verbose=False)
+    callbacks: list[pl.Callback] = [StepLog(job, node, local_rank)]
+    if job.checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=job.checkpoint_dir, save_last=True, save_top_k=0,
+                                         every_n_train_steps=job.checkpoint_every))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=job.ranks_per_node, num_nodes=job.nodes, strategy=build_strategy(job, node),
+        max_steps=job.steps, callbacks=callbacks, logger=False, enable_checkpointing=job.checkpoint_dir is not None,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    config = GPTConfig(**job.model)
+    model = GPTLightningModule(config, warmup_steps=2)
+    data = ByteCorpusDataModule(seq_len=config.seq_len, batch_size=job.batch_size, max_bytes=job.corpus_bytes)
+    resume = "last" if job.checkpoint_dir is not None else None
+    trainer.fit(model, datamodule=data, ckpt_path=resume)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="One rank of benchmarks/fault_tolerance.py (not run by hand).")
+    parser.add_argument("--job", type=Path, required=True, help="JSON: the run's Job")
+    parser.add_argument("--node", type=int, required=True, help="this rank's node (= replica group with ft)")
+    args = parser.parse_args()
+    job = Job(**json.loads(args.job.read_text()))
+    run(job, args.node, int(os.environ["LOCAL_RANK"]))
+    os._exit(0)  # skip interpreter teardown of gloo and torchft threads: the logs are written
+
+
+if __name__ == "__main__":
+    main()
