@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -34,6 +34,13 @@ from torch.optim import Optimizer
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
+from lightning_mics.fault_tolerance import (
+    CommittedStepCounters,
+    GroupConfiguration,
+    ManagedCrossReplicaSync,
+    ReplicaGroup,
+    check_fault_tolerant_layout,
+)
 from lightning_mics.grad_sync import CompressedCrossReplicaSync, clip_grad_norm_
 from lightning_mics.layout import (
     LayoutSettings,
@@ -49,7 +56,6 @@ from lightning_mics.layout import (
     shard_module,
     shard_optimizer_states,
 )
-from lightning_mics.fault_tolerance import ManagedCrossReplicaSync, ReplicaGroup, check_fault_tolerant_layout
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import MiCSOptions
 from lightning_mics.wire import WireFormat, resolve_wire_format
@@ -224,15 +230,23 @@ class MiCSEngine:
 
     # ------------------------------------------------------------------ fault tolerance (torchft)
     def join_fault_domain(
-        self, device: torch.device, state_fn: Callable[[], dict[str, Any]], load_fn: Callable[[dict[str, Any]], None]
+        self,
+        device: torch.device,
+        state_fn: Callable[[], dict[str, Any]],
+        load_fn: Callable[[dict[str, Any]], None],
+        run: Mapping[str, Any],
     ) -> None:
         """With ``fault_tolerance``: this group's torchft Manager, serving ``state_fn()`` to groups that join
-        and healing through ``load_fn`` when this one joins (once; before the optimizers are attached)."""
+        and healing through ``load_fn`` when this one joins (once; before the optimizers are attached).
+        ``run``: what else every group must share besides the layout (precision, accumulation, model,
+        optimizers), checked at every quorum."""
         ft = self.options.fault_tolerance
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
             ft = ft.resolved()
-            self.replica_group = ReplicaGroup(ft, device, state_fn, load_fn)
-            if dist.get_rank() == 0:  # one line in each group's job log
+            layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
+            configuration = GroupConfiguration.of(layout | dict(run) | {"num_replica_groups": ft.num_replica_groups})
+            self.replica_group = ReplicaGroup(ft, device, state_fn, load_fn, configuration)
+            if dist.get_rank() == 0:  # in each group's job log
                 log.info(
                     "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "
                     "steps commit with at least %d group(s)",
@@ -241,6 +255,7 @@ class MiCSEngine:
                     ft.lighthouse,
                     ft.min_replica_groups,
                 )
+                log.info("fault tolerance: this group's configuration: %s", configuration)
 
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
         """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``
@@ -254,10 +269,15 @@ class MiCSEngine:
         assert ft.num_replica_groups is not None and ft.replica_group is not None
         return world_size * ft.num_replica_groups, ft.replica_group * world_size + rank
 
-    def begin_step(self) -> None:
-        """Before the first micro-step of an optimizer step: the quorum (a joining group heals here)."""
+    def begin_step(self, counters: Optional[CommittedStepCounters] = None) -> None:
+        """Before the first micro-step of an optimizer step: the quorum (a joining group heals here), and the
+        front end's step counters kept to committed steps."""
         if self.replica_group is not None and not self._step_open:
+            if counters is not None:
+                counters.undo_if_discarded(self.replica_group)
             self.replica_group.start_step()
+            if counters is not None:
+                counters.remember()
             self._step_open = True
 
     def detach_optimizers(self) -> None:

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import _compat as compat
+from lightning_mics import fault_tolerance as ft
 from lightning_mics import process_groups
 from lightning_mics.checkpoint import fabric_entries
 from lightning_mics.front_end import MiCSFrontEnd
@@ -133,6 +134,11 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         """Shard ``module`` onto the layout in place (see :func:`lightning_mics.layout.shard_module`)."""
         if self._engine.layout_or_none is None:  # "auto" layouts: planned for the first model
             self._create_layout(module)
+        if self.options.fault_tolerance is not None:
+            if self._modules:
+                raise ValueError(_FT_ONE_MODEL)
+            # the step's quorum (and a heal) before the first forward of each step, ahead of FSDP's all-gather
+            module.register_forward_pre_hook(self._begin_step, prepend=True)
         originals = self._shards.originals(module)
         units, wrap_plan = self._engine.shard(module, self.root_device, self.precision)
         self._shards.record(module, originals)
@@ -159,10 +165,43 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                 "synced across replicas once per step, model by model): use one optimizer per model."
             )
         loss_scaling = self.precision.scaler is not None
+        if self.options.fault_tolerance is not None:
+            self._join_fault_domain(optimizer)
         self._engine.attach_optimizers([optimizer], models[0] if models else None, loss_scaling)
         compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.add(optimizer)
         return optimizer
+
+    # ------------------------------------------------------------------ fault tolerance
+    def _join_fault_domain(self, optimizer: Optimizer) -> None:
+        """This group's torchft Manager, serving and healing the model's and ``optimizer``'s shards."""
+        if self._optimizers:
+            raise ValueError(_FT_ONE_MODEL)
+        (module,) = list(self._modules)
+        state_fn, load_fn = ft.module_state_hooks(module, optimizer)
+        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer])
+        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
+
+    def _begin_step(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward; evaluation under no_grad starts no step
+            self._engine.begin_step()
+
+    @property
+    def committed_steps(self) -> int:
+        """With ``fault_tolerance``: the optimizer steps committed so far (a group that joins takes the live
+        groups' count when it heals, at its first training forward). Loop on it -- ``while strategy.committed_steps <
+        max_steps`` -- rather than on a counter of your own, which counts discarded steps and not healed ones."""
+        group = self._engine.replica_group
+        if group is None:
+            raise RuntimeError("committed_steps needs MiCSFabricStrategy(fault_tolerance=...) and a set-up optimizer.")
+        return group.manager.current_step()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank is a data-parallel worker; with ``fault_tolerance``, of every replica group's world."""
+        num_replicas, rank = self._engine.data_share(self.num_nodes * self.num_processes, self.global_rank)
+        return {"num_replicas": num_replicas, "rank": rank}
 
     # ------------------------------------------------------------------ gradients and steps
     def no_cross_replica_sync(self, module: nn.Module) -> AbstractContextManager:
@@ -287,6 +326,12 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                 f"{what} ({type(module).__name__}) has not been set up by this MiCSStrategy: call "
                 "`model = fabric.setup(model, ...)` (or fabric.setup_module) before saving or loading it."
             )
+
+
+_FT_ONE_MODEL = (
+    "fault_tolerance with Fabric heals one model and its optimizer: set up one (`model, optimizer = "
+    "fabric.setup(model, optimizer)`), or combine the parts into one module and one optimizer."
+)
 
 
 class _MiCSBackwardSyncControl(compat.BackwardSyncControl):

@@ -19,16 +19,19 @@ one, so it is refused (:func:`check_fault_tolerant_layout`).
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -41,6 +44,13 @@ log = logging.getLogger(__name__)
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_ENV = "MICS_REPLICA_GROUP"
 NUM_REPLICA_GROUPS_ENV = "MICS_NUM_REPLICA_GROUPS"
+#: A configuration digest crosses as two 16-bit integers in float64: their sums over every group stay exact
+#: (through torchft's average and back), so every group reads back every other group's digest.
+DIGEST_CHUNKS = 2
+#: The agreement message has a slot per possible group, the same length in every group whatever its options
+#: say (an all-reduce of unequal lengths would fail in the transport, not with a clear error): 6 KB a step.
+MAX_REPLICA_GROUPS = 256
+AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (DIGEST_CHUNKS + 1) * 8
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,11 @@ class FaultTolerance:
                 f"replica_group={group!r}, num_replica_groups={groups!r}: set FaultTolerance(replica_group=..., "
                 f"num_replica_groups=...) or {REPLICA_GROUP_ENV} and {NUM_REPLICA_GROUPS_ENV} in each group's job."
             )
+        if groups > MAX_REPLICA_GROUPS:
+            raise ValueError(
+                f"fault_tolerance supports up to {MAX_REPLICA_GROUPS} replica groups, got num_replica_groups={groups}: "
+                "make each partition (and so each group) larger."
+            )
         return replace(self, lighthouse=lighthouse, replica_group=group, num_replica_groups=groups)
 
 
@@ -134,6 +149,7 @@ class ReplicaGroup:
         device: torch.device,
         state_fn: Callable[[], dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
+        configuration: Optional[GroupConfiguration] = None,
     ) -> None:
         try:
             from torchft import Manager
@@ -144,36 +160,88 @@ class ReplicaGroup:
             ) from missing
 
         self.options = options
+        self.device = device
+        self.configuration = configuration or GroupConfiguration(())
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=load_fn,
-            state_dict=state_fn,
-            min_replica_size=options.min_replica_groups,
-            use_async_quorum=False,  # heal before the forward, so no step trains on stale weights
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=options.quorum_timeout),
-            rank=torch.distributed.get_rank(),
-            world_size=torch.distributed.get_world_size(),
-            lighthouse_addr=options.lighthouse,
-            replica_id=f"mics_group_{options.replica_group}",
-            init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
-        )
+        try:
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=lambda state: self._heal(state, load_fn),
+                state_dict=lambda: {"configuration": self.configuration.items, "state": state_fn()},
+                min_replica_size=options.min_replica_groups,
+                use_async_quorum=False,  # heal before the forward, so no step trains on stale weights
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_timeout),
+                connect_timeout=timeout,  # an unreachable Lighthouse is an error within the configured timeout
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                lighthouse_addr=options.lighthouse,
+                replica_id=f"mics_group_{options.replica_group}",
+                init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
+            )
+        except RuntimeError as error:
+            raise LighthouseUnavailable(
+                f"fault tolerance: no Lighthouse answered at {options.lighthouse} within {options.timeout:g} s "
+                f"({error}). Start it before the groups (`torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510`) "
+                f"and give every group its address (FaultTolerance(lighthouse=...) or {LIGHTHOUSE_ENV})."
+            ) from error
         self.discarded_steps = 0
+        #: whether the last step this group finished was discarded
+        self.last_step_discarded = False
         self.closed = False
         self._participants: Optional[int] = None
         self._outage_started: Optional[float] = None
         self._watchdog = Watchdog(options.watchdog)
 
     def start_step(self) -> None:
-        """The quorum for the next optimizer step (a group that joins heals here, before its forward)."""
+        """The quorum for the next optimizer step (a group that joins heals here, before its forward), then the
+        two checks torchft does not make: every rank of this group healed (or none did), and every group in
+        the quorum was started alike. A failed check ends this group with :class:`ReplicaGroupRefused`."""
         self._watchdog.kick()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except (TimeoutError, RuntimeError) as error:
+            raise LighthouseUnavailable(
+                f"fault tolerance: no quorum from the Lighthouse at {self.options.lighthouse} within "
+                f"{self.options.quorum_timeout:g} s ({error}). Either the Lighthouse stopped or fewer than "
+                f"min_replica_groups={self.options.min_replica_groups} groups are up. This group stops at torchft "
+                f"step {self.manager.current_step()}; its last checkpoint is what survives: restart the Lighthouse, "
+                "then relaunch every group with ckpt_path='last' (docs/fault-tolerance.md)."
+            ) from error
+        check_healed_whole(self.manager.current_step(), self.device)
+        self._check_agreement()
         participants = self.manager.num_participants()
         if participants != self._participants:
             self._log_membership(participants)
         self._participants = participants
+
+    def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
+        """Refuse a peer started differently before touching any state; else load its state."""
+        theirs = GroupConfiguration(tuple(received["configuration"]))
+        differences = self.configuration.differences(theirs)
+        if differences:
+            raise ReplicaGroupRefused(
+                f"fault tolerance: replica group {self.options.replica_group} cannot heal from the live groups: it "
+                f"was started differently ({'; '.join(differences)}, this group's vs theirs). Start every group "
+                "with the same configuration."
+            )
+        load_fn(received["state"])
+        log.warning("fault tolerance: healed from a live replica group at step %d", self.manager.current_step())
+
+    def _check_agreement(self) -> None:
+        """Every group of the quorum publishes its index and configuration digest (one tiny all-reduce);
+        a group claiming a taken index, or started unlike the others, is refused before any step commits."""
+        group = self.options.replica_group
+        assert group is not None
+        message = agreement_message(group, self.configuration.digest_chunks()).to(self.device)
+        self.manager.allreduce(message).wait()
+        if self.manager.errored() is not None:
+            return  # the step is discarded anyway; the next one checks again
+        summed = message.cpu() * self.manager.num_participants()  # torchft averaged
+        verdict = agreement_verdict(summed, group)
+        if verdict is not None:
+            raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
 
     def _log_membership(self, participants: int) -> None:
         if self._participants is not None and participants < self._participants:
@@ -204,6 +272,7 @@ class ReplicaGroup:
     def commit(self) -> bool:
         """Whether every rank of every group in the quorum finished the step (then the optimizer may step)."""
         committed = self.manager.should_commit()
+        self.last_step_discarded = not committed
         if not committed:
             self.discarded_steps += 1
             log.warning(
@@ -233,6 +302,15 @@ class ReplicaGroup:
             self.closed = True
             self._watchdog.stop()
             self.manager.shutdown(wait=False)
+
+
+class LighthouseUnavailable(RuntimeError):
+    """The Lighthouse did not answer in time: at start (wrong address, not started) or mid-run (it stopped)."""
+
+
+class ReplicaGroupRefused(RuntimeError):
+    """This group may not train with the others: it was started unlike them, claims a taken group index, or
+    only some of its ranks healed. The whole group ends (every rank sees the same verdict)."""
 
 
 class Watchdog:
@@ -294,6 +372,145 @@ class ManagedCrossReplicaSync:
         """Nothing after the step (the hook protocol of the engine's steps)."""
 
 
+# ------------------------------------------------------------------------------------------------ agreement
+@dataclass(frozen=True)
+class GroupConfiguration:
+    """What every replica group of a job must share -- layout, precision, accumulation, model shapes,
+    optimizers, number of groups -- as ``(name, value)`` text pairs: a group started with another one would
+    average gradients of a different model, or at other steps."""
+
+    items: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> GroupConfiguration:
+        return cls(tuple((name, str(value)) for name, value in values.items()))
+
+    def digest_chunks(self) -> list[int]:
+        digest = hashlib.sha256(repr(self.items).encode()).digest()
+        return [int.from_bytes(digest[2 * i : 2 * i + 2], "big") for i in range(DIGEST_CHUNKS)]
+
+    def differences(self, other: GroupConfiguration) -> list[str]:
+        mine, theirs = dict(self.items), dict(other.items)
+        return [
+            f"{name}: {mine.get(name)} vs {theirs.get(name)}"
+            for name in sorted(mine.keys() | theirs.keys())
+            if mine.get(name) != theirs.get(name)
+        ]
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name}={value}" for name, value in self.items)
+
+
+def model_signature(module: nn.Module) -> str:
+    """Parameter and buffer names, global shapes and dtypes: equal for two groups holding the same model."""
+    entries = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items() if isinstance(t, Tensor)]
+    return f"{len(entries)} tensors, sha256 {hashlib.sha256(';'.join(entries).encode()).hexdigest()[:16]}"
+
+
+def run_configuration(
+    precision: str, accumulate_grad_batches: int, module: nn.Module, optimizers: Sequence[Optimizer]
+) -> dict[str, Any]:
+    """What besides the layout every group must share (see :class:`GroupConfiguration`)."""
+    return {
+        "precision": precision,
+        "accumulate_grad_batches": accumulate_grad_batches,
+        "model": model_signature(module),
+        "optimizers": [type(optimizer).__name__ for optimizer in optimizers],
+    }
+
+
+def agreement_message(group: int, chunks: Sequence[int]) -> Tensor:
+    """This group's entry of the quorum's agreement: its digest in its own slot and a 1 in its count slot."""
+    message = torch.zeros(MAX_REPLICA_GROUPS * (DIGEST_CHUNKS + 1), dtype=torch.float64)
+    message[group * DIGEST_CHUNKS : (group + 1) * DIGEST_CHUNKS] = torch.tensor(chunks, dtype=torch.float64)
+    message[MAX_REPLICA_GROUPS * DIGEST_CHUNKS + group] = 1.0
+    return message
+
+
+def agreement_verdict(summed: Tensor, group: int) -> Optional[str]:
+    """Why ``group`` may not train in this quorum (``summed``: every group's :func:`agreement_message`
+    added), or ``None``. Two groups with one index are both refused; a group whose configuration differs
+    from the most common one (ties: the one of the lowest index) is refused and the others go on."""
+    counts = summed[MAX_REPLICA_GROUPS * DIGEST_CHUNKS :].round().long().tolist()
+    if counts[group] > 1:
+        return (
+            f"{counts[group]} groups claim replica_group={group}: give each group's job its own index "
+            "(MICS_REPLICA_GROUP), else two groups train on the same share of the data."
+        )
+    digests = {
+        other: tuple(summed[other * DIGEST_CHUNKS : (other + 1) * DIGEST_CHUNKS].round().long().tolist())
+        for other in range(MAX_REPLICA_GROUPS)
+        if counts[other] == 1
+    }
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for other in sorted(digests):
+        holders.setdefault(digests[other], []).append(other)
+    reference = max(holders, key=lambda digest: (len(holders[digest]), -holders[digest][0]))
+    if digests[group] == reference:
+        return None
+    return (
+        f"it was started with another configuration (layout, precision, accumulation, model or optimizers) than "
+        f"group(s) {holders[reference]}. Each group's job log lists its configuration "
+        "(\"this group's configuration: ...\"); start every group with the same one."
+    )
+
+
+def check_healed_whole(step: int, device: torch.device) -> None:
+    """Refuse a group whose ranks disagree on torchft's step after the quorum: a heal that reached only some
+    of them (torchft 0.2.0 does not make a group's heal all-or-nothing) would otherwise let the group commit
+    steps with a stale shard. A collective of this group's world; the whole group raises."""
+    steps = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+    highest, lowest = int(steps[0]), -int(steps[1])
+    if highest != lowest:
+        raise ReplicaGroupRefused(
+            f"fault tolerance: a heal reached only some ranks of this group (their steps range from {lowest} to "
+            f"{highest}); the group ends rather than train on a stale shard. Restart it: it heals anew, all ranks."
+        )
+
+
+# ------------------------------------------------------------------------------------------------ counters
+class CommittedStepCounters:
+    """Keeps the Trainer's step count, its LR schedulers and the optimizers' hyper-parameters in line with
+    the committed steps. Lightning counts every optimizer step and steps its schedulers after it, committed
+    or not; a discarded step is undone before the next quorum, so that ``max_steps``, checkpoint names and
+    the learning rate follow committed steps only -- the same in every group, whichever joined when (a group
+    that joins heals only when torchft's committed step differs)."""
+
+    def __init__(
+        self, trainer: Any, optimizers: Sequence[Optimizer], schedulers: Sequence[Any], set_global_step: Callable
+    ) -> None:
+        self.trainer = trainer
+        self.optimizers = list(optimizers)
+        self.schedulers = list(schedulers)
+        self.set_global_step = set_global_step
+        self._snapshot: Optional[tuple[int, list[Any], list[Any]]] = None
+
+    def undo_if_discarded(self, group: ReplicaGroup) -> None:
+        """Before the quorum: if the last step was discarded, back to the counters it started with."""
+        if group.last_step_discarded and self._snapshot is not None:
+            global_step, schedulers, hyper_parameters = self._snapshot
+            for scheduler, state in zip(self.schedulers, schedulers):
+                scheduler.load_state_dict(state)
+            for optimizer, groups in zip(self.optimizers, hyper_parameters):
+                for param_group, values in zip(optimizer.param_groups, groups):
+                    param_group.update(values)
+            self.set_global_step(global_step)
+            group.last_step_discarded = False
+
+    def remember(self) -> None:
+        """After the quorum (and any heal): the counters this step starts with."""
+        self._snapshot = (
+            self.trainer.global_step,
+            copy.deepcopy([scheduler.state_dict() for scheduler in self.schedulers]),
+            [[_hyper_parameters(group) for group in optimizer.param_groups] for optimizer in self.optimizers],
+        )
+
+
+def _hyper_parameters(param_group: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({key: value for key, value in param_group.items() if key != "params"})
+
+
 # ------------------------------------------------------------------------------------------------ healing
 def local_state(tree: Any) -> Any:
     """``tree`` with every DTensor replaced by this rank's shard (detached copies): what a peer's rank of
@@ -342,13 +559,15 @@ def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -
 
 
 def training_state(
-    module: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any], global_step: int
+    model_state: dict[str, Any], optimizers: Sequence[Optimizer], schedulers: Sequence[Any], global_step: int
 ) -> dict[str, Any]:
     """What a joining group takes from this one (this rank's shards): the model, the optimizers' and
-    schedulers' states and the step count. Runs in torchft's quorum thread at the start of a step, when
-    every parameter is sharded; copies, so the snapshot is the step's start."""
+    schedulers' states and the step count. Runs in torchft's quorum thread at the start of a step; reads
+    ``model_state``, the sharded state dict taken when the group joined (whose DTensors are the sharded
+    parameters and buffers themselves), not the module, whose state-dict hooks must not run in another
+    thread while its forward is being entered. Copies, so the snapshot is the step's start."""
     return {
-        "model": local_state(module.state_dict()),
+        "model": local_state(model_state),
         "optimizers": [optimizer_local_state(optimizer) for optimizer in optimizers],
         "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "global_step": global_step,
@@ -357,16 +576,44 @@ def training_state(
 
 def load_training_state(
     state: dict[str, Any],
-    module: nn.Module,
+    model_state: dict[str, Any],
     optimizers: Sequence[Optimizer],
     schedulers: Sequence[Any],
     set_global_step: Callable[[int], None],
 ) -> None:
     """Heal from a peer's :func:`training_state`, in place (every rank of the group loads its own shards)."""
-    copy_local_state_(module.state_dict(), state["model"])
+    copy_local_state_(model_state, state["model"])
     for optimizer, received in zip(optimizers, state["optimizers"]):
         load_optimizer_local_state(optimizer, received)
     for scheduler, received in zip(schedulers, state["schedulers"]):
         scheduler.load_state_dict(received)
     set_global_step(state["global_step"])
-    log.warning("fault tolerance: healed from a live replica group at step %d", state["global_step"])
+
+
+def trainer_state_hooks(
+    trainer: Any, module: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], CommittedStepCounters]:
+    """For a Lightning Trainer: what this group serves to a joining one, how it heals, and its step counters
+    kept to committed steps."""
+
+    def set_global_step(step: int) -> None:
+        compat.set_global_step(trainer, step)
+
+    model_state = module.state_dict()  # sharded now
+    return (
+        lambda: training_state(model_state, optimizers, schedulers, trainer.global_step),
+        lambda state: load_training_state(state, model_state, optimizers, schedulers, set_global_step),
+        CommittedStepCounters(trainer, optimizers, schedulers, set_global_step),
+    )
+
+
+def module_state_hooks(
+    module: nn.Module, optimizer: Optimizer
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """For a Fabric loop: what this group serves to a joining one and how it heals -- the model and the
+    optimizer (states and hyper-parameters); the loop's own counters follow torchft's committed step."""
+    model_state = module.state_dict()  # sharded now
+    return (
+        lambda: training_state(model_state, [optimizer], [], 0),
+        lambda state: load_training_state(state, model_state, [optimizer], [], lambda step: None),
+    )

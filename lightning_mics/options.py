@@ -49,10 +49,6 @@ TRAINER_ONLY: dict[str, str] = {
     "release_gradients_after_step": (
         "Fabric's loop is yours: call optimizer.zero_grad(set_to_none=True) right after optimizer.step()"
     ),
-    "fault_tolerance": (
-        "the quorum and commit of each step are wired to the Trainer's step so far; use Trainer(strategy=MiCSStrategy("
-        "fault_tolerance=...)), or torchft's Manager directly in a Fabric loop"
-    ),
 }
 
 

@@ -51,6 +51,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     _precision_argument = "precision_plugin"
     _launcher_class = compat.SubprocessScriptLauncher
     _trainer_front_end = True
+    #: with ``fault_tolerance``: the Trainer's counters kept to committed steps (set when training starts)
+    _step_counters: Optional[ft.CommittedStepCounters] = None
 
     def _init_front_end_state(self) -> None:
         self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
@@ -163,17 +165,13 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise ValueError("fault_tolerance needs automatic optimization: each step must be one quorum and commit.")
         optimizers = [unwrap_optimizer(o) for o in self.optimizers]
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        self._engine.join_fault_domain(
-            self.root_device,
-            lambda: ft.training_state(module, optimizers, schedulers, trainer.global_step),
-            lambda state: ft.load_training_state(
-                state, module, optimizers, schedulers, lambda step: compat.set_global_step(trainer, step)
-            ),
-        )
+        state_fn, load_fn, self._step_counters = ft.trainer_state_hooks(trainer, module, optimizers, schedulers)
+        run = ft.run_configuration(self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers)
+        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._engine.begin_step()  # fault tolerance: the quorum of this optimizer step, before its forward
+        self._engine.begin_step(self._step_counters)  # fault tolerance: this optimizer step's quorum, before forward
         return super().training_step(*args, **kwargs)
 
     def _adopt(self, module: LightningModule) -> Optional[RootUnit]:

@@ -7,30 +7,31 @@ killed at the end, whatever happened.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from distributed import exit_after_distributed_work, free_port
+from ft_harness import (
+    GROUP_WORLD,
+    LIGHTHOUSE,
+    fault_tolerant_trainer,
+    lighthouse,
+    read,
+    shard_digest,
+    start_group,
+    wait,
+)
 from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, trainer_kwargs
 
 from lightning_mics import FaultTolerance, MiCSStrategy
-from lightning_mics.fault_tolerance import check_fault_tolerant_layout
+from lightning_mics.fault_tolerance import AGREEMENT_BYTES, check_fault_tolerant_layout
 
 pytest.importorskip("torchft")
-LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
-GROUP_WORLD = 2
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -84,74 +85,6 @@ def test_the_watchdog_ends_a_rank_that_stops_stepping() -> None:
     time.sleep(1.5)  # no step for longer than the watchdog
     assert exits == [1]
     watchdog.stop()
-
-
-# ------------------------------------------------------------------------------------------------ harness
-@contextmanager
-def lighthouse(min_replicas: int) -> Iterator[str]:
-    """A Lighthouse on loopback for the test's groups; killed at the end."""
-    port = free_port()
-    process = subprocess.Popen(
-        [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
-         "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "2000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        time.sleep(0.5)
-        assert process.poll() is None, "the Lighthouse did not start"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.kill()
-        process.wait(timeout=10)
-
-
-def _group_rank(rank: int, group: int, port: int, out_dir: str, fn: Any, args: tuple) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(GROUP_WORLD), RANK=str(rank),
-        LOCAL_RANK=str(rank), NODE_RANK="0",
-    )
-    torch.set_num_threads(1)
-    result = fn(rank, group, *args)
-    torch.save(result, Path(out_dir) / f"group{group}_rank{rank}.pt")
-    exit_after_distributed_work()
-
-
-def start_group(group: int, out_dir: str, fn: Any, *args: Any) -> Any:
-    """One replica group's job: ``GROUP_WORLD`` spawned ranks with their own world, not waited for."""
-    return mp.start_processes(
-        _group_rank, args=(group, free_port(), out_dir, fn, args), nprocs=GROUP_WORLD, join=False,
-        start_method="spawn",
-    )
-
-
-def wait(context: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a replica group did not finish within {timeout} s")
-    finally:
-        kill(context)
-
-
-def kill(context: Any) -> None:
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-        process.join(timeout=10)
-
-
-def read(out_dir: str, group: int) -> list[Any]:
-    return [torch.load(Path(out_dir) / f"group{group}_rank{r}.pt", weights_only=False) for r in range(GROUP_WORLD)]
-
-
-def fault_tolerant_trainer(cfg: RunConfig, ft: FaultTolerance, callbacks: list, **overrides: Any) -> Any:
-    import lightning.pytorch as pl
-
-    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": callbacks} | overrides
-    return pl.Trainer(strategy=MiCSStrategy(fault_tolerance=ft), **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ equivalence
@@ -223,8 +156,8 @@ def test_two_fault_tolerant_groups_train_like_one_process() -> None:
     assert all(result["discarded"] == 0 for result in results)
     assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
     assert len({result["val_loss"] for result in results}) == 1  # every group evaluated the same data
-    for result in results:  # hop 2 through torchft is cross-replica traffic: the packed fp32 shards once a step
-        assert set(result["cross_replica_bytes"]) == {4 * result["packed_numel"]}
+    for result in results:  # cross-replica traffic: the packed fp32 shards and the groups' agreement, once a step
+        assert set(result["cross_replica_bytes"]) == {4 * result["packed_numel"] + AGREEMENT_BYTES}
 
 
 @pytest.mark.distributed
@@ -240,8 +173,8 @@ def test_a_bf16_hop_2_between_groups_halves_its_bytes_and_keeps_the_groups_ident
             assert torch.equal(value, params[GROUP_WORLD + rank][name]), name
     reference, _ = reference_training(EQUIVALENCE)
     assert any(not torch.allclose(params[0]["model." + n], reference[n], rtol=0, atol=0) for n in reference)
-    for result in results:  # telemetry: the packed shards once per step, 2 bytes an element
-        assert set(result["cross_replica_bytes"]) == {2 * result["packed_numel"]}
+    for result in results:  # telemetry: the packed shards once per step, 2 bytes an element (and the agreement)
+        assert set(result["cross_replica_bytes"]) == {2 * result["packed_numel"] + AGREEMENT_BYTES}
 
 
 def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
@@ -330,14 +263,6 @@ LONG = RunConfig(world_size=2 * GROUP_WORLD, steps=24)
 FAIL_AFTER_STEPS_TOGETHER = 2
 
 
-def _shard_digest(module: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for _, p in sorted(module.named_parameters()):
-        local = p.to_local() if hasattr(p, "to_local") else p
-        digest.update(local.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) -> dict[str, Any]:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -358,7 +283,7 @@ def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) 
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             manager = trainer.strategy.engine.replica_group.manager
-            self.digests[manager.current_step()] = _shard_digest(module)
+            self.digests[manager.current_step()] = shard_digest(module)
             self.participants.append((manager.current_step(), manager.num_participants()))
             if manager.num_participants() < 2 and not fail and len(self.participants) > 1:
                 time.sleep(3.0)  # alone: give the restarted group time to start and heal
