@@ -80,9 +80,9 @@ class Preset:
     run_timeout: float
 
 
-FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=5.0,
+FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=20.0,
               probe_seconds=3.0, run_timeout=900.0)
-QUICK = Preset(no_failure_steps=40, steps=150, kill_at_step=35, checkpoint_every=10, restart_delay=3.0,
+QUICK = Preset(no_failure_steps=40, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
                probe_seconds=1.0, run_timeout=400.0)
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
@@ -92,12 +92,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in < 10 minutes")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
-    parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 150, default 300)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 200, default 300)")
     parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 40, default 100)")
     parser.add_argument("--kill-at-step", type=int,
                         help="kill node 2 half a step after it logged this step (quick: 35, default 70)")
     parser.add_argument("--checkpoint-every", type=int, help="ModelCheckpoint interval in steps (quick: 10, 25)")
-    parser.add_argument("--restart-delay", type=float, help="seconds from the kill to the node's restart (3, 5)")
+    parser.add_argument("--restart-delay", type=float,
+                        help="seconds from the kill to the node's restart (quick: 10, default 20)")
+    parser.add_argument("--ft-timeout", type=float, default=5.0,
+                        help="FaultTolerance(timeout=...): how long a survivor's hop 2 waits for a dead peer (5 s)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
     parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
                         help="inter-node rate = per-node gloo loopback throughput / this (default 15)")
@@ -161,7 +164,7 @@ class Bench:
         nodes = NODES if mode == "plain" else 1
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
-                   **fields)
+                   timeout=self.args.ft_timeout, **fields)
 
     def next_port(self) -> int:
         self.launches += 1
@@ -289,7 +292,7 @@ def run_no_failure(bench: Bench, mode: str) -> RunLog:
     """Run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards at the end.
     The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum."""
     steps = bench.args.no_failure_steps
-    fields: dict[str, Any] = {"save_params": True}
+    fields: dict[str, Any] = {"save_params": True, "digests": True}
     lighthouse = None
     if mode == "ft":
         address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT)
@@ -430,6 +433,16 @@ def max_abs_diff(plain: RunLog, ft: RunLog) -> tuple[float, float]:
     return to_plain, between_groups
 
 
+def identical_steps(plain: RunLog, ft: RunLog) -> int:
+    """How many first steps left every rank's model and optimizer shards bit-identical to plain MiCS's."""
+    digests = [{(r["node"], r["rank"], r["step"]): r["digest"] for r in read_rows(run, None)} for run in (plain, ft)]
+    steps = sorted({step for _, _, step in digests[0]})
+    for count, step in enumerate(steps):
+        if any(digests[1].get(key) != value for key, value in digests[0].items() if key[2] == step):
+            return count
+    return len(steps)
+
+
 def no_failure_results(plain: RunLog, ft: RunLog) -> dict[str, Any]:
     to_plain, between_groups = max_abs_diff(plain, ft)
     plain_step, ft_step = median_step_seconds(plain), median_step_seconds(ft)
@@ -438,6 +451,7 @@ def no_failure_results(plain: RunLog, ft: RunLog) -> dict[str, Any]:
     return {"max_abs_diff": to_plain, "max_abs_diff_between_groups": between_groups, "overhead": ft_step / plain_step,
             "plain_step_seconds": plain_step, "ft_step_seconds": ft_step,
             "loss_max_abs_diff": max(abs(loss - plain_loss[key]) for key, loss in ft_loss.items()),
+            "identical_steps": identical_steps(plain, ft),
             "discarded": max(row["discarded"] for row in read_rows(ft))}
 
 
@@ -453,8 +467,8 @@ def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
     first = survivors[0][0]["t"]
     before = [r for r in survivors[0] if r["t"] <= kill]
     return {
-        "seconds_to_next_commit": max(t - kill for t in resumed) if None not in resumed else None,
-        "seconds_to_any_commit": min(r["t"] for mine in survivors for r in mine if r["t"] > kill) - kill,
+        "seconds_to_next_commit": min(r["t"] for mine in survivors for r in mine if r["t"] > kill) - kill,
+        "seconds_to_commit_without_lost_node": max(t - kill for t in resumed) if None not in resumed else None,
         "steps_discarded": max(row["discarded"] for row in rows if row["node"] != VICTIM),
         "survivor_steps_during_outage": len(during),
         "outage_seconds": outage_end - kill,
@@ -484,9 +498,10 @@ def rejoin_results(run: RunLog) -> dict[str, Any]:
 
 
 def seconds_to_final_step(run: RunLog, steps: int) -> float:
-    """Launch to the first moment every node's rank 0 had logged global step ``steps``."""
-    rows = read_rows(run)
-    finals = [min(r["t"] for r in rows if r["node"] == node and r["global_step"] >= steps) for node in range(NODES)]
+    """Launch to the first moment every node that got there had logged global step ``steps`` (a restarted node
+    that never rejoined does not count; ``rejoin.seconds`` is then ``None``)."""
+    rows = [r for r in read_rows(run) if r["global_step"] >= steps]
+    finals = [min(r["t"] for r in rows if r["node"] == node) for node in {r["node"] for r in rows}]
     return max(finals) - run.started
 
 
