@@ -172,7 +172,7 @@ class MiCSEngine:
         )
         if o.fault_tolerance is not None:
             beyond = settings.optim_degree is not None and settings.optim_degree > settings.topology.partition_size
-            check_fault_tolerant_layout(settings.topology.replication_degree, beyond, settings.cross_replica_wire)
+            check_fault_tolerant_layout(settings.topology.replication_degree, beyond)
         return settings
 
     def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:

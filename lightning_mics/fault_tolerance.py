@@ -33,10 +33,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.distributed_c10d import AllgatherOptions
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics import _compat as compat
+from lightning_mics import wire as wire_codec
 from lightning_mics.grad_sync import pack_gradient_shards, unpack_gradient_shards
 
 log = logging.getLogger(__name__)
@@ -117,10 +119,9 @@ def _env_int(name: str) -> Optional[int]:
     return int(value)
 
 
-def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition: bool, wire: Any) -> None:
+def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition: bool) -> None:
     """Refuse the layouts that cannot lose a group: inside one group's job, the world must be one partition
-    (replicas live in other groups) and optimizer states may not be sharded across groups; hop 2 runs in the
-    gradients' own dtype or a 16-bit float (torchft's all-reduce has no int8 wire)."""
+    (replicas live in other groups) and optimizer states may not be sharded across groups."""
     if replication_degree != 1:
         raise ValueError(
             f"With fault_tolerance each replica group's job is one partition, but this world holds "
@@ -131,11 +132,6 @@ def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition:
         raise ValueError(
             "fault_tolerance cannot be combined with optimizer states sharded across replicas (ShardingSpec optim > "
             "grads): a lost group would take its slice of every optimizer state with it. Use optim <= grads."
-        )
-    if wire is not None and wire.dtype is None:
-        raise ValueError(
-            f"fault_tolerance does not yet carry hop 2 in {wire.name} (torchft all-reduces floating-point tensors): "
-            "use cross_replica_dtype='bf16' or 'fp16' (half the bytes), or None."
         )
 
 
@@ -164,6 +160,8 @@ class ReplicaGroup:
         self.configuration = configuration or GroupConfiguration(())
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        #: torchft's reconfigurable group of this rank index across the quorum's groups (hop 2's wire)
+        self.pg = pg
         try:
             self.manager = Manager(
                 pg=pg,
@@ -269,6 +267,19 @@ class ReplicaGroup:
         and makes :meth:`commit` refuse the step)."""
         self.manager.allreduce(flat).wait()
 
+    def gather_(self, message: Tensor) -> Optional[list[Tensor]]:
+        """Every group's ``message`` (same shape in each), in quorum order; ``None`` after a failure, which
+        torchft records (then :meth:`commit` refuses the step)."""
+        if self.manager.errored() is not None:
+            return None
+        gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
+        try:
+            work = self.pg.allgather([gathered], [message], AllgatherOptions())
+            self.manager.wrap_future(work.get_future(), None).wait()
+        except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
+            self.manager.report_error(error)
+        return None if self.manager.errored() is not None else gathered
+
     def commit(self) -> bool:
         """Whether every rank of every group in the quorum finished the step (then the optimizer may step)."""
         committed = self.manager.should_commit()
@@ -348,25 +359,42 @@ class ManagedCrossReplicaSync:
 
     With a 16-bit ``wire`` (``cross_replica_dtype="bf16"`` / ``"fp16"``) the buffer crosses in that dtype:
     half the bytes; torchft's all-reduce sums in it, one rounding per group added (G - 1 for G groups) plus
-    the message's own, where the non-fault-tolerant ring sums 16-bit messages in fp32. Every group gets the
-    same result, so the groups stay identical."""
+    the message's own, where the non-fault-tolerant ring sums 16-bit messages in fp32. With ``"int8"`` each
+    group's buffer is encoded blockwise (:mod:`lightning_mics.wire`: a quarter of the bytes plus one scale
+    per block) and all-gathered; every group decodes the messages and sums them in fp32, in quorum order.
+    The all-gather receives G - 1 messages where a ring all-reduce moves 2 (G - 1) / G buffers: int8 halves
+    bf16's bytes for 2 groups, equals them for 4 and costs more beyond. Every group gets the same result, so
+    the groups stay identical."""
 
     def __init__(self, module: nn.Module, group: ReplicaGroup, wire: Optional[Any] = None) -> None:
         self.module = module
         self.group = group
-        self.dtype: Optional[torch.dtype] = None if wire is None else wire.dtype
+        self.wire = wire
 
     @torch.no_grad()
     def before_step(self) -> None:
         params = [p for p in self.module.parameters() if p.grad is not None]
         if params:
             flat = pack_gradient_shards(params)
-            message = flat if self.dtype is None else flat.to(self.dtype)
-            self.group.average_(message)
-            unpack_gradient_shards(message.to(flat.dtype), params)
+            unpack_gradient_shards(self._average(flat), params)
         if not self.group.commit():
             for param in self.module.parameters():
                 param.grad = None
+
+    def _average(self, flat: Tensor) -> Tensor:
+        """``flat`` averaged over the quorum's groups, in the wire format (on a failure: whatever is left,
+        which the uncommitted step then drops)."""
+        if self.wire is not None and self.wire.dtype is None:  # int8: all-gather, decode, sum in fp32
+            gathered = self.group.gather_(wire_codec.encode(flat))
+            if gathered is None:
+                return flat
+            total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+            for message in gathered:
+                total += wire_codec.decode(message, flat.numel())
+            return total.div_(len(gathered)).to(flat.dtype)
+        message = flat if self.wire is None else flat.to(self.wire.dtype)
+        self.group.average_(message)
+        return message.to(flat.dtype)
 
     def after_step(self) -> None:
         """Nothing after the step (the hook protocol of the engine's steps)."""
