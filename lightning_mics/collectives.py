@@ -325,7 +325,7 @@ def _ring_applies(input: torch.Tensor, op: Any, group: Any) -> bool:
     has a real reduce-scatter) take the backend's own collective."""
     if input.device.type != "cpu" or not any(op == supported for supported in _RING_OPS):
         return False
-    return dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    return dist.get_world_size(group) > 1 and _backend_name(group) == "gloo"
 
 
 def ring_reduce_scatter(
@@ -333,26 +333,20 @@ def ring_reduce_scatter(
     input: torch.Tensor,
     op: Any,
     group: Any,
-    accumulate_dtype: Optional[torch.dtype] = None,
 ) -> None:
     """Reduce-scatter over a ring of point-to-point messages: ``n - 1`` steps, in each of which a
     rank passes a partial sum of one block to the next rank and adds its own block to the one it
     receives. Every rank sends ``(n - 1) / n`` of the input once -- half of what gloo's
     all-reduce-based ``reduce_scatter_tensor`` sends. Blocks are summed in ring order starting after
     their owner, so results may differ from gloo's in the last bits (they are the same on every run).
-    ``op``: SUM or AVG; ``group`` None is the default group. ``accumulate_dtype``: add the partial
-    sums in this (wider) dtype while messages stay in the input's dtype -- a bf16 wire with fp32
-    sums (:func:`compressed_all_reduce_`)."""
+    ``op``: SUM or AVG; ``group`` None is the default group."""
     group = dist.GroupMember.WORLD if group is None else group
     n = dist.get_world_size(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce-scatter input has {input.numel()} elements, expected {n} x {output.numel()}")
     # one reduce-scatter of the whole input to a recorder, as gloo's own would be; its messages are not
     with _recorded_as_one("reduce_scatter", group, input):
-        if accumulate_dtype is not None and accumulate_dtype != input.dtype:
-            _ring_reduce_scatter_widened(output, input, op, group, accumulate_dtype)
-        else:
-            _ring_reduce_scatter(output, input, op, group)
+        _ring_reduce_scatter(output, input, op, group)
 
 
 def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:
@@ -379,109 +373,68 @@ def _ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: Any, gro
         destination.div_(n)
 
 
-def _ring_reduce_scatter_widened(
-    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, accumulate_dtype: torch.dtype
-) -> None:
-    """:func:`ring_reduce_scatter` with partial sums kept in ``accumulate_dtype`` and every message
-    rounded to the input's dtype: the rounding error grows with the ring's length, not the sum's."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    block = output.numel()
-    blocks = input.reshape(n, block)
-    send_to = dist.get_global_rank(group, (rank + 1) % n)
-    receive_from = dist.get_global_rank(group, (rank - 1) % n)
-    partial = blocks[(rank - 1) % n].to(accumulate_dtype)
-    outgoing = torch.empty_like(blocks[0])
-    incoming = torch.empty_like(blocks[0])
-    for step in range(n - 1):
-        outgoing.copy_(partial)
-        requests = [dist.isend(outgoing, send_to, group=group), dist.irecv(incoming, receive_from, group=group)]
-        for request in requests:
-            request.wait()
-        partial = incoming.to(accumulate_dtype).add_(blocks[(rank - step - 2) % n])
-    if op == dist.ReduceOp.AVG:
-        partial.div_(n)
-    output.view(-1).copy_(partial)
+def _backend_name(group: Any) -> str:
+    """The backend of ``group``, read in one place: the choice of where messages live depends on it
+    and nothing else (tests force NCCL's choice through this on gloo)."""
+    return str(dist.get_backend(group))
+
+
+def _wire_device(tensor: torch.Tensor, group: Any) -> torch.device:
+    """Where compressed messages live: on the tensor's device, except on gloo, which moves host
+    memory only (CUDA tensors there are encoded on the device and their messages staged via the CPU)."""
+    return torch.device("cpu") if _backend_name(group) == "gloo" else tensor.device
+
+
+def _sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of ``rows`` added in ``dtype`` in row (= group-rank) order: one fixed order, so the
+    result is the same on every rank, backend and run (a reduction kernel may reorder)."""
+    total = rows[0].to(dtype, copy=True)
+    for row in rows[1:]:
+        total.add_(row)
+    return total
 
 
 def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire: WireFormat) -> None:
-    """Sum ``tensor`` in place over ``group`` in the compressed ``wire`` format (a ring
-    reduce-scatter, then an all-gather: the bytes of a ring all-reduce, at ``wire``'s width).
+    """Sum ``tensor`` in place over ``group``, every message in the compressed ``wire`` format (16-bit
+    floats or blockwise int8, :mod:`lightning_mics.wire`), the sums in fp32 on every backend.
 
-    16-bit float formats: on gloo the partial sums are added in ``tensor``'s dtype
-    (:func:`ring_reduce_scatter` with ``accumulate_dtype``); other backends reduce in the wire
-    dtype. int8: :func:`quantized_all_reduce_`. Either way every rank -- the owner of a block too --
-    takes the all-gathered, wire-rounded values, so all ranks end identical.
+    Why not the backend's reduce-scatter on 16-bit messages: NCCL adds them in 16 bits at every ring
+    hop, so the error would grow with the number of replicas and differ between backends. Instead:
+
+    1. the flat tensor is cut into one piece per rank (int8: padded to whole blocks) and every piece
+       is encoded once (:func:`~lightning_mics.wire.encode_rows`);
+    2. an all-to-all gives rank ``i`` every rank's message for piece ``i`` -- the bytes of a ring
+       reduce-scatter, ``(n - 1) / n`` of the messages leave each rank; recorded
+       (:class:`CollectiveRecorder`) as one reduce-scatter of the messages;
+    3. rank ``i`` decodes them and adds them in fp32 (or the tensor's dtype if wider), in
+       group-rank order;
+    4. it encodes its sum once and the sums are all-gathered; every rank, the owner of a piece too,
+       decodes the same bytes, so all ranks end bit-identical.
+
+    Error: one rounding of each rank's input and one of the sum, whatever the number of replicas.
+    The message's bytes and the step's collectives are the same on every backend; only where the
+    messages live differs (:func:`_wire_device`). Nothing reads a tensor's value on the host.
     """
+    group = dist.GroupMember.WORLD if group is None else group
     n = dist.get_world_size(group)
     if n == 1:
         return
-    if wire.dtype is None:
-        quantized_all_reduce_(tensor, group, wire.block)
-        return
     flat = tensor.view(-1)
-    block = -(-flat.numel() // n)
-    buffer = torch.zeros(n * block, dtype=wire.dtype, device=tensor.device)
-    buffer[: flat.numel()].copy_(flat)
-    mine = torch.empty(block, dtype=wire.dtype, device=tensor.device)
-    if _ring_applies(buffer, dist.ReduceOp.SUM, group):
-        ring_reduce_scatter(mine, buffer, dist.ReduceOp.SUM, group, accumulate_dtype=tensor.dtype)
-    else:
-        reduce_scatter_flat(mine, buffer, dist.ReduceOp.SUM, group)
-    all_gather_flat(buffer, mine, group)
-    flat.copy_(buffer[: flat.numel()])
-
-
-def quantized_all_reduce_(tensor: torch.Tensor, group: Any, block: int = wire_codec.INT8_BLOCK) -> None:
-    """Sum ``tensor`` in place over ``group`` with blockwise-int8 messages (:mod:`lightning_mics.wire`).
-
-    The flat tensor is cut into one piece per rank, each padded to whole blocks. Reduce-scatter: a
-    ring of ``n - 1`` steps in which each rank sends one packed ``uint8`` message (values and scales
-    together, one send / receive pair per step), and the receiver decodes it, adds its own piece in
-    fp32 and encodes the partial sum for the next hop -- so the error grows with the ring's length,
-    not with the magnitude of the sum. The owner then encodes its reduced piece once and the
-    messages are all-gathered; every rank, the owner included, decodes the same bytes, so replicas
-    end bit-identical. Recorded (:class:`CollectiveRecorder`) as one reduce-scatter and one
-    all-gather of the packed messages.
-
-    Any backend with point-to-point messages: the messages live on the tensor's device, except on
-    gloo, which moves them from host memory only -- CUDA tensors there are encoded on the device and
-    their (4x smaller) messages staged through the CPU.
-    """
-    group = dist.GroupMember.WORLD if group is None else group
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    if n == 1:
-        return
-    flat = tensor.view(-1)
-    piece = wire_codec.padded_numel(-(-flat.numel() // n), block)
-    pieces = torch.zeros(n * piece, dtype=torch.float32, device=tensor.device)
+    piece = wire_codec.padded_numel(-(-flat.numel() // n), wire.block)
+    accumulate = torch.promote_types(tensor.dtype, torch.float32)
+    pieces = torch.zeros(n * piece, dtype=accumulate, device=tensor.device)
     pieces[: flat.numel()].copy_(flat)
-    pieces = pieces.view(n, piece)
-    message = wire_codec.message_bytes(piece, block)
-    wire_device = torch.device("cpu") if dist.get_backend(group) == "gloo" else tensor.device
-    send_to = dist.get_global_rank(group, (rank + 1) % n)
-    receive_from = dist.get_global_rank(group, (rank - 1) % n)
-    with _recorded_as_one("reduce_scatter", group, n * message):
-        # piece b starts at rank b + 1, travels the ring and ends, summed over all ranks, at rank b
-        partial = pieces[(rank - 1) % n]
-        incoming = torch.empty(message, dtype=torch.uint8, device=wire_device)
-        for step in range(n - 1):
-            outgoing = wire_codec.encode(partial, block).to(wire_device)
-            operations = [
-                dist.P2POp(dist.isend, outgoing, send_to, group),
-                dist.P2POp(dist.irecv, incoming, receive_from, group),
-            ]
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
-            received = wire_codec.decode(incoming.to(tensor.device), piece, block)
-            partial = received.add_(pieces[(rank - step - 2) % n])
-    mine = wire_codec.encode(partial, block).to(wire_device)
-    gathered = torch.empty(n * message, dtype=torch.uint8, device=wire_device)
-    all_gather_flat(gathered, mine, group)
-    gathered = gathered.to(tensor.device).view(n, message)
-    for i in range(n):  # decode each piece straight into its place (the padding is dropped)
-        start, end = i * piece, min(flat.numel(), (i + 1) * piece)
-        if start < end:
-            flat[start:end].copy_(wire_codec.decode(gathered[i], piece, block)[: end - start])
+    wire_device = _wire_device(tensor, group)
+    outgoing = wire_codec.encode_rows(pieces.view(n, piece), wire).to(wire_device)
+    incoming = torch.empty_like(outgoing)
+    with _recorded_as_one("reduce_scatter", group, outgoing):
+        dist.all_to_all_single(incoming, outgoing, group=group)
+    total = _sum_rows(wire_codec.decode_rows(incoming.to(tensor.device), wire, piece), accumulate)
+    mine = wire_codec.encode_rows(total.view(1, piece), wire).to(wire_device)
+    gathered = torch.empty_like(outgoing)
+    all_gather_flat(gathered.view(-1), mine.view(-1), group)
+    decoded = wire_codec.decode_rows(gathered.to(tensor.device), wire, piece)
+    flat.copy_(decoded.view(-1)[: flat.numel()])
 
 
 class _PlainAllocation:
@@ -622,11 +575,27 @@ class HierarchicalReduceScatter(_HierarchicalComm, ReduceScatter):
         n = output_tensor.numel()
         by_local = input_tensor.view(k, m, n).transpose(0, 1).contiguous().view(-1)
         node_sum = torch.empty(k * n, dtype=input_tensor.dtype, device=input_tensor.device)
-        # AVG composes (mean of means); a pre-multiplied sum must be applied once, in the first stage.
-        second_op = op if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) else dist.ReduceOp.SUM
-        reduce_scatter_flat(node_sum, by_local, op, self.groups.intra_node)
-        reduce_scatter_flat(output_tensor, node_sum, second_op, self.groups.inter_node)
+        # AVG composes (mean of means over equal counts); a pre-multiplied sum is applied once, first.
+        second_op = op if _is_sum_or_avg(op) else dist.ReduceOp.SUM
+        _reduce_scatter_stage(node_sum, by_local, op, self.groups.intra_node)
+        _reduce_scatter_stage(output_tensor, node_sum, second_op, self.groups.inter_node)
         return None
+
+
+def _is_sum_or_avg(op: Any) -> bool:
+    """Whether ``op`` is a plain SUM or AVG (FSDP2 also passes ``PREMUL_SUM(factor)`` objects)."""
+    return any(op == plain for plain in (dist.ReduceOp.SUM, dist.ReduceOp.AVG))
+
+
+def _reduce_scatter_stage(output: torch.Tensor, input: torch.Tensor, op: Any, group: Any) -> None:
+    """One stage of :class:`HierarchicalReduceScatter`. A stage over one rank (the node stage with
+    ``ranks_per_node=1``) is its input: a sum or mean over one rank is a copy, NCCL's AVG over a single
+    rank is not to be trusted (FSDP2 itself avoids it) and gloo implements AVG only in our ring, which
+    needs two ranks. A pre-multiplied sum still runs as a collective (it carries its factor)."""
+    if dist.get_world_size(group) == 1 and _is_sum_or_avg(op):
+        output.copy_(input.view_as(output))
+        return
+    reduce_scatter_flat(output, input, op, group)
 
 
 def install_hierarchical_collectives(units: list[Any], groups: HierarchicalGroups) -> None:

@@ -228,9 +228,9 @@ class CompressedCrossReplicaSync:
     *padded* shard size, so every rank of a replication group packs alike -- summed across
     replicas with :func:`~lightning_mics.collectives.compressed_all_reduce_`, divided by the
     replication degree (FSDP2 already averaged over the partition) and unpacked. Every replica gets
-    the same rounded values, so replicas stay identical. The rounding is one rounding of each
-    message on the way (16-bit, or int8 to within half a block's scale); sums are formed in the
-    gradient's dtype on gloo (int8: in fp32 on every backend).
+    the same rounded values, so replicas stay identical. The rounding is one rounding of each rank's
+    message and one of the sum (16-bit, or int8 to within half a block's scale); sums are formed in
+    fp32 on every backend.
     """
 
     def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup, wire: WireFormat) -> None:

@@ -12,7 +12,10 @@ only traffic that crosses the slow inter-node links, so it is the one worth comp
 The int8 codec is the pure functions below (:func:`quantize_blocks`, :func:`dequantize_blocks`,
 :func:`pack`, :func:`unpack`, :func:`encode`, :func:`decode`): no process group, so they are tested
 on their own. One message is one ``uint8`` tensor: the int8 values, then the fp32 scales' bytes --
-one send per ring step instead of two.
+one send per message instead of two. :func:`encode_rows` / :func:`decode_rows` do the same for every
+row of a 2-D tensor at once (one message per destination rank, any format): what
+:func:`~lightning_mics.collectives.compressed_all_reduce_` exchanges. None of them reads a tensor's
+value on the host, so on a GPU they queue kernels without waiting for them.
 
 Non-finite gradients are not hidden: an inf or NaN element is sent as the otherwise unused code
 ``-128`` and decodes as NaN (the sign of an inf is lost), and the block's scale is taken over its
@@ -114,33 +117,29 @@ def quantize_blocks(x: Tensor, block: int = INT8_BLOCK) -> tuple[Tensor, Tensor]
 
     ``x`` is zero-padded to whole blocks. Per block, ``scale = absmax / 127`` over its finite
     elements and ``value = round(x / scale)`` (round half to even); an all-zero block has scale 0
-    and values 0. Non-finite elements get the code -128 (module docstring)."""
+    and values 0. Non-finite elements get the code -128 (module docstring).
+
+    No branch on tensor values (no device-to-host sync on an accelerator, where this runs once per
+    hop-2 message): non-finite magnitudes are zeroed before the absmax, and an element that divides
+    to a non-finite code is one that was not finite (a finite one divides to at most 127 in size)."""
     flat = x.reshape(-1).float()
     padded = padded_numel(flat.numel(), block)
     if padded != flat.numel():
         flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
     blocks = flat.view(-1, block)
-    scales = blocks.abs().amax(dim=1)  # inf or NaN in a block makes its absmax non-finite
-    finite = None
-    if not bool(torch.isfinite(scales).all()):  # rare: only then mask the non-finite elements out
-        finite = torch.isfinite(blocks)
-        blocks = torch.where(finite, blocks, torch.zeros((), dtype=blocks.dtype, device=blocks.device))
-        scales = blocks.abs().amax(dim=1)
-    scales = scales / _QMAX
+    scales = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0).amax(dim=1).div_(_QMAX)
     divisor = torch.where(scales > 0, scales, torch.ones((), dtype=scales.dtype, device=scales.device))
-    codes = torch.div(blocks, divisor[:, None]).round_().clamp_(-_QMAX, _QMAX)
-    if finite is not None:
-        codes = torch.where(finite, codes, float(_NONFINITE_CODE))
+    codes = torch.div(blocks, divisor[:, None]).round_()
+    nonfinite = float(_NONFINITE_CODE)
+    codes.nan_to_num_(nan=nonfinite, posinf=nonfinite, neginf=nonfinite).clamp_(_NONFINITE_CODE, _QMAX)
     return codes.to(torch.int8), scales
 
 
 def dequantize_blocks(values: Tensor, scales: Tensor) -> Tensor:
-    """Inverse of :func:`quantize_blocks`: flat fp32 ``values * scale`` (NaN for code -128)."""
-    decoded = values.float().mul_(scales[:, None])
-    nonfinite = values == _NONFINITE_CODE
-    if bool(nonfinite.any()):
-        decoded[nonfinite] = float("nan")
-    return decoded.reshape(-1)
+    """Inverse of :func:`quantize_blocks`: flat fp32 ``values * scale`` (NaN for code -128), without
+    a device-to-host sync (a masked fill, not a branch or a boolean index)."""
+    decoded = values.float().mul_(scales.view(-1, 1))
+    return decoded.masked_fill_(values == _NONFINITE_CODE, float("nan")).reshape(-1)
 
 
 def message_bytes(numel: int, block: int = INT8_BLOCK) -> int:
@@ -172,3 +171,36 @@ def encode(x: Tensor, block: int = INT8_BLOCK) -> Tensor:
 def decode(message: Tensor, numel: int, block: int = INT8_BLOCK) -> Tensor:
     """The first ``numel`` fp32 values of an :func:`encode` message."""
     return dequantize_blocks(*unpack(message, numel, block))[:numel]
+
+
+# ------------------------------------------------------------------------- one message per row
+def row_message_numel(numel: int, wire: WireFormat) -> int:
+    """Elements of one :func:`encode_rows` message for a row of ``numel`` (padded) elements."""
+    return numel if wire.dtype is not None else message_bytes(numel, wire.block)
+
+
+def encode_rows(rows: Tensor, wire: WireFormat) -> Tensor:
+    """Each row of a 2-D tensor as one ``wire`` message, in one vectorised pass: ``[rows, message]``.
+
+    16-bit formats: the row rounded to the dtype. int8: the row's values' bytes, then its scales'
+    bytes -- :func:`pack` per row; a row's length must be whole blocks. Row messages are what the
+    compressed all-reduce exchanges (one per destination rank), so every row is encoded alike."""
+    if wire.dtype is not None:
+        return rows.to(wire.dtype)
+    count, numel = rows.shape
+    if numel % wire.block:
+        raise ValueError(f"int8 rows must be whole blocks of {wire.block}; got rows of {numel} elements")
+    values, scales = quantize_blocks(rows, wire.block)
+    return torch.cat([values.view(count, numel).view(torch.uint8), scales.view(count, -1).view(torch.uint8)], dim=1)
+
+
+def decode_rows(messages: Tensor, wire: WireFormat, numel: int) -> Tensor:
+    """Inverse of :func:`encode_rows`: ``[rows, numel]`` fp32 (NaN where a non-finite int8 element was)."""
+    if wire.dtype is not None:
+        return messages.float()
+    count = messages.shape[0]
+    if messages.shape[1] != row_message_numel(numel, wire):
+        raise ValueError(f"int8 row messages have {messages.shape[1]} bytes, expected {row_message_numel(numel, wire)}")
+    values = messages[:, :numel].view(torch.int8).reshape(-1, wire.block)
+    scales = messages[:, numel:].contiguous().view(torch.float32)  # contiguous: fp32 needs 4-byte alignment
+    return dequantize_blocks(values, scales.reshape(-1)).view(count, numel)
