@@ -346,7 +346,14 @@ class MiCSEngine:
             checkpoint[FAULT_TOLERANCE_KEY] = self.replica_group.state_dict()
         started = time.perf_counter()
         layout = self.layout().checkpoint_layout
-        ckpt.save(path, checkpoint, layout, full=self.options.save_full_state_dict, saver=self.async_saver)
+        ckpt.save(
+            path,
+            checkpoint,
+            layout,
+            full=self.options.save_full_state_dict,
+            saver=self.async_saver,
+            keep_previous=self.replica_group is not None,  # a restarted group may be loading it right now
+        )
         self.checkpoint_stall_s.append(time.perf_counter() - started)
 
     def load(

@@ -458,3 +458,35 @@ def test_hostile_and_damaged_checkpoints_given_to_fit(tmp_path: Path) -> None:
     assert "is damaged; nothing was loaded" in errors["flipped"] and "its bytes changed" in errors["flipped"]
     assert "is damaged: its field 'data'" in errors["traversal"]
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("keep_previous", [False, True])
+def test_a_save_can_keep_the_data_it_replaces_for_a_reader_that_opened_it(
+    tmp_path: Path, keep_previous: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With fault tolerance a restarted group may be loading ``last`` while a live group saves it: with
+    ``keep_previous`` the data the reader's record named stays whole through the switch (until the next
+    save) and loading warns about nothing; without, it is deleted at the switch."""
+    path = tmp_path / "last.ckpt"
+    module = ToyModule(RunConfig())
+    optimizer, _ = plain_toy_optimizer(module)
+
+    def save(step: int) -> None:
+        checkpoint = {"state_dict": ckpt.model_state_dict(module), "global_step": step}
+        checkpoint["optimizer_states"] = [ckpt.optimizer_state_dict(module, optimizer)]
+        ckpt.save(path, checkpoint, keep_previous=keep_previous)
+
+    save(1)
+    opened = _data_dir(path)  # a reader read the record just before the next save switched it
+    files = {f.relative_to(opened): f.read_bytes() for f in opened.rglob("*") if f.is_file()}
+    save(2)
+    assert opened.is_dir() == keep_previous
+    if keep_previous:
+        assert {f.relative_to(opened): f.read_bytes() for f in opened.rglob("*") if f.is_file()} == files
+        fresh = ToyModule(RunConfig(seed=5))
+        with caplog.at_level("WARNING", logger="lightning_mics"):
+            ckpt.load(path, fresh)
+        assert not [r for r in caplog.records if "interrupted save" in r.getMessage()]
+        save(3)  # the next save removes what the one before kept: at most two generations on disk
+        assert not opened.exists()
+        assert len([p for p in path.iterdir() if p.name.startswith("state-step")]) == 2

@@ -78,6 +78,8 @@ class SavePlan:
     data_name: str  #: sharded: the data directory's final name
     token: str
     error: Optional[str] = None
+    #: "update": leave the replaced data until the next save (readers that opened it just before the switch)
+    keep_previous: bool = False
 
 
 def staging_leftovers(target: Path) -> list[Path]:
@@ -116,7 +118,7 @@ def _valid_record(target: Path) -> Optional[CommitRecord]:
         return None
 
 
-def plan_save(target: Path, global_step: int, full: bool) -> SavePlan:
+def plan_save(target: Path, global_step: int, full: bool, keep_previous: bool = False) -> SavePlan:
     """Rank 0: clear what interrupted saves left, then choose the staging area for this save."""
     token = secrets.token_hex(4)
     data_name = f"state-step{global_step:09d}-{token}"
@@ -150,7 +152,7 @@ def plan_save(target: Path, global_step: int, full: bool) -> SavePlan:
         Path(plan["data_dir"], RNG_DIR).mkdir(parents=True)
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
-    return SavePlan(**plan, mode=mode, token=token)
+    return SavePlan(**plan, mode=mode, token=token, keep_previous=keep_previous)
 
 
 def discard(plan: SavePlan) -> None:
@@ -189,7 +191,7 @@ def commit_sharded(plan: SavePlan, record: CommitRecord) -> None:
     except CheckpointError:  # damaged since the save was planned: delete nothing it names
         previous = None
     write_durably(target / MANIFEST_FILE, record.to_json())  # the switch
-    if previous and previous != plan.data_name:
+    if previous and previous != plan.data_name and not plan.keep_previous:
         delete(target / previous)  # a validated plain child name: never outside ``target``
 
 

@@ -118,7 +118,7 @@ def open_checkpoint(path: Path) -> tuple[CheckpointInfo, Optional[dict[str, Any]
             + "\nFiles were deleted or the directory was copied partially: load another checkpoint (pass another "
             "ckpt_path=), or copy this one again."
         )
-    leftovers = staging_leftovers(path)
+    leftovers = [p for p in staging_leftovers(path) if not DATA_DIR_PATTERN.match(p.name)]  # not superseded data
     if leftovers and coordination.rank() == 0:
         log.warning(
             "Ignoring incomplete data of an interrupted save of %s: %s. The next save to this path removes it.",

@@ -103,13 +103,17 @@ def save(
     layout: Optional[CheckpointLayout] = None,
     full: bool = False,
     saver: Optional[AsyncCheckpointSaver] = None,
+    keep_previous: bool = False,
 ) -> None:
     """Save Lightning's checkpoint dict to ``path`` atomically (a collective: call it on every rank).
 
     ``checkpoint["state_dict"]`` / ``["optimizer_states"]`` must come from :func:`model_state_dict` /
     :func:`optimizer_state_dict` with the same ``full``. Sharded (default): a directory, every shard
     written once. ``full``: one file written by rank 0, in Lightning's standard format. With a
-    ``saver``, a sharded save returns once the states are copied and finishes in the background."""
+    ``saver``, a sharded save returns once the states are copied and finishes in the background.
+    ``keep_previous``: a sharded save over a checkpoint leaves the data it replaces until the next save to
+    ``path`` (for readers that opened it just before the switch: a restarted fault-tolerant group loading
+    ``last`` while a live group saves it)."""
     if saver is not None:
         saver.wait()  # at most one save in flight; its failure surfaces here, before a new one starts
     target = Path(coordination.from_rank_zero(os.path.abspath(path)))
@@ -121,11 +125,11 @@ def save(
     if full:
         _save_full(target, checkpoint, model_state, optimizer_states, layout)
     else:
-        _save_sharded(target, checkpoint, model_state, optimizer_states, layout, saver)
+        _save_sharded(target, checkpoint, model_state, optimizer_states, layout, saver, keep_previous)
 
 
 def _agree_on_plan(
-    target: Path, trainer_state: dict[str, Any], full: bool
+    target: Path, trainer_state: dict[str, Any], full: bool, keep_previous: bool = False
 ) -> tuple[atomic.SavePlan, Optional[dict[str, Any]]]:
     """Rank 0 checks the trainer state and plans the save; every rank gets the plan -- or the error,
     so that all ranks raise it together instead of waiting for rank 0 in a later collective."""
@@ -135,7 +139,7 @@ def _agree_on_plan(
     if coordination.rank() == 0:
         try:
             safe_state = safe_trainer_state(trainer_state)
-            plan = atomic.plan_save(target, int(trainer_state.get("global_step", 0) or 0), full)
+            plan = atomic.plan_save(target, int(trainer_state.get("global_step", 0) or 0), full, keep_previous)
             error = plan.error
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
             error = f"Cannot save a checkpoint to {target}: {err}"
@@ -153,9 +157,10 @@ def _save_sharded(
     optimizer_states: Optional[list[dict[str, Any]]],
     layout: CheckpointLayout,
     saver: Optional[AsyncCheckpointSaver],
+    keep_previous: bool = False,
 ) -> None:
     group = saver.group() if saver is not None else None
-    plan, safe_state = _agree_on_plan(target, trainer_state, full=False)
+    plan, safe_state = _agree_on_plan(target, trainer_state, full=False, keep_previous=keep_previous)
     payload: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer_states:
         payload[OPTIMIZERS_KEY] = {str(i): state for i, state in enumerate(optimizer_states)}
