@@ -23,6 +23,11 @@ Run (GPU)::
     python benchmarks/gpu_throughput.py                     # xl, micro-batch 8, all four modes
     python benchmarks/gpu_throughput.py --modes plain,strategy --steps 30
 
+All GPUs of a machine, the strategy modes only (one rank per GPU, launched by torchrun; the plain loop
+is one GPU, so there is no ratio): tokens/s of the whole job, MFU per GPU::
+
+    torchrun --nproc-per-node=8 benchmarks/gpu_throughput.py --devices 8 --modes strategy,strategy-compiled
+
 CPU smoke test (what ``tests/test_benchmark_gpu.py`` runs; MFU and memory are n/a there)::
 
     python benchmarks/gpu_throughput.py --device cpu --model tiny --steps 3 --json /tmp/out.json
@@ -37,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -118,6 +124,8 @@ class BenchConfig:
     activation_checkpointing: bool = False
     #: ``MiCSStrategy(prefetch_depth=...)``; ``None`` keeps the strategy's default.
     prefetch_depth: Optional[int] = None
+    #: GPUs, one rank each (torchrun ``--nproc-per-node``); more than one runs the strategy modes only.
+    devices: int = 1
     #: With one rank, resharding after forward only re-casts/copies every block again for backward,
     #: which the plain loop never does; ``False`` keeps the comparison about the strategy's overhead.
     reshard_after_forward: bool = False
@@ -135,8 +143,18 @@ class BenchConfig:
             raise ValueError(f"--modes lists a mode twice: {','.join(self.modes)}.")
         if self.device not in DEFAULT_MODES:
             raise ValueError(f"--device must be 'cuda' or 'cpu', got {self.device!r}.")
+        if self.devices < 1 or (self.devices > 1 and (self.device != "cuda" or self._plain_modes)):
+            raise ValueError(
+                f"--devices {self.devices}: more than one device runs only the strategy modes on CUDA (the plain "
+                f"loop is one GPU), e.g. torchrun --nproc-per-node={self.devices} benchmarks/gpu_throughput.py "
+                f"--devices {self.devices} --modes strategy,strategy-compiled"
+            )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}.")
+
+    @property
+    def _plain_modes(self) -> list[str]:
+        return [m for m in self.modes if m in MODES and MODES[m].runner == "plain"]
 
     @property
     def gpt(self) -> GPTConfig:
@@ -148,7 +166,8 @@ class BenchConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro_batch * self.gpt.seq_len
+        """Tokens one optimizer step trains, over all devices (each rank takes its own micro-batch)."""
+        return self.micro_batch * self.gpt.seq_len * self.devices
 
 
 @dataclass
@@ -312,7 +331,7 @@ def train_strategy(cfg: BenchConfig, compiled: bool, window: StepWindow) -> weak
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=cfg.device,
-        devices=1,
+        devices=cfg.devices,
         precision="bf16-mixed",
         max_steps=cfg.total_steps,
         callbacks=[StepWindowCallback(window)],
@@ -322,7 +341,8 @@ def train_strategy(cfg: BenchConfig, compiled: bool, window: StepWindow) -> weak
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        # One rank needs no DistributedSampler, and Lightning's would shuffle: keep the plain loop's batch order.
+        # One rank needs no DistributedSampler, and Lightning's would shuffle: keep the plain loop's batch order
+        # (with --devices > 1 every rank trains the same batches: a throughput measurement, not a training run).
         use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=make_loader(cfg))
@@ -373,7 +393,8 @@ def run_mode(cfg: BenchConfig, mode: Mode, peak_flops: Optional[float]) -> ModeR
         result.seconds = window.seconds
         result.step_time_s = window.seconds / cfg.steps
         result.tokens_per_s = cfg.steps * cfg.tokens_per_step / window.seconds
-        result.mfu = cfg.gpt.flops_per_token * result.tokens_per_s / peak_flops if peak_flops else None
+        per_device = result.tokens_per_s / cfg.devices
+        result.mfu = cfg.gpt.flops_per_token * per_device / peak_flops if peak_flops else None
     elif result.status == "ok":
         result.status, result.detail = "error", "the timing window never closed (fewer steps ran than asked)"
     result.first_loss, result.last_loss = window.first_loss, window.last_loss
@@ -410,7 +431,8 @@ def format_table(cfg: BenchConfig, results: Sequence[ModeResult], ratio: dict[st
     lines = [
         f"GPT {cfg.model}: d_model {gpt.d_model}, {gpt.n_layers} layers, {gpt.n_heads} heads, seq {gpt.seq_len}, "
         f"{gpt.num_params / 1e9:.3f}B params, {gpt.flops_per_token / 1e9:.2f} GFLOP/token; micro-batch "
-        f"{cfg.micro_batch}, bf16, {cfg.steps} timed steps after {cfg.warmup} warm-up, device {cfg.device}",
+        f"{cfg.micro_batch}, bf16, {cfg.steps} timed steps after {cfg.warmup} warm-up, device {cfg.device}"
+        + (f" x {cfg.devices} (tokens/s of the job, MFU per device)" if cfg.devices > 1 else ""),
         header,
         "-" * len(header),
     ]
@@ -465,7 +487,13 @@ def run(cfg: BenchConfig) -> tuple[list[ModeResult], dict[str, Any]]:
     if cfg.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda, but torch sees no CUDA device (use --device cpu for a smoke test).")
-        torch.cuda.set_device(0)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != cfg.devices:
+            raise SystemExit(
+                f"--devices {cfg.devices} but {launched} process(es) were launched: start one per GPU with "
+                f"torchrun --nproc-per-node={cfg.devices} benchmarks/gpu_throughput.py --devices {cfg.devices} ..."
+            )
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     peak_flops = resolve_peak_flops(cfg)
     try:
         results = [run_mode(cfg, MODES[name], peak_flops) for name in cfg.modes]
@@ -484,6 +512,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
     parser.add_argument("--steps", type=int, default=defaults.steps, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps first (>= 1)")
     parser.add_argument("--device", choices=sorted(DEFAULT_MODES), default=defaults.device)
+    parser.add_argument(
+        "--devices", type=int, default=defaults.devices, help="GPUs, one rank each under torchrun (strategy modes only)"
+    )
     parser.add_argument(
         "--modes", default=None, help=f"comma-separated among {','.join(MODES)}; default: all on cuda, eager on cpu"
     )
@@ -505,7 +536,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
         f"{CPU_JSON.name} for a CPU run, so a smoke run never overwrites a GPU measurement)",
     )
     args = parser.parse_args(argv)
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else DEFAULT_MODES[args.device]
+    default_modes = DEFAULT_MODES[args.device] if args.devices == 1 else ("strategy", "strategy-compiled")
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else default_modes
     try:
         cfg = BenchConfig(
             model=args.model,
@@ -513,6 +545,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
             steps=args.steps,
             warmup=args.warmup,
             device=args.device,
+            devices=args.devices,
             modes=modes,
             peak_tflops=args.peak_tflops,
             lr=args.lr,
@@ -530,6 +563,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run, print the table, write the JSON; exit status 1 when a mode failed."""
     cfg, json_path = parse_args(argv)
     results, document = run(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # one table and one JSON per job: rank 0's
+        return 1 if any(r.status == "error" for r in results) else 0
     print(format_table(cfg, results, document["ratios"]))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(document, indent=2) + "\n")

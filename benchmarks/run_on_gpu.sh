@@ -5,7 +5,11 @@
 #   bash benchmarks/run_on_gpu.sh tests   # CUDA-path test + benchmark smoke test   (~3-5 min)
 #   bash benchmarks/run_on_gpu.sh bench   # gpu_throughput.py, all four modes, xl   (~5-8 min)
 #   bash benchmarks/run_on_gpu.sh all     # both (may not fit one 10-minute device command)
+#   bash benchmarks/run_on_gpu.sh multi   # >= 2 GPUs: tests/test_multi_gpu.py (NCCL, world = all GPUs) and
+#                                         # gpu_throughput.py on all GPUs under torchrun, then one table
 #
+# multi refuses to start with fewer than 2 visible GPUs. Its files: multi_tests.log / .xml,
+# multi_benchmark.log, gpu_throughput_multi.json, multi_summary.txt (the table).
 # Extra arguments after the stage go to gpu_throughput.py, e.g. `bench --modes plain,strategy`.
 # Everything lands in $OUT (the device tool copies it back; default ./gpu_out elsewhere):
 # env.txt, tests.log, benchmark.log, gpu_throughput.json. Copy gpu_throughput.json to
@@ -28,8 +32,8 @@ cd "$(dirname "$0")/.."
 
 stage="${1:-all}"
 shift || true
-case "$stage" in tests | bench | all) ;; *)
-    echo "usage: $0 [tests|bench|all] [gpu_throughput.py arguments...]" >&2
+case "$stage" in tests | bench | all | multi) ;; *)
+    echo "usage: $0 [tests|bench|all|multi] [gpu_throughput.py arguments...]" >&2
     exit 2
     ;;
 esac
@@ -55,6 +59,22 @@ EOF
 } 2>&1 | tee "$OUT/env.txt"
 
 status=0
+if [ "$stage" = multi ]; then
+    gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+    if [ "${gpus:-0}" -lt 2 ]; then
+        echo "run_on_gpu.sh multi needs at least 2 visible GPUs; torch sees ${gpus:-0}" \
+            "(CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset}). On one GPU run 'tests' or 'bench' instead." >&2
+        exit 2
+    fi
+    timeout 570 "$PYTHON" -m pytest tests/test_multi_gpu.py -q -rA -p no:cacheprovider \
+        --junitxml="$OUT/multi_tests.xml" 2>&1 | tee "$OUT/multi_tests.log" || status=1
+    timeout 570 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node="$gpus" \
+        benchmarks/gpu_throughput.py --devices "$gpus" --json "$OUT/gpu_throughput_multi.json" "$@" 2>&1 |
+        tee "$OUT/multi_benchmark.log" || status=1
+    "$PYTHON" benchmarks/multi_gpu_summary.py "$OUT/multi_tests.xml" "$OUT/gpu_throughput_multi.json" "$gpus" |
+        tee "$OUT/multi_summary.txt" || status=1
+    exit "$status"
+fi
 if [ "$stage" = tests ] || [ "$stage" = all ]; then
     # -rs lists skips: a skipped CUDA test here means the strategy lacks an option, not "no GPU".
     timeout 540 "$PYTHON" -m pytest tests/test_cuda_path.py tests/test_benchmark_gpu.py -q -rs -p no:cacheprovider 2>&1 |

@@ -62,6 +62,8 @@ def test_both_loops_train_the_same_model_on_the_same_batches(smoke):
         (["--warmup", "0"], "--warmup must be >= 1"),
         (["--modes", "plain,fast"], "Unknown mode"),
         (["--model", "huge"], "Unknown GPT size"),
+        (["--devices", "2", "--modes", "plain,strategy"], "torchrun --nproc-per-node=2"),
+        (["--devices", "2", "--device", "cpu"], "runs only the strategy modes on CUDA"),
     ],
 )
 def test_bad_arguments_are_one_clear_error(argv, message, capsys):
@@ -79,3 +81,44 @@ def test_defaults_are_the_issue_setting():
     # a CPU (smoke) run never lands on the GPU result
     assert gpu_throughput.parse_args(["--device", "cpu"])[1] == REPO / "benchmarks" / "results" / "gpu_throughput_cpu.json"
     assert gpu_throughput.parse_args(["--device", "cpu"])[0].modes == ("plain", "strategy")
+
+
+def test_all_gpus_run_the_strategy_modes_and_count_the_jobs_tokens():
+    """``--devices N`` (``run_on_gpu.sh multi``): strategy modes by default, tokens of all N ranks per step."""
+    cfg, _ = gpu_throughput.parse_args(["--devices", "4"])
+    single, _ = gpu_throughput.parse_args([])
+    assert cfg.modes == ("strategy", "strategy-compiled")
+    assert cfg.tokens_per_step == 4 * single.tokens_per_step
+
+
+def test_multi_stage_refuses_fewer_than_two_gpus(tmp_path):
+    """``run_on_gpu.sh multi`` on a machine without 2 GPUs: one clear message, exit 2, nothing run."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has >= 2 GPUs: the stage would run")
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "benchmarks/run_on_gpu.sh", "multi"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs at least 2 visible GPUs" in done.stderr and not (tmp_path / "multi_tests.log").exists()
+
+
+def test_multi_summary_is_one_table_and_fails_on_a_failed_check(tmp_path):
+    from benchmarks import multi_gpu_summary
+
+    junit = tmp_path / "tests.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase name="a"/><testcase name="b"><failure message="x"/></testcase>'
+        '<testcase name="c"><skipped message="no GPUs"/></testcase></testsuite></testsuites>'
+    )
+    document = tmp_path / "bench.json"
+    result = {"mode": "strategy", "status": "ok", "tokens_per_s": 1234.0, "mfu": 0.5, "peak_memory_bytes": 2**31}
+    document.write_text(json.dumps({"results": [result]}))
+    assert multi_gpu_summary.junit_rows(junit) == [("a", "passed"), ("b", "FAILED"), ("c", "skipped: no GPUs")]
+    assert multi_gpu_summary.benchmark_rows(document) == [
+        ("benchmark strategy", "1,234 tokens/s, MFU 50.0%/GPU, peak 2.0 GiB/GPU")
+    ]
+    assert multi_gpu_summary.main([str(junit), str(document), "2"]) == 1  # b failed
+    assert multi_gpu_summary.main([str(tmp_path / "none.xml"), str(document), "2"]) == 1  # no report

@@ -229,11 +229,10 @@ def assert_matches_reference(
 
 
 #: int8 on the cross-replica hop: every element of a gradient message is within scale / 2 of its
-#: value, scale = absmax of its block of 256 / 127 -- R roundings for R replicas (R - 1 ring hops and
-#: the all-gather), so each averaged gradient element is off by up to ~R / 254 of its block's largest
-#: element (~0.8 % for R = 2). Over 3 clipped SGD steps the parameters ended within 3.3e-3 (R = 2)
-#: and 4.1e-3 (R = 3) of the fp32 reference when this was written; 2e-2 is that bound with a 5x margin,
-#: still 1000x the 1e-5 that exact sums meet.
+#: value, scale = absmax of its block of 256 / 127 -- two roundings, each rank's piece and then the
+#: fp32 sum (the earlier ring re-rounded the partial sum at each of its R - 1 hops). Over 3 clipped SGD
+#: steps the parameters ended within 3.3e-3 (R = 2) and 4.1e-3 (R = 3) of the fp32 reference with the
+#: ring; 2e-2 is that bound with a 5x margin, still 1000x the 1e-5 that exact sums meet.
 INT8_RTOL = 2e-2
 
 
