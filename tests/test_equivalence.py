@@ -158,8 +158,9 @@ def _train_int8(cfg, **strategy_kwargs) -> dict:
 
 
 def _int8_across_three_replicas(rank: int, world: int) -> dict:
-    """Partition 1, three replicas: the int8 ring's pieces travel two hops; and a non-finite gradient
-    element on one rank reaches every rank as NaN (not a finite number) through the same collective."""
+    """Partition 1, three replicas: each rank's int8 pieces go to two others (a group of 3); and a
+    non-finite gradient element on one rank reaches every rank as NaN (not a finite number) through the
+    same collective."""
     import torch.distributed as dist
 
     from lightning_mics.collectives import compressed_all_reduce_
