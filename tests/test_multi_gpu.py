@@ -36,13 +36,13 @@ import torch
 from checkpoint_helpers import NoisyToyModule
 from distributed import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 from toy import (
     INT8_RTOL,
     RunConfig,
     ToyModule,
     assert_compressed_run,
     assert_matches_reference,
-    full_parameters,
     lm_loss,
     trainer_kwargs,
 )
@@ -87,6 +87,16 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 if WORLD >= 4:
     LAYOUTS["hpz"] = {"sharding": ShardingSpec(params=2, grads=4)}
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters, gathered by the job's own backend. ``toy.full_parameters`` gathers CUDA
+    shards through host memory on a CPU mesh (gloo sharing a GPU crashed in ``full_tensor``), which a
+    NCCL-only world cannot do: it has no backend for CPU tensors."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        for name, p in module.named_parameters()
+    }
 
 
 def _trainer(cfg: RunConfig, strategy: MiCSStrategy, **overrides: Any) -> pl.Trainer:
