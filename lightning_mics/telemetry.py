@@ -15,6 +15,11 @@ Communication is counted from the collectives this rank actually issues (through
 
 :func:`analytic_comm_bytes` gives the same numbers from parameter shapes alone, which is how the
 tests check the accounting and how one predicts the traffic of a layout before running it.
+
+The recorder is on only for sampled steps (:class:`~lightning_mics.comm_sampling.CommSampler`: the first two,
+every ``sample_every``-th, and the ones that differ from the pattern); the others report the bytes of the
+last recorded step, flagged ``comm_measured=False``. Always on, its Python call per aten op would cost
+more than the 1 % of step time telemetry may cost (docs/benchmarks.md, "Telemetry cost").
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
+from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.grad_sync import GradAccumulation, local_shard
 from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
@@ -301,6 +307,9 @@ class StepTelemetry:
     #: This rank's training loss over the window (sum of Lightning's accumulation-normalised
     #: micro-batch losses = their mean); ``None`` when ``training_step`` returns no loss.
     loss: Optional[float] = None
+    #: Whether ``comm`` was recorded in this step; ``False``: the bytes of the last recorded step with the
+    #: same layout and accumulation, which every full step repeats (see ``TrainingTelemetry(sample_every=...)``).
+    comm_measured: bool = True
 
 
 def default_tokens_in_batch(batch: Any) -> int:
@@ -316,6 +325,24 @@ def default_tokens_in_batch(batch: Any) -> int:
         f"Cannot count tokens in a batch of type {type(batch).__name__}; pass "
         "TrainingTelemetry(tokens_in_batch=...) a function returning the number of tokens."
     )
+
+
+def _hashable(topology: Optional[MiCSTopology]) -> Any:
+    """The topology as part of a dictionary key: itself where it hashes, else its identity."""
+    try:
+        hash(topology)
+        return topology
+    except TypeError:
+        return id(topology)
+
+
+def _window_may_be_short(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether the accumulation window starting at ``batch_idx`` may end early: fewer batches are left in
+    the epoch than it accumulates, and Lightning steps at the epoch's end. Unknown epoch length: no."""
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int):  # an iterable dataset without a length: inf
+        return False
+    return batches - batch_idx < trainer.accumulate_grad_batches
 
 
 def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
@@ -341,6 +368,10 @@ class TrainingTelemetry(Callback):
         tokens_in_batch: counts a micro-batch's tokens on this rank (default: first tensor's numel).
             Ranks are assumed to see equally many tokens (true with Lightning's distributed sampler).
         prog_bar: show the headline numbers in the progress bar.
+        sample_every: record the collectives of every ``sample_every``-th optimizer step (besides the first
+            two, those after a change of layout or accumulation, after validation and at an epoch's end);
+            the others report the last recorded step's bytes with ``comm_measured=False``. ``1``: record
+            every step, at the cost of a Python call per aten op (several % of a GPU step).
 
     Everything is logged with ``on_step=True`` under ``perf/*`` and ``comm/*`` (bytes) through the
     trainer's loggers; :attr:`steps` keeps the per-step records and :meth:`summary` their means.
@@ -354,6 +385,7 @@ class TrainingTelemetry(Callback):
         flops_per_token: Optional[float] = None,
         tokens_in_batch: Optional[Callable[[Any], int]] = None,
         prog_bar: bool = True,
+        sample_every: int = DEFAULT_SAMPLE_EVERY,
     ) -> None:
         if isinstance(peak_flops, str) and peak_flops != "auto":
             raise ValueError(f"peak_flops must be a number of FLOP/s, 'auto' or None, got {peak_flops!r}.")
@@ -369,6 +401,7 @@ class TrainingTelemetry(Callback):
         self.peak_flops: Optional[float] = None
         self.flops_per_token: Optional[float] = None
         self._recorder: Optional[CollectiveRecorder] = None
+        self._sampler: CommSampler[CommBytes] = CommSampler(sample_every)
         self._window_start: Optional[float] = None
         self._window_tokens = 0
         self._window_micro_steps = 0
@@ -391,7 +424,7 @@ class TrainingTelemetry(Callback):
         self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
         self._last_global_step = trainer.global_step
         self._window_start = None
-        self._recorder = CollectiveRecorder().__enter__()
+        self._sampler.restart()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -414,6 +447,11 @@ class TrainingTelemetry(Callback):
         else:
             self.memory_per_rank = [local]
 
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # FSDP2 leaves the root unit gathered after an evaluation pass: the next step skips its first
+        # all-gather, so it is recorded (and not taken as the pattern).
+        self._sampler.interrupt()
+
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_recording()
 
@@ -431,8 +469,10 @@ class TrainingTelemetry(Callback):
     ) -> None:
         if self._window_start is None:
             self._synchronize()
-            assert self._recorder is not None
-            self._recorder.reset()  # drop what ran between steps (validation, checkpointing)
+            self.topology = _topology_of(trainer.strategy)
+            layout_key = (trainer.accumulate_grad_batches, _hashable(self.topology), self._world_size)
+            if self._sampler.should_record(layout_key, _window_may_be_short(trainer, batch_idx)):
+                self._start_recording()  # entered here: what ran between steps (validation, saves) is not seen
             self._window_start = time.perf_counter()
             self._window_tokens = self._window_micro_steps = 0
             self._window_loss = None
@@ -440,7 +480,7 @@ class TrainingTelemetry(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._window_start is None or self._recorder is None:
+        if self._window_start is None:
             return
         self._window_tokens += self.tokens_in_batch(batch)
         self._window_micro_steps += 1
@@ -453,6 +493,7 @@ class TrainingTelemetry(Callback):
         self._last_global_step = trainer.global_step
         self._synchronize()
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        comm, measured = self._window_comm()
         tokens = self._window_tokens * self._world_size
         tokens_per_s = tokens / elapsed
         mfu = None
@@ -465,12 +506,29 @@ class TrainingTelemetry(Callback):
             tokens=tokens,
             tokens_per_s=tokens_per_s,
             mfu=mfu,
-            comm=classify_calls(self._recorder.calls, self.topology, self._rank),
+            comm=comm,
             loss=float(self._window_loss) if self._window_loss is not None else None,
+            comm_measured=measured,
         )
         self.steps.append(record)
         self._log(pl_module, record)
         self._window_start = None
+
+    def _start_recording(self) -> None:
+        if self._recorder is None:
+            self._recorder = CollectiveRecorder().__enter__()
+        self._recorder.reset()
+
+    def _window_comm(self) -> tuple[CommBytes, bool]:
+        """This step's bytes and whether they were recorded; unrecorded: the sampler's reference."""
+        if self._recorder is None:
+            reference = self._sampler.reference
+            assert reference is not None, "CommSampler records every step until it has a reference"
+            return reference, False
+        comm = classify_calls(self._recorder.calls, self.topology, self._rank)
+        self._stop_recording()
+        self._sampler.recorded(comm)
+        return comm, True
 
     def _log(self, pl_module: pl.LightningModule, record: StepTelemetry) -> None:
         def log(name: str, value: float, prog_bar: bool = False, logger: bool = True) -> None:
@@ -481,6 +539,7 @@ class TrainingTelemetry(Callback):
 
         log("perf/tokens_per_s", record.tokens_per_s, prog_bar=True)
         log("perf/step_time_s", record.step_time_s)
+        log("comm/measured", float(record.comm_measured))
         if record.mfu is not None:
             log("perf/mfu", record.mfu, prog_bar=True)
         for kind, nbytes in record.comm.by_kind.items():

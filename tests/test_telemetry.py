@@ -142,8 +142,9 @@ def test_peak_flops_come_from_lightnings_table_with_dense_h200(monkeypatch: pyte
 
 def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
     results = []
-    for partition_size, grad_accumulation, cross_replica_dtype in LAYOUTS:
-        telemetry = TrainingTelemetry(peak_flops=1e12)
+    for index, (partition_size, grad_accumulation, cross_replica_dtype) in enumerate(LAYOUTS):
+        # the first layout records every step; the others sample (the default: steps 1 and 2 of 3)
+        telemetry = TrainingTelemetry(peak_flops=1e12, **({"sample_every": 1} if index == 0 else {}))
         strategy = MiCSStrategy(
             partition_size=partition_size,
             ranks_per_node=RANKS_PER_NODE,
@@ -190,6 +191,9 @@ def test_recorded_bytes_per_optimizer_step_match_the_analytic_formula(measured, 
         result = rank_results[layout_index]
         expected = result["expected"]
         assert len(result["steps"]) == STEPS
+        # sampled: the third step is not recorded and reports the second's bytes, which it repeats
+        sampled = [True] * STEPS if layout_index == 0 else [True, True] + [False] * (STEPS - 2)
+        assert [step.comm_measured for step in result["steps"]] == sampled
         for step in result["steps"]:
             assert step.micro_steps == ACCUMULATE
             for kind in ("all_gather", "reduce_scatter", "all_reduce"):
