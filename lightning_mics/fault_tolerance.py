@@ -158,6 +158,7 @@ class ReplicaGroup:
         self.options = options
         self.device = device
         self.configuration = configuration or GroupConfiguration(())
+        _forget_earlier_manager()
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         #: torchft's reconfigurable group of this rank index across the quorum's groups (hop 2's wire)
@@ -313,6 +314,21 @@ class ReplicaGroup:
             self.closed = True
             self._watchdog.stop()
             self.manager.shutdown(wait=False)
+
+
+def _forget_earlier_manager() -> None:
+    """Before a second Manager in this world (a second ``fit`` in the same processes): rank 0 deletes the
+    address an earlier one published in the job's store, so that the other ranks wait for the new one
+    instead of connecting to the old, shut-down server. A collective (a barrier of the world)."""
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    if dist.get_rank() == 0:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
+        )
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
 
 
 class LighthouseUnavailable(RuntimeError):

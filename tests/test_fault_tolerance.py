@@ -101,7 +101,16 @@ class ValidatedToyModule(ToyModule):
         return torch.utils.data.DataLoader(make_dataset(16, seed=7), batch_size=2)
 
 
-def _fit_in_group(rank: int, group: int, address: str, wire: Any) -> dict[str, Any]:
+WIRES = (None, "bf16", "int8")
+
+
+def _fit_in_group(rank: int, group: int, address: str) -> dict[Any, dict[str, Any]]:
+    """One fit per hop-2 wire format, one after the other in the same processes (each fit its own torchft
+    Manager: a second Manager in a world must not find the first one's address)."""
+    return {wire: _fit_with_wire(group, address, wire) for wire in WIRES}
+
+
+def _fit_with_wire(group: int, address: str, wire: Any) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_mics.grad_sync import padded_shard_numel
@@ -133,20 +142,23 @@ def _fit_in_group(rank: int, group: int, address: str, wire: Any) -> dict[str, A
     }
 
 
-def _run_two_groups(wire: Any) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module")
+def wire_runs() -> dict[Any, list[dict[str, Any]]]:
+    """2 groups x 2 ranks fit once per wire format; per format, the 4 ranks' results (group 0's first)."""
     with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out_dir:
-        groups = [start_group(g, out_dir, _fit_in_group, address, wire) for g in range(2)]
+        groups = [start_group(g, out_dir, _fit_in_group, address) for g in range(2)]
         for context in groups:
-            wait(context, timeout=240)
-        return read(out_dir, 0) + read(out_dir, 1)
+            wait(context, timeout=400)
+        ranks = read(out_dir, 0) + read(out_dir, 1)
+    return {wire: [results[wire] for results in ranks] for wire in WIRES}
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_two_fault_tolerant_groups_train_like_one_process() -> None:
+@pytest.mark.timeout(450)
+def test_two_fault_tolerant_groups_train_like_one_process(wire_runs) -> None:
     """2 groups x 2 ranks, hop 2 through torchft, accumulation 2: the same parameters as single-process
     training on the 4 ranks' global batches."""
-    results = _run_two_groups(None)
+    results = wire_runs[None]
     assert_matches_reference([result["params"] for result in results], EQUIVALENCE)
     assert all(result["discarded"] == 0 for result in results)
     assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
@@ -156,9 +168,9 @@ def test_two_fault_tolerant_groups_train_like_one_process() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
-def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_identical(wire: str) -> None:
+def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_identical(wire_runs, wire) -> None:
     """bf16: torchft's all-reduce in bf16, 2 bytes an element. int8: each group's blockwise int8 message
     all-gathered, decoded and summed in fp32 -- a quarter of the bytes (plus a scale per block) per message.
     Close to single-process training, not equal to it, and both groups hold the same model."""
@@ -166,7 +178,7 @@ def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_i
 
     from lightning_mics.wire import message_bytes
 
-    results = _run_two_groups(wire)
+    results = wire_runs[wire]
     params = [result["params"] for result in results]
     assert_matches_reference(params, EQUIVALENCE, rtol=1e-2 if wire == "bf16" else INT8_RTOL)
     for rank in range(GROUP_WORLD):  # both groups hold the same model: they got the same average
