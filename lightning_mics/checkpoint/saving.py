@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
-from lightning_mics.checkpoint import atomic, coordination, integrity, rng
+from lightning_mics.checkpoint import atomic, coordination, gloo_reach, integrity, rng
 from lightning_mics.checkpoint.coordination import Group
 from lightning_mics.checkpoint.format import (
     FORMAT_VERSION,
@@ -72,6 +72,7 @@ class AsyncCheckpointSaver:
         """The workers' process group, created on first use (a collective: every rank saves together)."""
         if not self._group_ready:
             if coordination.distributed():
+                gloo_reach.ensure_gloo_reachable()  # across hosts: fail here, not hang in the first save
                 self._group = dist.new_group(backend="gloo", timeout=self.timeout)  # staged states are on CPU
             self._group_ready = True
         return self._group
