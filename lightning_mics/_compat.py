@@ -211,6 +211,13 @@ def set_global_step(trainer: Any, step: int) -> None:
     epoch_loop._batches_that_stepped = step
 
 
+def logging_step(trainer: Any) -> int:
+    """The step Lightning stamps on the metrics it logs during training (batches that stepped an
+    optimizer, before the current one's count is added): telemetry logs straight to the loggers with
+    the same step so its rows line up with ``self.log``'s. The fit loop's counter (lightning 2.0 - 2.6)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
 __all__ = [
     "AllGather",
     "BackwardSyncControl",
@@ -231,6 +238,7 @@ __all__ = [
     "init_dist_connection",
     "load_state_dict_into",
     "local_tensor",
+    "logging_step",
     "optimizers_to_device",
     "post_forward_mesh_info",
     "process_group_count",

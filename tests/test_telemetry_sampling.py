@@ -42,6 +42,14 @@ def test_sampler_records_the_warm_up_every_nth_and_the_steps_that_differ() -> No
         CommSampler(every=0)
 
 
+class _Logger:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, metrics))
+
+
 class _Trainer(SimpleNamespace):
     """What the callback reads of a Lightning trainer."""
 
@@ -49,18 +57,20 @@ class _Trainer(SimpleNamespace):
         super().__init__(
             world_size=1, global_rank=0, global_step=0, precision="32-true", strategy=None,
             num_training_batches=batches, accumulate_grad_batches=accumulate, optimizers=[],
+            loggers=[_Logger()], log_every_n_steps=1, should_stop=False, progress_bar_callback=None,
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=0)),
         )
 
 
 class _Module(SimpleNamespace):
     def __init__(self) -> None:
-        super().__init__(device=torch.device("cpu"), flops_per_token=None, logged={})
+        super().__init__(device=torch.device("cpu"), flops_per_token=None)
 
-    def log(self, name: str, value: float, **kwargs: Any) -> None:
-        self.logged.setdefault(name, []).append(value)
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        raise AssertionError("without a progress bar, telemetry logs straight to the loggers")
 
 
-def _run(telemetry: TrainingTelemetry, steps: int) -> tuple[list[bool], _Module]:
+def _run(telemetry: TrainingTelemetry, steps: int) -> tuple[list[bool], _Logger]:
     """Drive ``steps`` optimizer steps of one micro-batch; a recorded step sees one 8-byte all-reduce."""
     trainer, module = _Trainer(batches=steps), _Module()
     telemetry.on_train_start(trainer, module)  # type: ignore[arg-type]
@@ -72,18 +82,20 @@ def _run(telemetry: TrainingTelemetry, steps: int) -> tuple[list[bool], _Module]
             telemetry._recorder.calls.append(CollectiveCall("all_reduce", (0,), 8, 0))
         trainer.global_step += 1
         telemetry.on_train_batch_end(trainer, module, torch.tensor(1.0), torch.zeros(2, 3), index)  # type: ignore
+        trainer.fit_loop.epoch_loop._batches_that_stepped += 1
     telemetry.teardown(trainer, module, "fit")  # type: ignore[arg-type]
-    return active, module
+    return active, trainer.loggers[0]
 
 
 def test_the_recorder_is_off_the_dispatch_stack_in_unsampled_steps() -> None:
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False, sample_every=3)
-    active, module = _run(telemetry, steps=8)
+    active, logger = _run(telemetry, steps=8)
     # steps 1, 2 (warm-up), 4 and 7 (every 3rd window); with one micro-batch a step is never cut short
     assert active == [True, True, False, True, False, False, True, False]
     assert [s.comm_measured for s in telemetry.steps] == active
     assert {s.comm.by_kind["all_reduce"] for s in telemetry.steps} == {8}  # unrecorded: the pattern's bytes
-    assert module.logged["comm/measured"] == [float(a) for a in active]
+    assert [metrics["comm/measured"] for _, metrics in logger.rows] == [float(a) for a in active]
+    assert [step for step, _ in logger.rows] == list(range(8))  # Lightning's step for self.log's rows
     assert not _recording()
 
 
