@@ -180,6 +180,8 @@ class ReplicaGroup:
                 init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
             )
         except RuntimeError as error:
+            if dist.get_rank() == 0:  # the group's other ranks wait for rank 0's server address: fail them too
+                _job_store().set(_manager_keys()[0], _NO_MANAGER)
             raise LighthouseUnavailable(
                 f"fault tolerance: no Lighthouse answered at {options.lighthouse} within {options.timeout:g} s "
                 f"({error}). Start it before the groups (`torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510`) "
@@ -316,17 +318,30 @@ class ReplicaGroup:
             self.manager.shutdown(wait=False)
 
 
+#: What rank 0 publishes as its Manager's address when it could not start one (the Lighthouse did not answer):
+#: the other ranks then fail to connect within the timeout too, instead of waiting for an address forever.
+_NO_MANAGER = "http://127.0.0.1:1"
+
+
+def _manager_keys() -> tuple[str, str]:
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    return MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+
+def _job_store() -> dist.TCPStore:
+    """The job's store (``MASTER_ADDR``/``MASTER_PORT``), where torchft's Managers publish their address."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         wait_for_workers=False)
+
+
 def _forget_earlier_manager() -> None:
     """Before a second Manager in this world (a second ``fit`` in the same processes): rank 0 deletes the
     address an earlier one published in the job's store, so that the other ranks wait for the new one
     instead of connecting to the old, shut-down server. A collective (a barrier of the world)."""
-    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
-
     if dist.get_rank() == 0:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, wait_for_workers=False
-        )
-        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+        store = _job_store()
+        for key in _manager_keys():
             store.delete_key(key)
     dist.barrier()
 

@@ -91,28 +91,18 @@ def test_configurations_name_what_differs() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ one group
-def _heal_checks(rank: int, world_size: int) -> list[Any]:
-    dist.init_process_group("gloo")
+def _heal_checks() -> list[Any]:
     verdicts: list[Any] = []
     for steps in ([7, 7], [7, 3]):  # healed alike; rank 0 healed to step 7 while rank 1 stayed at 3
         try:
-            check_healed_whole(steps[rank], torch.device("cpu"))
+            check_healed_whole(steps[dist.get_rank()], torch.device("cpu"))
             verdicts.append(None)
         except ReplicaGroupRefused as refused:
             verdicts.append(str(refused))
     return verdicts
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_a_heal_that_reached_only_some_ranks_ends_the_whole_group() -> None:
-    for verdicts in run_ranks(_heal_checks, 2, timeout=100):
-        assert verdicts[0] is None
-        assert verdicts[1] is not None and "steps range from 3 to 7" in verdicts[1] and "stale shard" in verdicts[1]
-
-
-def _lighthouse_trouble(rank: int, world_size: int, lighthouse_pid: int, address: str) -> dict[str, Any]:
-    dist.init_process_group("gloo")
+def _lighthouse_trouble(lighthouse_pid: int, address: str) -> dict[str, Any]:
     cpu = torch.device("cpu")
     outcome: dict[str, Any] = {}
     unreachable = f"http://127.0.0.1:{free_port()}"
@@ -126,7 +116,8 @@ def _lighthouse_trouble(rank: int, world_size: int, lighthouse_pid: int, address
         for _ in range(2):
             group.start_step()
             outcome.setdefault("committed", []).append(group.commit())
-        os.killpg(lighthouse_pid, signal.SIGKILL)  # the Lighthouse stops mid-run
+        if dist.get_rank() == 0:
+            os.killpg(lighthouse_pid, signal.SIGKILL)  # the Lighthouse stops mid-run
         start = time.monotonic()
         try:
             group.start_step()
@@ -137,21 +128,41 @@ def _lighthouse_trouble(rank: int, world_size: int, lighthouse_pid: int, address
     return outcome
 
 
-@pytest.mark.distributed
-@pytest.mark.timeout(120)
-def test_a_lighthouse_that_is_not_there_or_stops_is_one_clear_error_within_the_timeout() -> None:
+def _one_group(rank: int, world_size: int, lighthouse_pid: int, address: str) -> dict[str, Any]:
+    """One group of two ranks: the heal check, then the Lighthouse's absence at start and its death."""
+    dist.init_process_group("gloo")
+    return {"heal": _heal_checks(), **_lighthouse_trouble(lighthouse_pid, address)}
+
+
+@pytest.fixture(scope="module")
+def one_group() -> list[dict[str, Any]]:
     process, address = start_lighthouse(min_replicas=1)
     try:
-        (outcome,) = run_ranks(_lighthouse_trouble, 1, process.pid, address, timeout=100)
+        return run_ranks(_one_group, 2, process.pid, address, timeout=100)
     finally:
         process.kill()
         process.wait(timeout=10)
-    message, seconds, unreachable = outcome["unreachable"]
-    assert unreachable in message and "torchft_lighthouse" in message and seconds < 15
-    assert outcome["committed"] == [True, True]
-    message, seconds = outcome["stopped"]
-    assert address in message and "within 3 s" in message and "ckpt_path='last'" in message
-    assert seconds < 15
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_heal_that_reached_only_some_ranks_ends_the_whole_group(one_group) -> None:
+    for outcome in one_group:
+        verdicts = outcome["heal"]
+        assert verdicts[0] is None
+        assert verdicts[1] is not None and "steps range from 3 to 7" in verdicts[1] and "stale shard" in verdicts[1]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_lighthouse_that_is_not_there_or_stops_is_one_clear_error_within_the_timeout(one_group) -> None:
+    for outcome in one_group:
+        message, seconds, unreachable = outcome["unreachable"]
+        assert unreachable in message and "torchft_lighthouse" in message and seconds < 15
+        assert outcome["committed"] == [True, True]
+        message, seconds = outcome["stopped"]
+        assert "within 3 s" in message and "ckpt_path='last'" in message
+        assert seconds < 15
 
 
 # ------------------------------------------------------------------------------------------------ two groups
