@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,14 @@ from benchmarks.comm_model import (  # noqa: E402
     gpt_fsdp_units,
     gradient_bytes_held_during_accumulation,
 )
-from benchmarks.netns import REPO_ROOT, UPLINK, EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
+from benchmarks.netns import (  # noqa: E402
+    REPO_ROOT,
+    UPLINK,
+    EmulatedCluster,
+    LinkShape,
+    check_prerequisites,
+    prepare_host,
+)
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup, select_strategies  # noqa: E402
 from examples.models import GPTConfig  # noqa: E402
 
@@ -412,19 +418,10 @@ def draw_chart(records: list[dict[str, Any]], path: Path, title: str) -> Optiona
 
 
 # ---------------------------------------------------------------------------------- main
-def _raise_on_signal(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        check_prerequisites()
-    except PrerequisiteError as error:
-        print(f"error: {error}", file=sys.stderr)
+    if not prepare_host(check_prerequisites):  # and teardown runs in `finally` on SIGTERM too, as for Ctrl-C
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)  # teardown runs in `finally`, as for Ctrl-C
     command = "python benchmarks/emulated_cluster.py " + " ".join(sys.argv[1:] if argv is None else argv)
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "

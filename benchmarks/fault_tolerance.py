@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,9 +50,16 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks`, `examples` and `lightning_mics` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.emulated_cluster import _last_error, _raise_on_signal, set_up_network
+from benchmarks.emulated_cluster import _last_error, set_up_network
 from benchmarks.fault_tolerance_worker import Job
-from benchmarks.netns import REPO_ROOT, UPLINK, EmulatedCluster, PrerequisiteError, check_prerequisites
+from benchmarks.netns import (
+    REPO_ROOT,
+    UPLINK,
+    EmulatedCluster,
+    PrerequisiteError,
+    check_prerequisites,
+    prepare_host,
+)
 from benchmarks.scenarios import ClusterShape, TrainingSetup
 from examples.fault_tolerance_demo import kill as sigkill_session
 from examples.models import GPTConfig
@@ -645,13 +651,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        check_host()
-    except PrerequisiteError as error:
-        print(f"error: {error}", file=sys.stderr)
+    if not prepare_host(check_host):  # and teardown runs on SIGTERM too, as for Ctrl-C
         return 2
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _raise_on_signal)  # teardown runs on the way out, as for Ctrl-C
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     try:
         report = benchmark(args)

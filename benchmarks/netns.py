@@ -29,10 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
@@ -45,6 +45,24 @@ DEFAULT_PREFIX = "micsbench"
 
 class PrerequisiteError(RuntimeError):
     """The host cannot run the emulation (not root, missing tools); the message says what to do."""
+
+
+def prepare_host(check: Callable[[], None]) -> bool:
+    """A benchmark's start: ``check`` the host (what is missing goes to stderr as one line; ``False`` then),
+    and let SIGTERM/SIGHUP unwind like Ctrl-C, so that the benchmark's teardown (namespaces, processes)
+    runs whichever way it is stopped."""
+    try:
+        check()
+    except PrerequisiteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return False
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_on_signal)
+    return True
+
+
+def _raise_on_signal(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def check_prerequisites(euid: Optional[int] = None, which=shutil.which) -> None:  # noqa: ANN001 (injectable)
