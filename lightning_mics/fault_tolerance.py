@@ -202,6 +202,8 @@ class ReplicaGroup:
         self._watchdog.kick()
         try:
             self.manager.start_quorum()
+        except ReplicaGroupRefused:
+            raise  # the heal refused the live groups' state (another configuration): that error, as it is
         except (TimeoutError, RuntimeError) as error:
             raise LighthouseUnavailable(
                 f"fault tolerance: no quorum from the Lighthouse at {self.options.lighthouse} within "

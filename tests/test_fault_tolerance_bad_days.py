@@ -206,3 +206,17 @@ def test_a_group_started_differently_is_refused_at_the_first_quorum_and_its_fixe
     assert results[0]["discarded"] >= 1 and results[GROUP_WORLD]["discarded"] == 0
     for rank in range(GROUP_WORLD):
         assert results[rank]["digest"] == results[GROUP_WORLD + rank]["digest"]
+
+
+def test_a_heal_refused_for_another_configuration_is_that_error_not_a_lighthouse_one() -> None:
+    """The heal runs inside torchft's quorum call: its refusal must come out as itself."""
+
+    class RefusingManager:
+        def start_quorum(self) -> None:
+            raise ReplicaGroupRefused("fault tolerance: replica group 1 cannot heal from the live groups")
+
+    group = ReplicaGroup.__new__(ReplicaGroup)  # no Manager, no Lighthouse: only start_step's error path
+    group.manager, group.options = RefusingManager(), FaultTolerance("http://h:1", 1, 2)
+    group._watchdog = type("Idle", (), {"kick": lambda self: None})()
+    with pytest.raises(ReplicaGroupRefused, match="cannot heal from the live groups"):
+        group.start_step()
