@@ -17,13 +17,3 @@ def _restore_environment():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
-
-
-@pytest.fixture(scope="session")
-def four_rank_collective_runs() -> list:
-    """One 4-rank spawn for the collectives' arithmetic checks of test_compressed_hop.py and
-    test_hierarchical_avg.py (process start-up dominates their cost): per rank, ``{"hop": ..., "avg": ...}``."""
-    from collective_runs import run_both
-    from distributed import run_ranks
-
-    return run_ranks(run_both, 4, timeout=300)

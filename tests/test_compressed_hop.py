@@ -22,6 +22,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 
 from lightning_mics import collectives, wire
 from lightning_mics._compat import TorchDispatchMode
@@ -113,9 +114,8 @@ def _run(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(four_rank_collective_runs: list[dict]) -> list[dict]:
-    """This file's part of the shared 4-rank spawn (conftest.py); ``_run`` is what each rank runs."""
-    return [rank["hop"] for rank in four_rank_collective_runs]
+def runs() -> list[dict]:
+    return run_ranks(_run, WORLD, timeout=240)
 
 
 @pytest.mark.timeout(300)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from toy import RunConfig, ToyModule, assert_matches_reference, fit_with_mics, full_parameters
 
 from lightning_mics import layout as layout_module
@@ -96,9 +97,8 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(four_rank_collective_runs: list[dict]) -> list[dict]:
-    """This file's part of the shared 4-rank spawn (conftest.py); ``_run`` is what each rank runs."""
-    return [rank["avg"] for rank in four_rank_collective_runs]
+def runs() -> list[dict]:
+    return run_ranks(_run, WORLD, timeout=240)
 
 
 @pytest.mark.timeout(300)
