@@ -178,7 +178,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         if self._optimizers:
             raise ValueError(_FT_ONE_MODEL)
         (module,) = list(self._modules)
-        state_fn, load_fn = ft.module_state_hooks(module, optimizer)
+        state_fn, load_fn = ft.state_hooks(module, [optimizer])
         run = ft.run_configuration(self.precision.precision, 0, module, [optimizer])
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 

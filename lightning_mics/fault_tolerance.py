@@ -651,30 +651,31 @@ def load_training_state(
     set_global_step(state["global_step"])
 
 
+def state_hooks(
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    schedulers: Sequence[Any] = (),
+    global_step: Callable[[], int] = lambda: 0,
+    set_global_step: Callable[[int], None] = lambda step: None,
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """What this group serves to a joining one and how it heals: the model, the optimizers (states and
+    hyper-parameters), the schedulers and the step count -- a Fabric loop has neither of the last two (its
+    counters follow torchft's committed step)."""
+    model_state = module.state_dict()  # sharded now
+    return (
+        lambda: training_state(model_state, optimizers, schedulers, global_step()),
+        lambda state: load_training_state(state, model_state, optimizers, schedulers, set_global_step),
+    )
+
+
 def trainer_state_hooks(
     trainer: Any, module: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]
 ) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], CommittedStepCounters]:
-    """For a Lightning Trainer: what this group serves to a joining one, how it heals, and its step counters
-    kept to committed steps."""
+    """For a Lightning Trainer: :func:`state_hooks` with its step count, and its step counters kept to
+    committed steps."""
 
     def set_global_step(step: int) -> None:
         compat.set_global_step(trainer, step)
 
-    model_state = module.state_dict()  # sharded now
-    return (
-        lambda: training_state(model_state, optimizers, schedulers, trainer.global_step),
-        lambda state: load_training_state(state, model_state, optimizers, schedulers, set_global_step),
-        CommittedStepCounters(trainer, optimizers, schedulers, set_global_step),
-    )
-
-
-def module_state_hooks(
-    module: nn.Module, optimizer: Optimizer
-) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
-    """For a Fabric loop: what this group serves to a joining one and how it heals -- the model and the
-    optimizer (states and hyper-parameters); the loop's own counters follow torchft's committed step."""
-    model_state = module.state_dict()  # sharded now
-    return (
-        lambda: training_state(model_state, [optimizer], [], 0),
-        lambda state: load_training_state(state, model_state, [optimizer], [], lambda step: None),
-    )
+    state_fn, load_fn = state_hooks(module, optimizers, schedulers, lambda: trainer.global_step, set_global_step)
+    return state_fn, load_fn, CommittedStepCounters(trainer, optimizers, schedulers, set_global_step)
