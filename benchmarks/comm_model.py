@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Optional
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -275,6 +275,14 @@ def step_collectives(
 def expected_step_bytes(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup) -> WireBytes:
     """Inter-node and loopback bytes of one optimizer step of ``spec`` under gloo (module docstring)."""
     return total_wire_bytes(step_collectives(spec, cluster, setup), cluster)
+
+
+def expected_inter_node_bytes_per_node(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup) -> float:
+    """Inter-node bytes one node sends per optimizer step (every node sends the same share: the rings
+    here are symmetric across nodes). What weak scaling compares as nodes are added: for a one-node
+    partition, the boundary all-reduce across ``N`` replicas sends ``2 (N - 1) / N`` of the node's
+    gradient shard (gloo's ring), so it grows towards twice the shard, not without bound."""
+    return expected_step_bytes(spec, cluster, setup).inter_node / cluster.num_nodes
 
 
 def gradient_bytes_held_during_accumulation(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup) -> int:

@@ -10,8 +10,9 @@ What is measured, per optimizer step (the window from one optimizer step to the 
   slowest rank's time); the median over the measured steps is reported;
 * **inter-node bytes** -- the growth of the ``uplink`` veth's ``tx_bytes`` kernel counter
   (``/sys/class/net/uplink/statistics``), read by local rank 0 of every node at the same
-  boundaries and summed over nodes: every byte that leaves a node is counted once. ``lo``'s
-  ``tx_bytes`` gives the node-local (loopback) bytes the same way;
+  boundaries and summed over nodes: every byte that leaves a node is counted once. Each node's
+  ``tx_bytes`` and ``rx_bytes`` are kept too (per node, per direction: the wire floor is set by the
+  busiest shaped direction). ``lo``'s ``tx_bytes`` gives the node-local (loopback) bytes the same way;
 * **peak memory** -- ``ru_maxrss`` of each rank process (resident-set high-water mark: the Python
   interpreter, torch and Lightning included; ``import_rss_bytes`` is the same before the model
   exists), and the model-state bytes each rank holds at the end;
@@ -48,10 +49,10 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa:
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
-from lightning_mics import MiCSStrategy, ShardingSpec  # noqa: E402
-from lightning_mics.planner import live  # noqa: E402
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
 from examples.models.gpt import Block  # noqa: E402
+from lightning_mics import MiCSStrategy, ShardingSpec  # noqa: E402
+from lightning_mics.planner import live  # noqa: E402
 from lightning_mics.telemetry import model_state_bytes  # noqa: E402
 
 UPLINK = "uplink"
@@ -128,8 +129,15 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
 
 
 # ---------------------------------------------------------------------------------- measuring
-def _counter(ifname: str) -> int:
-    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+def _counter(ifname: str, direction: str = "tx") -> int:
+    return int(Path(f"/sys/class/net/{ifname}/statistics/{direction}_bytes").read_text())
+
+
+def _counters() -> dict[str, float]:
+    """Time and the byte counters at a step boundary: the uplink in both directions (each is its own
+    tbf-shaped queue, so the wire floor needs the busier one) and loopback."""
+    return {"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "uplink_rx": _counter(UPLINK, "rx"),
+            "lo_tx": _counter("lo")}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -171,12 +179,14 @@ class StepProbe(Callback):
 
     def _mark(self, trainer: pl.Trainer) -> None:
         trainer.strategy.barrier()
-        self.boundaries.append({"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "lo_tx": _counter("lo")})
+        self.boundaries.append(_counters())
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_global_step = trainer.global_step
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self.boundaries:
             self._mark(trainer)
 
@@ -192,6 +202,16 @@ class StepProbe(Callback):
             self._last_global_step = trainer.global_step
             self._micro_step = 0
             self._mark(trainer)
+
+
+def per_node_means(node_leaders: list[dict[str, Any]], counter: str, warmup_steps: int) -> list[float]:
+    """Each node's mean growth of ``counter`` per measured step, in node order: the wire floor needs
+    the busiest node's uplink, which the sum over nodes hides when traffic is not symmetric."""
+    means = []
+    for leader in sorted(node_leaders, key=lambda r: r["rank"]):
+        values = [b[counter] for b in leader["boundaries"]][warmup_steps:]
+        means.append((values[-1] - values[0]) / max(len(values) - 1, 1))
+    return means
 
 
 def summarize(
@@ -235,6 +255,9 @@ def summarize(
         "tokens_per_s": tokens_per_step / step_time,
         "inter_node_bytes_per_step": statistics.mean(inter),
         "inter_node_bytes_per_step_each": inter,
+        # per node (node order), mean per measured step: what leaves (tx) and enters (rx) each uplink
+        "inter_node_tx_bytes_per_step_per_node": per_node_means(node_leaders, "uplink_tx", setup.warmup_steps),
+        "inter_node_rx_bytes_per_step_per_node": per_node_means(node_leaders, "uplink_rx", setup.warmup_steps),
         "loopback_bytes_per_step": statistics.mean(loopback),
         "peak_mem_bytes": max(r["peak_rss_bytes"] for r in per_rank),
         "peak_mem_bytes_per_rank": [r["peak_rss_bytes"] for r in per_rank],
@@ -248,7 +271,7 @@ def summarize(
 def _mark(boundaries: list[dict[str, float]]) -> None:
     """:meth:`StepProbe._mark` without a Trainer: barrier, then time and counters."""
     dist.barrier()
-    boundaries.append({"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "lo_tx": _counter("lo")})
+    boundaries.append(_counters())
 
 
 def run_deepspeed(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:

@@ -20,7 +20,8 @@ Family = Literal["mics", "fsdp1", "ddp", "deepspeed"]
 
 @dataclass(frozen=True)
 class ClusterShape:
-    """``num_nodes`` emulated nodes with ``ranks_per_node`` ranks each; rank ``r`` lives on node ``r // ranks_per_node``."""
+    """``num_nodes`` emulated nodes with ``ranks_per_node`` ranks each; rank ``r`` lives on node
+    ``r // ranks_per_node``."""
 
     num_nodes: int
     ranks_per_node: int
@@ -146,7 +147,8 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                      description="Lightning FSDPStrategy HYBRID_SHARD, shard group = one node"),
         StrategySpec("fsdp-full", "fsdp1", world, sharding_strategy="FULL_SHARD",
                      description="Lightning FSDPStrategy FULL_SHARD (shard over all ranks)"),
-        StrategySpec("ddp", "ddp", 1, description="Lightning DDPStrategy (gradient buckets, no_sync while accumulating)"),
+        StrategySpec("ddp", "ddp", 1,
+                     description="Lightning DDPStrategy (gradient buckets, no_sync while accumulating)"),
         StrategySpec("deepspeed-mics", "deepspeed", m,
                      description="DeepSpeed 0.19.2's own MiCS: ZeRO-3, mics_shard_size = one node (skipped "
                                  "unless the [peers] extra is installed)"),
