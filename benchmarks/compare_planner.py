@@ -2,6 +2,8 @@
 
     /work/venv/bin/python benchmarks/compare_planner.py [--results benchmarks/results/emulated_cluster.json]
         [--compute-flops 2e9] [--latency 100us] [--overlap 0] [--markdown]
+    /work/venv/bin/python benchmarks/compare_planner.py --results benchmarks/results/scaling/scaling.json
+        [--fit-compute]
 
 Reads the benchmark's JSON (``network``, ``cluster``, ``setup`` and ``results``), describes the
 emulated cluster to :mod:`lightning_mics.planner` and prints, for every strategy, the predicted
@@ -15,10 +17,18 @@ What is taken from the JSON:
 * model and batch -- ``setup.model`` (a GPTConfig), ``setup.micro_batch``, ``setup.accumulate``,
   ``setup.model_params``; precision ``32-true`` unless ``setup.precision`` says otherwise;
 * compute -- ``setup.compute_flops_per_rank`` (or ``network.compute_flops_per_rank``) when the
-  benchmark recorded it, else ``--compute-flops``; the link latency -- ``network.intra_node_latency_s``
+  benchmark recorded it, else ``--compute-flops`` (or ``--fit-compute``), else with
+  ``--calibrated-compute`` the rate the ``mics-auto`` rows' live calibration measured
+  (:func:`measured_compute`; the scaling report's "calibrated" prediction); the link latency --
+  ``network.intra_node_latency_s``
   / ``inter_node_latency_s`` when recorded, else the latencies that the ``mics-auto`` rows' live
   calibration measured on the same cluster in the same run (:func:`lightning_mics.planner.calibrate_cluster`,
   the slowest of those rows), else ``--latency``.
+
+A ``--scaling`` report (``scaling.json``: one such report per node count under ``points``) is compared
+point by point (:func:`compare_scaling`): every (nodes, strategy) gets its prediction and error, and
+``--fit-compute`` fits one compute rate per node count (the host's cores are shared by more ranks
+as nodes are added, so a rank's compute rate is a property of the point, like its loopback rate).
 
 CPU ranks share cores with gloo's communication threads, so overlap defaults to 0.
 FSDP1 rows (``family == "fsdp1"``) are modelled with one reduce-scatter per optimizer step
@@ -46,8 +56,8 @@ from lightning_mics.planner import (  # noqa: E402
     TrainingSpec,
     estimate,
     parse_flops,
-    plan,
     parse_seconds,
+    plan,
 )
 from lightning_mics.wire import WIRE_FORMATS  # noqa: E402
 
@@ -60,15 +70,20 @@ class MissingInput(RuntimeError):
 
 
 def load_report(path: Path) -> dict[str, Any]:
+    """The benchmark's JSON: one run's report, or a ``--scaling`` report (its ``points`` are checked)."""
     if not path.exists():
         raise MissingInput(
             f"{path} does not exist yet. Run the emulated-cluster benchmark first "
-            f"(sudo /work/venv/bin/python benchmarks/emulated_cluster.py [--quick]), or pass --results PATH."
+            "(sudo /work/venv/bin/python benchmarks/emulated_cluster.py [--quick] [--scaling]), "
+            "or pass --results PATH."
         )
     report = json.loads(path.read_text())
-    for key in ("network", "cluster", "setup", "results"):
-        if key not in report:
-            raise MissingInput(f"{path} has no '{key}' section; it was not written by benchmarks/emulated_cluster.py.")
+    for point in report["points"] if "points" in report else [report]:
+        for key in ("network", "cluster", "setup", "results"):
+            if key not in point:
+                raise MissingInput(
+                    f"{path} has no '{key}' section; it was not written by benchmarks/emulated_cluster.py."
+                )
     return report
 
 
@@ -88,14 +103,28 @@ def measured_latency(report: dict[str, Any], scope: str) -> Optional[float]:
     return max(values) if values else None
 
 
+def measured_compute(report: dict[str, Any]) -> Optional[float]:
+    """The compute rate per rank that the planned rows' live calibration measured in this run (the
+    slowest, as the slowest rank sets a step's pace), or ``None`` when no planned row recorded one."""
+    values = [
+        r["planner_cluster_spec"]["compute_flops"]
+        for r in report["results"]
+        if r.get("status") == "ok" and (r.get("planner_cluster_spec") or {}).get("compute_flops")
+    ]
+    return min(values) if values else None
+
+
 def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> ClusterSpec:
     network, shape, setup = report["network"], report["cluster"], report["setup"]
     ranks_per_node = int(shape["ranks_per_node"])
-    compute = _first(setup.get("compute_flops_per_rank"), network.get("compute_flops_per_rank"), args.compute_flops)
+    calibrated = measured_compute(report) if getattr(args, "calibrated_compute", False) else None
+    compute = _first(setup.get("compute_flops_per_rank"), network.get("compute_flops_per_rank"), args.compute_flops,
+                     calibrated)
     if compute is None:
         raise MissingInput(
             "The benchmark JSON records no compute rate (setup.compute_flops_per_rank) -- pass --compute-flops "
-            "(achieved FLOP/s of one rank while all ranks of a node compute, e.g. 2e9), or --fit-compute."
+            "(achieved FLOP/s of one rank while all ranks of a node compute, e.g. 2e9), or --fit-compute, or "
+            "--calibrated-compute (needs an ok mics-auto row)."
         )
     intra_latency = _first(network.get("intra_node_latency_s"), measured_latency(report, "intra_node"), args.latency)
     inter_latency = _first(network.get("inter_node_latency_s"), measured_latency(report, "inter_node"), args.latency)
@@ -104,7 +133,9 @@ def cluster_from_report(report: dict[str, Any], args: argparse.Namespace) -> Clu
         gpus_per_node=ranks_per_node,
         gpu_memory_bytes=float(1 << 50),  # host memory: every layout fits
         intra_node_bandwidth=network["loopback_per_node_bytes_per_s"] / ranks_per_node,
-        inter_node_bandwidth=_first(network.get("inter_node_measured_bytes_per_s"), network["inter_node_rate_bytes_per_s"]),
+        inter_node_bandwidth=_first(
+            network.get("inter_node_measured_bytes_per_s"), network["inter_node_rate_bytes_per_s"]
+        ),
         compute_flops=compute,
         intra_node_latency=intra_latency,
         inter_node_latency=inter_latency,
@@ -184,12 +215,33 @@ def compare(report: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict
                 "step_time_error": predicted.step_time_s / measured - 1,
                 # the benchmark sums the uplink counters over nodes; the planner reports per node
                 "predicted_inter_node_bytes": predicted.inter_node_bytes * cluster.nodes,
+                "predicted_inter_node_bytes_per_node": predicted.inter_node_bytes,
                 "measured_inter_node_bytes": record.get("inter_node_bytes_per_step"),
                 "predicted_exposed_comm_s": predicted.exposed_comm_s,
                 "predicted_compute_s": predicted.compute_s,
             }
         )
     return rows, cluster
+
+
+def compare_scaling(
+    report: dict[str, Any], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[ClusterSpec]]:
+    """:func:`compare` at every point of a ``--scaling`` report: one row per (nodes, strategy), and
+    each point's cluster. ``--fit-compute`` fits each point's compute rate on its own rows."""
+    given, rows, clusters = args.compute_flops, [], []
+    try:
+        for point in report["points"]:
+            args.compute_flops = given  # a fitted rate belongs to its point
+            point_rows, cluster = compare(point, args)
+            clusters.append(cluster)
+            choice = planner_choice(point, cluster)
+            for row in point_rows:
+                rows.append({"nodes": cluster.nodes, **row, "compute_flops": cluster.compute_flops,
+                             "planner_choice": choice["layout"]})
+    finally:
+        args.compute_flops = given
+    return rows, clusters
 
 
 def planner_choice(report: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
@@ -239,16 +291,21 @@ def format_choice(choice: dict[str, Any]) -> str:
 
 
 def format_rows(rows: list[dict[str, Any]], markdown: bool) -> str:
-    header = ["strategy", "predicted step s", "measured step s", "error", "within 20%", "pred. inter-node MB", "meas. inter-node MB"]
-    lines = []
+    """The comparison table (text or Markdown); rows of a ``--scaling`` report get a ``nodes`` column."""
+    scaling = any("nodes" in row for row in rows)
+    header = ["strategy", "predicted step s", "measured step s", "error", "within 20%", "pred. inter-node MB",
+              "meas. inter-node MB"]
+    header = (["nodes"] if scaling else []) + header
     table = [header]
     for row in rows:
+        lead = [str(row.get("nodes", "-"))] if scaling else []
         if row["status"] != "ok":
-            table.append([str(row["strategy"]), "-", "-", "-", str(row["status"]), "-", "-"])
+            table.append(lead + [str(row["strategy"]), "-", "-", "-", str(row["status"]), "-", "-"])
             continue
         measured_bytes = row["measured_inter_node_bytes"]
         table.append(
-            [
+            lead
+            + [
                 row["strategy"],
                 f"{row['predicted_step_time_s']:.3f}",
                 f"{row['measured_step_time_s']:.3f}",
@@ -259,28 +316,67 @@ def format_rows(rows: list[dict[str, Any]], markdown: bool) -> str:
             ]
         )
     if markdown:
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "|".join("---" for _ in header) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in table[1:]]
-    else:
-        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
-    return "\n".join(lines)
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
+                          *("| " + " | ".join(r) + " |" for r in table[1:])])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS,
+                        help="emulated_cluster.json, or a --scaling run's scaling.json")
     parser.add_argument("--compute-flops", type=parse_flops, help="achieved FLOP/s per rank, e.g. 2e9 or 2GFLOPS")
-    parser.add_argument("--fit-compute", action="store_true", help="fit one shared compute rate to the rows")
+    parser.add_argument("--fit-compute", action="store_true",
+                        help="fit one shared compute rate to the rows (of each node count, for a scaling report)")
+    parser.add_argument("--calibrated-compute", action="store_true",
+                        help="the compute rate the mics-auto rows' live calibration measured (fitted to nothing)")
     parser.add_argument("--latency", type=parse_seconds, default=parse_seconds("100us"),
                         help="per ring step, both scopes, when the JSON records none (default 100us: gloo over TCP)")
     parser.add_argument("--overlap", type=float, default=0.0, help="fraction of compute hiding communication (CPU: 0)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _compute_source(args: argparse.Namespace) -> str:
+    if args.fit_compute:
+        return " (fitted)"
+    return " (live calibration)" if args.calibrated_compute and args.compute_flops is None else ""
+
+
+def describe_cluster(cluster: ClusterSpec, report: dict[str, Any], args: argparse.Namespace) -> str:
+    measured = measured_latency(report, "inter_node") is not None
+    return (
+        f"emulated cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks, intra "
+        f"{cluster.intra_node_bandwidth / 1e6:,.0f} MB/s per rank, inter {cluster.inter_node_bandwidth / 1e6:,.0f} "
+        f"MB/s per node, compute {cluster.compute_flops / 1e9:.2f} GFLOP/s per rank{_compute_source(args)}, "
+        f"latency {cluster.intra_node_latency * 1e6:,.0f} / {cluster.inter_node_latency * 1e6:,.0f} us (intra / inter"
+        f"{', measured by the planned rows' if measured else ''}), overlap {cluster.overlap:g}"
+    )
+
+
+def main_scaling(report: dict[str, Any], args: argparse.Namespace) -> int:
+    """Predicted against measured at every (nodes, strategy) point of a ``--scaling`` report."""
+    rows, clusters = compare_scaling(report, args)
+    if args.json:
+        print(json.dumps({"clusters": [c.__dict__ for c in clusters], "rows": rows}, indent=2))
+        return 0
+    for point, cluster in zip(report["points"], clusters):
+        print(describe_cluster(cluster, point, args))
+    print(format_rows(rows, args.markdown))
+    ok = [r for r in rows if r["status"] == "ok"]
+    within = sum(abs(r["step_time_error"]) <= TARGET for r in ok)
+    print(f"\n{within}/{len(ok)} (nodes, strategy) points within +-{TARGET:.0%} of the measured step time.")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         report = load_report(args.results)
+        if "points" in report:
+            return main_scaling(report, args)
         rows, cluster = compare(report, args)
     except MissingInput as error:
         print(f"compare_planner: {error}", file=sys.stderr)
@@ -289,14 +385,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         print(json.dumps({"cluster": cluster.__dict__, "rows": rows, "planner_choice": choice}, indent=2))
         return 0
-    print(
-        f"emulated cluster: {cluster.nodes} nodes x {cluster.gpus_per_node} ranks, intra {cluster.intra_node_bandwidth / 1e6:,.0f} "
-        f"MB/s per rank, inter {cluster.inter_node_bandwidth / 1e6:,.0f} MB/s per node, compute "
-        f"{cluster.compute_flops / 1e9:.2f} GFLOP/s per rank{' (fitted)' if args.fit_compute else ''}, "
-        f"latency {cluster.intra_node_latency * 1e6:,.0f} / {cluster.inter_node_latency * 1e6:,.0f} us (intra / inter"
-        f"{', measured by the planned rows' if measured_latency(report, 'inter_node') is not None else ''}), "
-        f"overlap {cluster.overlap:g}"
-    )
+    print(describe_cluster(cluster, report, args))
     print(format_rows(rows, args.markdown))
     ok = [r for r in rows if r["status"] == "ok"]
     within = sum(abs(r["step_time_error"]) <= TARGET for r in ok)

@@ -3,14 +3,18 @@ shaped "nodes" made of network namespaces.
 
     sudo "$(command -v python)" benchmarks/emulated_cluster.py            # default: 2 nodes x 4 ranks
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --scaling  # 2, 3, 4 nodes x 2 ranks (weak scaling)
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
 throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
 MiCS paper) and measure that too; then train the same GPT under every strategy
 (:mod:`benchmarks.emulated_worker`, one process per rank inside its node's namespace), compare the
 measured inter-node bytes with :mod:`benchmarks.comm_model`, print a table and write
-``benchmarks/results/emulated_cluster.json`` and ``.png``. Namespaces, links and rank processes
-are removed on every exit path (errors and Ctrl-C included).
+``benchmarks/results/emulated_cluster.json`` and ``.png``. Every row also gets its *wire floor*: the
+busiest node uplink direction's bytes per step over the measured link rate, the time the shaped link
+alone needs (:func:`add_wire_floor`). ``--scaling`` repeats the run at several node counts with the
+same per-rank batch (:mod:`benchmarks.scaling`). Namespaces, links and rank processes are removed on
+every exit path (errors and Ctrl-C included).
 """
 
 from __future__ import annotations
@@ -47,6 +51,17 @@ from benchmarks.netns import (  # noqa: E402
     check_prerequisites,
     prepare_host,
 )
+from benchmarks.scaling import (  # noqa: E402
+    DEFAULT_SCALING_NODES,
+    SCALING_RANKS_PER_NODE,
+    SCALING_STRATEGIES,
+    build_scaling_report,
+    draw_scaling,
+    format_scaling_table,
+    link_rate,
+    parse_node_list,
+    point_predictions,
+)
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup, select_strategies  # noqa: E402
 from examples.models import GPTConfig  # noqa: E402
 
@@ -75,12 +90,21 @@ QUICK = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=1, me
                probe_seconds=1.0, run_timeout_s=150)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its defaults that depend on --quick / --scaling are resolved in :func:`parse_args`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps: finishes in < 5 minutes")
-    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
-    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
-    parser.add_argument("--strategies", help="comma-separated subset of the strategy names (default: all)")
+    parser.add_argument("--nodes", type=int, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=int,
+                        help=f"ranks per node (default 4; with --scaling {SCALING_RANKS_PER_NODE})")
+    parser.add_argument("--strategies", help="comma-separated subset of the strategy names (default: all; with "
+                                             f"--scaling: {','.join(SCALING_STRATEGIES)})")
+    parser.add_argument("--scaling", action="store_true",
+                        help="weak scaling: run the strategies at every node count of --scaling-nodes with the same "
+                             "per-rank micro-batch and accumulation; writes scaling.json and scaling.png")
+    parser.add_argument("--scaling-nodes", type=_node_list_arg,
+                        help="node counts for --scaling, comma-separated (default "
+                             f"{','.join(map(str, DEFAULT_SCALING_NODES))})")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step (default 4)")
     parser.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per rank (default 1)")
     parser.add_argument("--d-model", type=int, help="model width (default: 512, quick: 256)")
@@ -96,15 +120,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "nodes at once (default), or raw TCP streams (an upper bound gloo ranks never reach)")
     parser.add_argument("--inter-node-mbps", type=float,
                         help="inter-node rate in MB/s (10^6 bytes/s per direction), instead of the ratio")
-    parser.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000, cloud jumbo frames)")
+    parser.add_argument("--mtu", type=int, default=9000,
+                        help="MTU of the node links (default 9000, cloud jumbo frames)")
     parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
+    parser.add_argument("--output-dir", type=Path, help="where the JSON and PNG go (default: benchmarks/results, "
+                                                        "with --scaling benchmarks/results/scaling)")
     parser.add_argument(
         "--profile-dir",
         type=Path,
         help="sample rank 0 of every strategy with py-spy (pip install py-spy) into DIR/<strategy>.txt "
-        "(collapsed stacks, with idle time); summarise with benchmarks/profile_breakdown.py",
+        "(collapsed stacks, with idle time; with --scaling DIR/nodes<N>/); summarise with "
+        "benchmarks/profile_breakdown.py",
     )
+    return parser
+
+
+def _node_list_arg(text: str) -> tuple[int, ...]:
+    """``--scaling-nodes`` as argparse wants it: a bad list is reported with our message, not argparse's."""
+    try:
+        return parse_node_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
@@ -113,12 +153,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.probe_seconds = preset.probe_seconds
+    args.fixed_rate_bytes_per_s = None  # set between the points of a --scaling run
     if args.bandwidth_ratio <= 0:
         parser.error(f"--bandwidth-ratio must be positive, got {args.bandwidth_ratio}.")
     if args.inter_node_mbps is not None and args.inter_node_mbps <= 0:
         parser.error(f"--inter-node-mbps must be positive, got {args.inter_node_mbps}.")
     try:
-        args.cluster = ClusterShape(args.nodes, args.ranks_per_node)
+        _resolve_mode(args)
         args.setup = TrainingSetup(
             model=GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads),
             micro_batch=args.micro_batch,
@@ -126,12 +167,36 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             warmup_steps=args.warmup_steps,
             measured_steps=args.steps,
         )
-        args.setup.check_corpus(args.cluster)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
-        args.specs = select_strategies(args.cluster, names)
+        if args.scaling and names is None:
+            names = list(SCALING_STRATEGIES)
+        args.points = []
+        for nodes in args.node_counts:  # every node count must run every named strategy
+            shape = ClusterShape(nodes, args.ranks_per_node)
+            args.setup.check_corpus(shape)
+            args.points.append((shape, select_strategies(shape, names)))
     except ValueError as error:
         parser.error(str(error))
+    args.cluster, args.specs = args.points[0]  # the single run's (or the first scaling point's)
     return args
+
+
+def _resolve_mode(args: argparse.Namespace) -> None:
+    """The node counts, ranks per node and output folder of a single run or a ``--scaling`` run."""
+    if not args.scaling:
+        if args.scaling_nodes is not None:
+            raise ValueError("--scaling-nodes only applies with --scaling: add --scaling, "
+                             "or use --nodes N for one run.")
+        args.node_counts = (2 if args.nodes is None else args.nodes,)
+        args.ranks_per_node = 4 if args.ranks_per_node is None else args.ranks_per_node
+        args.output_dir = RESULTS_DIR if args.output_dir is None else args.output_dir
+        return
+    if args.nodes is not None:
+        raise ValueError("--nodes and --scaling exclude each other: give the node counts with --scaling-nodes, "
+                         f"e.g. --scaling-nodes {','.join(map(str, DEFAULT_SCALING_NODES))}.")
+    args.node_counts = args.scaling_nodes or DEFAULT_SCALING_NODES
+    args.ranks_per_node = SCALING_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node
+    args.output_dir = RESULTS_DIR / "scaling" if args.output_dir is None else args.output_dir
 
 
 # ---------------------------------------------------------------------------------- network
@@ -167,10 +232,12 @@ def set_up_network(cluster: EmulatedCluster, shape: ClusterShape, args: argparse
           f"{_gbit(gloo_per_node)} per node with {shape.ranks_per_node} ranks on every node at once")
     reference = gloo_per_node if args.calibrate == "gloo" else tcp_per_node
     rate = args.inter_node_mbps * 1e6 if args.inter_node_mbps else reference / args.bandwidth_ratio
-    cluster.shape(LinkShape(rate))
-    measured = cluster.measure_throughput([(1, 0)], seconds)[0]
     how = ("set by --inter-node-mbps" if args.inter_node_mbps
            else f"1/{args.bandwidth_ratio:g} of the per-node {args.calibrate} loopback throughput")
+    if args.fixed_rate_bytes_per_s is not None:  # --scaling: every node count gets the first point's link
+        rate, how = args.fixed_rate_bytes_per_s, "the rate of the scaling run's first point, kept for every node count"
+    cluster.shape(LinkShape(rate))
+    measured = cluster.measure_throughput([(1, 0)], seconds)[0]
     print(f"inter-node link: tbf {_gbit(rate)} per direction ({how}); one TCP stream measures {_gbit(measured)}")
     return NetworkSettings(single, tcp_per_node, gloo_per_node, args.calibrate, reference, rate, measured, args.mtu)
 
@@ -325,16 +392,44 @@ def add_expectations(record: dict[str, Any], spec: StrategySpec, args: argparse.
     return record
 
 
+def add_wire_floor(record: dict[str, Any], link_bytes_per_s: float, num_nodes: int) -> dict[str, Any]:
+    """Add the row's wire floor: the time the shaped links alone need for its inter-node bytes.
+
+    Each direction of each node uplink is its own tbf queue at ``link_bytes_per_s``, so no step can
+    be shorter than its busiest direction's bytes over that rate; ``step_over_floor`` says how far
+    above that floor the step runs (1.0: the wire is the only cost).
+    """
+    if record.get("status") != "ok":
+        return record
+    tx = record.get("inter_node_tx_bytes_per_step_per_node")
+    rx = record.get("inter_node_rx_bytes_per_step_per_node")
+    if tx and rx:  # measured: every node's uplink counters, both directions
+        busiest, basis = max(*tx, *rx), "busiest uplink direction (per-node tx/rx counters)"
+    else:
+        # Only the total is known (records from before the per-node counters): the sum over nodes of
+        # every uplink's tx_bytes. It counts each crossing byte once, at its sender; that byte also
+        # uses one receiver's ingress, so with symmetric traffic each node's egress -- and each
+        # node's ingress -- carries total / nodes (not total / (2 * nodes): the total is one direction's sum).
+        busiest, basis = record["inter_node_bytes_per_step"] / num_nodes, "total / nodes (symmetric traffic assumed)"
+    floor = busiest / link_bytes_per_s
+    record["inter_node_bytes_per_direction_per_step"] = busiest
+    record["wire_floor_basis"] = basis
+    record["wire_floor_link_bytes_per_s"] = link_bytes_per_s
+    record["wire_floor_s"] = floor
+    record["step_over_floor"] = record["step_time_s"] / floor if floor > 0 else None
+    return record
+
+
 # ---------------------------------------------------------------------------------- reporting
 def format_table(records: list[dict[str, Any]]) -> str:
     header = ("strategy", "p", "hier", "step s", "tokens/s", "inter MB/step", "expected", "err",
-              "loopback MB", "expected", "peak RSS MB", "grad held MB")
+              "floor s", "step/floor", "loopback MB", "expected", "peak RSS MB", "grad held MB")
     rows = [header]
     failures: list[str] = []
     for r in records:
         if r.get("status") != "ok":
             rows.append((r["strategy"], str(r["partition_size"]), _yes_no(r.get("hierarchical")), "-", "-", "-",
-                         _mb(r.get("expected_inter_node_bytes_per_step")), "-", "-", "-", "-",
+                         _mb(r.get("expected_inter_node_bytes_per_step")), "-", "-", "-", "-", "-", "-",
                          "skipped*" if _skipped(r) else "failed*"))
             failures.append(f"* {r['strategy']}: {r.get('status')}")
             continue
@@ -342,7 +437,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             r["strategy"], str(r["partition_size"]), _yes_no(r.get("hierarchical")),
             f"{r['step_time_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
             _mb(r["inter_node_bytes_per_step"]), _mb(r["expected_inter_node_bytes_per_step"]),
-            f"{r.get('inter_node_error', 0) * 100:+.1f}%",
+            f"{r.get('inter_node_error', 0) * 100:+.1f}%", *_floor_cells(r),
             _mb(r["loopback_bytes_per_step"]), _mb(r["expected_loopback_bytes_per_step"]),
             _mb(r["peak_mem_bytes"]), _mb(r.get("grad_bytes_during_accumulation")),
         ))
@@ -355,21 +450,29 @@ def format_table(records: list[dict[str, Any]]) -> str:
 def format_markdown(records: list[dict[str, Any]]) -> str:
     """The same table in Markdown, for docs/benchmarks.md."""
     lines = ["| strategy | partition | hier. | step time (s) | tokens/s | inter-node MB/step | expected | "
-             "loopback MB/step | expected | peak RSS/rank (MB) | grad held (MB) |",
-             "|---|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "wire floor (s) | step / floor | loopback MB/step | expected | peak RSS/rank (MB) | grad held (MB) |",
+             "|---|---:|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         if r.get("status") != "ok":
             lines.append(f"| {r['strategy']} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | "
-                         f"{r.get('status')} | | | {_mb(r.get('expected_inter_node_bytes_per_step'))} | | | | |")
+                         f"{r.get('status')} | | | {_mb(r.get('expected_inter_node_bytes_per_step'))} | | | | | | |")
             continue
+        floor, ratio = _floor_cells(r)
         lines.append(
             f"| {r['strategy']} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | {r['step_time_s']:.2f} | "
             f"{r['tokens_per_s']:,.0f} | {_mb(r['inter_node_bytes_per_step'])} | "
             f"{_mb(r['expected_inter_node_bytes_per_step'])} ({r.get('inter_node_error', 0) * 100:+.1f}%) | "
+            f"{floor} | {ratio} | "
             f"{_mb(r['loopback_bytes_per_step'])} | {_mb(r['expected_loopback_bytes_per_step'])} | "
             f"{_mb(r['peak_mem_bytes'])} | {_mb(r.get('grad_bytes_during_accumulation'))} |"
         )
     return "\n".join(lines)
+
+
+def _floor_cells(record: dict[str, Any]) -> tuple[str, str]:
+    """The wire floor (s) and step / floor as table cells (``-`` when the row has none)."""
+    floor, ratio = record.get("wire_floor_s"), record.get("step_over_floor")
+    return ("-" if floor is None else f"{floor:.2f}", "-" if ratio is None else f"{ratio:.2f}x")
 
 
 def _mb(value: Optional[float]) -> str:
@@ -423,40 +526,41 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not prepare_host(check_prerequisites):  # and teardown runs in `finally` on SIGTERM too, as for Ctrl-C
         return 2
     command = "python benchmarks/emulated_cluster.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    try:
+        return run_scaling(args, command) if args.scaling else run_single(args, command)
+    except KeyboardInterrupt:
+        print("\ninterrupted: namespaces, links and rank processes were removed", file=sys.stderr)
+        return 130
+
+
+def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """Build the cluster of ``args.cluster``, run ``args.specs`` on it, tear it down; return the report
+    (the ``emulated_cluster.json`` schema, which compare_planner.py reads)."""
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
           f"on {os.cpu_count()} cores")
     records: list[dict[str, Any]] = []
     started = time.monotonic()
-    cluster = EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu)
-    try:
-        with cluster, tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
-            network = set_up_network(cluster, args.cluster, args)
-            for index, spec in enumerate(args.specs):
-                print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
-                reason = skip_reason(spec)
-                raw = skipped_record(spec, reason) if reason else run_strategy(cluster, spec, args, Path(tmp), index)
-                record = add_expectations(raw, spec, args)
-                records.append(record)
-                print("    " + _one_line(record), flush=True)
-    except KeyboardInterrupt:
-        print("\ninterrupted: namespaces, links and rank processes were removed", file=sys.stderr)
-        return 130
+    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
+            tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
+        network = set_up_network(cluster, args.cluster, args)
+        for index, spec in enumerate(args.specs):
+            print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
+            reason = skip_reason(spec)
+            raw = skipped_record(spec, reason) if reason else run_strategy(cluster, spec, args, Path(tmp), index)
+            record = add_wire_floor(add_expectations(raw, spec, args), link_rate(asdict(network)),
+                                    args.cluster.num_nodes)
+            records.append(record)
+            print("    " + _one_line(record), flush=True)
     load_after = os.getloadavg()
     print()
     print(format_table(records))
     print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; "
           f"total {time.monotonic() - started:.0f} s")
     setup = args.setup
-    title = (f"{args.cluster.num_nodes} nodes x {args.cluster.ranks_per_node} ranks (gloo, CPU), GPT "
-             f"{setup.model.num_params / 1e6:.1f}M params, micro-batch {setup.micro_batch}x{setup.model.seq_len} tokens, "
-             f"accumulate {setup.accumulate}; inter-node {network.inter_node_rate_bytes_per_s * 8 / 1e9:.2f} Gbit/s, "
-             f"gloo loopback {network.loopback_gloo_per_node_bytes_per_s * 8 / 1e9:.1f} Gbit/s per node")
-    output_dir: Path = args.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    report = {
+    return {
         "command": command,
-        "title": title,
+        "title": report_title(args, network),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_before": load_before, "load_after": load_after},
         "network": asdict(network),
@@ -465,12 +569,60 @@ def main(argv: Optional[list[str]] = None) -> int:
                   "tokens_per_step": setup.tokens_per_step(args.cluster)},
         "results": records,
     }
+
+
+def report_title(args: argparse.Namespace, network: NetworkSettings) -> str:
+    setup = args.setup
+    return (f"{args.cluster.num_nodes} nodes x {args.cluster.ranks_per_node} ranks (gloo, CPU), GPT "
+            f"{setup.model.num_params / 1e6:.1f}M params, micro-batch {setup.micro_batch}x{setup.model.seq_len} "
+            f"tokens, accumulate {setup.accumulate}; inter-node {network.inter_node_rate_bytes_per_s * 8 / 1e9:.2f} "
+            f"Gbit/s, gloo loopback {network.loopback_gloo_per_node_bytes_per_s * 8 / 1e9:.1f} Gbit/s per node")
+
+
+def run_single(args: argparse.Namespace, command: str) -> int:
+    """One cluster shape: ``emulated_cluster.json`` and ``.png``, and the Markdown table."""
+    report = measure_point(args, command)
+    records = report["results"]
+    output_dir: Path = args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
     json_path = output_dir / "emulated_cluster.json"
     json_path.write_text(json.dumps(report, indent=2))
-    chart = draw_chart(records, output_dir / "emulated_cluster.png", title)
+    chart = draw_chart(records, output_dir / "emulated_cluster.png", report["title"])
     print(f"wrote {json_path}" + (f" and {chart}" if chart else ""))
     print("\n" + format_markdown(records))
-    return 0 if all(r.get("status") == "ok" or _skipped(r) for r in records) else 1
+    return 0 if _all_ran(records) else 1
+
+
+def run_scaling(args: argparse.Namespace, command: str) -> int:
+    """Weak scaling: the same strategies and per-rank batch at every node count, one cluster at a time
+    (torn down before the next), on one link rate -- the first point's -- so that only the node count
+    changes. ``scaling.json`` is rewritten after every point: a late failure keeps the earlier ones."""
+    output_dir: Path = args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path = output_dir / "scaling.json"
+    reports: list[dict[str, Any]] = []
+    for shape, specs in args.points:
+        print(f"\n=== scaling point: {shape.num_nodes} nodes x {shape.ranks_per_node} ranks ===", flush=True)
+        point = argparse.Namespace(**vars(args))
+        point.cluster, point.specs = shape, specs
+        if args.profile_dir is not None:
+            point.profile_dir = args.profile_dir / f"nodes{shape.num_nodes}"
+        report = measure_point(point, command)
+        report["planner_predictions"] = point_predictions(report)
+        reports.append(report)
+        if args.fixed_rate_bytes_per_s is None:
+            args.fixed_rate_bytes_per_s = report["network"]["inter_node_rate_bytes_per_s"]
+        scaling = build_scaling_report(reports, command)
+        json_path.write_text(json.dumps(scaling, indent=2))
+    chart = draw_scaling(scaling, output_dir / "scaling.png")
+    print(f"\nwrote {json_path}" + (f" and {chart}" if chart else ""))
+    print("\n" + format_scaling_table(scaling["rows"]))
+    print("\n" + format_scaling_table(scaling["rows"], markdown=True))
+    return 0 if all(_all_ran(r["results"]) for r in reports) else 1
+
+
+def _all_ran(records: list[dict[str, Any]]) -> bool:
+    return all(r.get("status") == "ok" or _skipped(r) for r in records)
 
 
 def _skipped(record: dict[str, Any]) -> bool:
@@ -480,10 +632,11 @@ def _skipped(record: dict[str, Any]) -> bool:
 def _one_line(record: dict[str, Any]) -> str:
     if record.get("status") != "ok":
         return f"{record.get('status')} ({record.get('wall_s', 0):.0f} s)"
+    floor, ratio = _floor_cells(record)
     return (f"step {record['step_time_s']:.2f} s, {record['tokens_per_s']:,.0f} tokens/s, inter-node "
             f"{_mb(record['inter_node_bytes_per_step'])} MB/step (expected "
-            f"{_mb(record['expected_inter_node_bytes_per_step'])}), peak RSS {_mb(record['peak_mem_bytes'])} MB "
-            f"({record.get('wall_s', 0):.0f} s)")
+            f"{_mb(record['expected_inter_node_bytes_per_step'])}), wire floor {floor} s (step {ratio}), "
+            f"peak RSS {_mb(record['peak_mem_bytes'])} MB ({record.get('wall_s', 0):.0f} s)")
 
 
 if __name__ == "__main__":
