@@ -75,6 +75,21 @@ recomputes the forward), split 1/3 forward, 2/3 backward.
 and a layout *fits* when their sum is at most ``(1 - memory_reserve_fraction)`` of device memory
 (the reserve stands for the CUDA context, allocator fragmentation and temporaries).
 
+**CPU offload** (``TrainingSpec.cpu_offload``, the strategy's ``cpu_offload``): the states term moves to
+host memory (:attr:`MemoryBreakdown.host`, not counted against the device) except, with ``A > 1`` micro-steps
+and unsharded accumulation (or a partition of one, which accumulates unsharded), the full gradient
+accumulator, which FSDP2 keeps on the device until the boundary. The device keeps the held parameters,
+the buffers -- now for every partition size, a partition of one included, since each unit is copied in
+from the host -- plus the host-to-device staging of the prefetched units' shards
+(``2 Psi / U * b_param / G``), and the activations. In time, over the host link (``host_link_bandwidth``,
+PCIe; an assumed 25 GB/s unless the cluster says otherwise), each all-gather from the sharded state first
+copies its ``Psi / G * b_param`` shard to the device (forward every micro-step -- only the first with
+``P = 1`` -- and backward again when ``P = G``), and each reduce-scatter's ``Psi / G * b_reduce`` output
+goes back. The copies ride the collectives' streams, so they join the phase's communication and hide
+behind compute like it, except that from the second micro-step of sharded accumulation FSDP2 copies
+synchronously (it adds to a host gradient), which is counted in full. The optimizer step streams its
+``Psi / OS`` states through host memory at ``host_memory_bandwidth`` instead of HBM.
+
 The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimizer-step time.
 """
 
@@ -260,6 +275,8 @@ class MemoryBreakdown:
     held_params: float
     buffers: float
     activations: float
+    #: with CPU offload, the states in host memory (bytes per rank; not counted in :attr:`total`)
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -297,12 +314,14 @@ def memory_breakdown(
     reduction dtype) between micro-steps, beside its sharded gradient."""
     psi, units, b = float(model.params), model.num_units, training.bytes
     p, g, os_ = layout.params, layout.grads, layout.optim
-    if g == 1:  # plain replication: parameters are whole already, nothing is gathered
+    if g == 1 and not training.cpu_offload:  # plain replication: parameters are whole already, nothing is gathered
         held = buffers = 0.0
     else:
         root_share = psi / units  # the root unit is never resharded after forward
         held = root_share * b.gather_bytes + (0.0 if p == g else (psi - root_share) * b.gather_bytes / p)
         buffers = 2 * psi / units * (b.gather_bytes + b.reduce_bytes)
+    if training.cpu_offload:
+        return _offloaded_memory(layout, model, training, grad_accumulation, held, buffers)
     return MemoryBreakdown(
         params=psi * b.param_bytes / g,
         # Unsharded accumulation holds the full accumulator (reduction dtype) until the boundary
@@ -312,6 +331,29 @@ def memory_breakdown(
         held_params=held,
         buffers=buffers,
         activations=activation_bytes(model, training),
+    )
+
+
+def _offloaded_memory(
+    layout: ShardingDegrees,
+    model: ModelSpec,
+    training: TrainingSpec,
+    grad_accumulation: GradAccumulation,
+    held: float,
+    buffers: float,
+) -> MemoryBreakdown:
+    """:func:`memory_breakdown` with CPU offload (module docstring): the sharded states in host memory; on the
+    device what is in flight, and the unsharded gradient accumulator where FSDP2 keeps one across micro-steps."""
+    psi, units, b, g = float(model.params), model.num_units, training.bytes, layout.grads
+    accumulates_unsharded = training.accumulation > 1 and (grad_accumulation == "unsharded" or g == 1)
+    return MemoryBreakdown(
+        params=0.0,
+        grads=psi * b.reduce_bytes if accumulates_unsharded else 0.0,
+        optimizer=0.0,
+        held_params=held,
+        buffers=buffers + 2 * psi / units * b.param_bytes / g,  # + the prefetched units' shards, copied in
+        activations=activation_bytes(model, training),
+        host=psi * (b.param_bytes + b.grad_bytes) / g + psi * b.optim_bytes / layout.optim,
     )
 
 
@@ -332,6 +374,10 @@ class LayoutEstimate:
     tokens_per_step: int
     #: how gradients accumulate between optimizer steps (:mod:`lightning_mics.grad_sync`)
     grad_accumulation: GradAccumulation = "sharded"
+    #: the sharded states live in host memory (:class:`HostCopies`: the PCIe copies this costs)
+    cpu_offload: bool = False
+    #: seconds of host<->device copies per optimizer step with CPU offload (inside the comm and exposed terms)
+    host_copy_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -347,6 +393,7 @@ class LayoutEstimate:
             f"{self.layout.kind}: {self.layout.label}"
             + (" hier" if self.hierarchical else "")
             + (" unsharded-acc" if self.grad_accumulation == "unsharded" else "")
+            + (" cpu-offload" if self.cpu_offload else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -359,6 +406,9 @@ class LayoutEstimate:
             "reshard_after_forward": self.layout.reshard_after_forward,
             "hierarchical": self.hierarchical,
             "grad_accumulation": self.grad_accumulation,
+            "cpu_offload": self.cpu_offload,
+            "host_copy_s": self.host_copy_s,
+            "host_memory_bytes": self.memory.host,
             "step_time_s": self.step_time_s,
             "tokens_per_s": self.tokens_per_s,
             "compute_s": self.compute_s,
@@ -406,7 +456,9 @@ def estimate(
         layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes
     )
     comm, first_forward = _costs_by_phase(schedule, cluster)
-    exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a)
+    copies = host_copies(layout, model, training, cluster, grad_accumulation)
+    comm, first_forward = copies.added_to(comm, first_forward)
+    exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a) + copies.blocking_s
     optimizer_step = _optimizer_step_s(layout, model, training, cluster)
     return LayoutEstimate(
         layout=layout,
@@ -421,6 +473,8 @@ def estimate(
         usable_memory_bytes=cluster.gpu_memory_bytes * (1 - cluster.memory_reserve_fraction),
         tokens_per_step=tokens_micro * a * cluster.world_size,
         grad_accumulation=grad_accumulation,
+        cpu_offload=training.cpu_offload,
+        host_copy_s=copies.total_s(a),
     )
 
 
@@ -519,8 +573,63 @@ def _inter_node_bytes(comm: dict[str, CollectiveCost], first_forward: Collective
 
 
 def _optimizer_step_s(layout: ShardingDegrees, model: ModelSpec, training: TrainingSpec, cluster: ClusterSpec) -> float:
-    """The optimizer step on this rank's ``Psi / OS`` slice, memory-bound: its bytes through HBM."""
+    """The optimizer step on this rank's ``Psi / OS`` slice, memory-bound: its bytes through HBM -- or, with
+    CPU offload, through host memory at ``host_memory_bandwidth``."""
     b = training.bytes
     optim_shard = model.params / layout.optim
+    bandwidth = cluster.host_memory_bandwidth if training.cpu_offload else cluster.memory_bandwidth
     # Adam reads param, grad, two moments and writes param and both moments.
-    return optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / cluster.memory_bandwidth
+    return optim_shard * (2 * b.param_bytes + b.grad_bytes + 2 * b.optim_bytes) / bandwidth
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """Seconds of host<->device (PCIe) copies in one optimizer step with CPU offload, by where they fall
+    (module docstring); all zero without offload."""
+
+    forward_s: float = 0.0  #: every micro-step's forward: each unit's parameter shards to the device
+    first_forward_s: float = 0.0  #: the first micro-step's forward only (``P = 1``: gathered once per step)
+    backward_s: float = 0.0  #: every micro-step's backward: the shards again (``P = G``), gradients back (A = 1)
+    boundary_s: float = 0.0  #: with the boundary reduction: unsharded accumulation's gradients back
+    blocking_s: float = 0.0  #: synchronous gradient copies (sharded accumulation, A > 1): exposed in full
+
+    def total_s(self, accumulation: int) -> float:
+        per_micro_step = self.forward_s + self.backward_s
+        return accumulation * per_micro_step + self.first_forward_s + self.boundary_s + self.blocking_s
+
+    def added_to(
+        self, comm: dict[str, CollectiveCost], first_forward: CollectiveCost
+    ) -> tuple[dict[str, CollectiveCost], CollectiveCost]:
+        """The phases' communication with these copies in it (they ride the collectives' streams)."""
+        comm = dict(comm)
+        extra = {"forward": self.forward_s, "backward": self.backward_s, "boundary": self.boundary_s}
+        for phase, seconds in extra.items():
+            comm[phase] = comm[phase] + CollectiveCost(seconds)
+        return comm, first_forward + CollectiveCost(self.first_forward_s)
+
+
+def host_copies(
+    layout: ShardingDegrees,
+    model: ModelSpec,
+    training: TrainingSpec,
+    cluster: ClusterSpec,
+    grad_accumulation: GradAccumulation = "sharded",
+) -> HostCopies:
+    """The PCIe copies of ``layout`` with CPU offload (none without): parameter shards to the device for
+    every all-gather from the sharded state, each reduce-scatter's output back (module docstring)."""
+    if not training.cpu_offload:
+        return HostCopies()
+    psi, units, b, a = float(model.params), model.num_units, training.bytes, training.accumulation
+    g, bandwidth = layout.grads, cluster.host_link_bandwidth
+    shards = psi * b.param_bytes / g / bandwidth
+    regathered = shards * (units - 1) / units if layout.reshard_after_forward is True else 0.0
+    grads = psi * b.reduce_bytes / g / bandwidth
+    gathered_once = layout.params == 1 and g > 1
+    unsharded = grad_accumulation == "unsharded" or g == 1  # a partition of one accumulates unsharded
+    return HostCopies(
+        forward_s=0.0 if gathered_once else shards,
+        first_forward_s=shards if gathered_once else 0.0,
+        backward_s=regathered + (grads if not unsharded and a == 1 else 0.0),
+        boundary_s=grads if unsharded else 0.0,
+        blocking_s=a * grads if not unsharded and a > 1 else 0.0,
+    )

@@ -52,13 +52,21 @@ class Plan:
                 f"No layout fits in {gib_text(best.usable_memory_bytes)} usable per GPU; the leanest, "
                 f"{leanest(self.ranked).name}, needs {gib_text(leanest(self.ranked).memory.total)}. "
                 "Add GPUs or nodes, use "
-                f"activation checkpointing, a smaller micro-batch or bf16-true."
+                f"activation checkpointing, a smaller micro-batch or bf16-true"
+                + ("." if self.training.cpu_offload else ", or offload the states to host memory (cpu_offload).")
             )
         lines = [
             f"{best.name} wins: {best.step_time_s:.3g} s/step ({best.tokens_per_s:,.0f} tokens/s), "
             f"{best.exposed_comm_s:.3g} s exposed communication, {_gb(best.inter_node_bytes)} across nodes per node, "
             f"{gib_text(best.memory.total)} of {gib_text(best.usable_memory_bytes)} per GPU."
         ]
+        if best.cpu_offload:
+            lines.append(
+                f"  cpu offload on: {gib_text(best.memory.host)} of states per rank in host memory, "
+                f"{best.host_copy_s:.3g} s of PCIe copies and a {best.optimizer_step_s:.3g} s host optimizer step "
+                f"per step (host link {_gb(self.cluster.host_link_bandwidth)}/s, host optimizer "
+                f"{_gb(self.cluster.host_memory_bandwidth)}/s assumed unless the cluster says otherwise)."
+            )
         world, node = self.cluster.world_size, min(self.cluster.gpus_per_node, self.cluster.world_size)
         rivals: list[tuple[str, LayoutEstimate]] = []
         if len(self.ranked) > 1:

@@ -50,6 +50,8 @@ def plan(
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
     check_grad_accumulation(grad_accumulation, allow_auto=True)
     layouts = _candidate_layouts(cluster, uniform_only, partition_size)
+    if training.cpu_offload:  # optimizer states sharded across replicas are refused with offload
+        layouts = [layout for layout in layouts if layout.optim == layout.grads]
     modes: tuple[GradAccumulation, ...] = (
         GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
     )
@@ -227,7 +229,8 @@ def _nothing_fits(
         f"partition_size='auto': no {what} fits a {param_count:,}-parameter model in "
         f"{gib_text(device_memory_bytes)} per device on {world_size} ranks; even {lean.layout.label} needs "
         f"~{gib_text(lean.memory.total)}. Use more devices, a smaller micro-batch, activation checkpointing or "
-        f"bf16-true, or pass partition_size explicitly."
+        f"bf16-true{'' if result.training.cpu_offload else ', cpu_offload=True on GPUs'}, or pass partition_size "
+        "explicitly."
     )
 
 
@@ -286,11 +289,13 @@ def plan_layout_for(
     uniform_only: bool = True,
     cross_replica_bytes: Optional[float] = None,
     cluster: Optional[ClusterSpec] = None,
+    cpu_offload: bool = False,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
     once the processes exist. ``cluster``: the links and rates to plan for (the strategy's
     ``planner_cluster``, :mod:`lightning_mics.planner.live`); ``None``: :meth:`ClusterSpec.generic`.
+    ``cpu_offload``: the strategy's ``cpu_offload`` (the states count against host memory, not the device).
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -309,7 +314,7 @@ def plan_layout_for(
         param_count,
         device_memory_bytes(device, ranks_per_node),
         cluster=cluster,
-        training=TrainingSpec(accumulation=accumulation, precision=precision),
+        training=TrainingSpec(accumulation=accumulation, precision=precision, cpu_offload=cpu_offload),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,
         uniform_only=uniform_only,

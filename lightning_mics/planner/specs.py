@@ -67,6 +67,14 @@ class ClusterSpec:
     #: ``reduce_scatter_tensor`` (what FSDP1 gets) all-reduces the whole buffer and keeps its chunk,
     #: two ring passes.
     reduce_scatter_algorithm: Literal["ring", "all_reduce"] = "ring"
+    #: With ``cpu_offload``: bytes/s one GPU's host link (PCIe) moves in each direction -- the copy of its
+    #: parameter shards to the GPU, of its gradient shards back. 25 GB/s is what PCIe 4.0 x16 achieves
+    #: from pinned memory: an assumption, not a measurement of your hosts (set it, or use a preset).
+    host_link_bandwidth: float = 25 * GB
+    #: With ``cpu_offload``: the bytes/s one rank's optimizer step streams through host memory, the role
+    #: ``memory_bandwidth`` plays on the GPU. 10 GB/s assumes torch's CPU Adam (several passes over the
+    #: states, each rank a share of the host's cores and memory channels): an assumption, not measured.
+    host_memory_bandwidth: float = 10 * GB
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -80,6 +88,8 @@ class ClusterSpec:
             "inter_node_bandwidth",
             "compute_flops",
             "memory_bandwidth",
+            "host_link_bandwidth",
+            "host_memory_bandwidth",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterSpec.{name} must be positive, got {getattr(self, name)!r}.")
@@ -144,6 +154,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         intra_node_latency=10e-6,
         inter_node_latency=30e-6,
         memory_bandwidth=900e9,
+        host_link_bandwidth=12 * GB,  # PCIe 3.0 x16
     ),
     "p4d": _cluster_preset(
         "p4d",
@@ -155,6 +166,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         intra_node_latency=8e-6,
         inter_node_latency=20e-6,
         memory_bandwidth=1.55e12,
+        host_link_bandwidth=25 * GB,  # PCIe 4.0 x16
     ),
     "dgx-h100": _cluster_preset(
         "dgx-h100",
@@ -166,6 +178,7 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
         intra_node_latency=6e-6,
         inter_node_latency=15e-6,
         memory_bandwidth=3.35e12,
+        host_link_bandwidth=50 * GB,  # PCIe 5.0 x16
     ),
 }
 
@@ -239,12 +252,16 @@ class TrainingSpec:
     accumulation: int = 1
     precision: str = "bf16-mixed"
     activation_checkpointing: bool = False
+    #: sharded parameters, gradients and optimizer states in host memory (``MiCSStrategy(cpu_offload=True)``)
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive int, got {value!r}.")
+        if not isinstance(self.cpu_offload, bool):
+            raise TypeError(f"TrainingSpec.cpu_offload must be True or False, got {self.cpu_offload!r}.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {self.precision!r}. Choose one of: {', '.join(PRECISIONS)}.")
 
