@@ -28,6 +28,15 @@ is one GPU, so there is no ratio): tokens/s of the whole job, MFU per GPU::
 
     torchrun --nproc-per-node=8 benchmarks/gpu_throughput.py --devices 8 --modes strategy,strategy-compiled
 
+CPU offload (``MiCSStrategy(cpu_offload=True)``, GPU only): ``--cpu-offload`` runs the strategy modes with the
+sharded states in host memory (the model is then built in host memory, so that it need not fit the GPU first);
+``--find-largest`` looks for the largest model (the preset's width, doubling then bisecting its number of
+layers, a CUDA out-of-memory error meaning "does not fit") that trains on one GPU without and with offload,
+and measures the tokens/s of each at its largest::
+
+    python benchmarks/gpu_throughput.py --cpu-offload --modes strategy
+    python benchmarks/gpu_throughput.py --find-largest --steps 3 --json benchmarks/results/cpu_offload.json
+
 CPU smoke test (what ``tests/test_benchmark_gpu.py`` runs; MFU and memory are n/a there)::
 
     python benchmarks/gpu_throughput.py --device cpu --model tiny --steps 3 --json /tmp/out.json
@@ -49,8 +58,8 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -101,6 +110,8 @@ MODES: dict[str, Mode] = {
 }
 #: The (strategy, baseline) pairs whose throughput ratio the issue asks for.
 RATIO_PAIRS = (("strategy", "plain"), ("strategy-compiled", "plain-compiled"))
+#: ``--find-largest``: which settings to search, offload off and/or on.
+SEARCHES: dict[str, tuple[bool, ...]] = {"both": (False, True), "no-offload": (False,), "offload": (True,)}
 #: Compiling on CPU needs a C++ toolchain and minutes of a shared machine; CPU runs default to eager.
 DEFAULT_MODES = {"cuda": tuple(MODES), "cpu": ("plain", "strategy")}
 
@@ -129,9 +140,17 @@ class BenchConfig:
     #: With one rank, resharding after forward only re-casts/copies every block again for backward,
     #: which the plain loop never does; ``False`` keeps the comparison about the strategy's overhead.
     reshard_after_forward: bool = False
+    #: ``MiCSStrategy(cpu_offload=True)`` in the strategy modes (GPU only; the plain loop has no offload)
+    cpu_offload: bool = False
+    #: the preset's number of layers, replaced (``--find-largest`` varies it)
+    n_layers: Optional[int] = None
+    #: ``--find-largest``: search the largest model that fits one GPU -- "both" (without and with offload),
+    #: "offload" or "no-offload" -- instead of comparing modes; at most ``max_layers`` layers
+    find_largest: Optional[str] = None
+    max_layers: int = 512
 
     def __post_init__(self) -> None:
-        GPTConfig.preset(self.model)  # raises on an unknown size
+        _ = self.gpt  # raises on an unknown size or layer count
         for name in ("micro_batch", "steps", "warmup"):
             if getattr(self, name) < 1:
                 flag = "--" + name.replace("_", "-")
@@ -151,6 +170,16 @@ class BenchConfig:
             )
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, got {self.peak_tflops}.")
+        if self.find_largest is not None and (self.find_largest not in SEARCHES or self.device != "cuda"):
+            raise ValueError(
+                f"--find-largest {self.find_largest}: one of {', '.join(SEARCHES)}, on --device cuda (it looks for "
+                "the largest model before a CUDA out-of-memory error)"
+            )
+        if self.cpu_offload and (self.device != "cuda" or self._plain_modes):
+            raise ValueError(
+                "--cpu-offload moves the strategy's states from the GPU to host memory: it needs --device cuda and the "
+                "strategy modes only (the plain loop has no offload), e.g. --cpu-offload --modes strategy"
+            )
 
     @property
     def _plain_modes(self) -> list[str]:
@@ -158,7 +187,7 @@ class BenchConfig:
 
     @property
     def gpt(self) -> GPTConfig:
-        return GPTConfig.preset(self.model)
+        return GPTConfig.preset(self.model, **({} if self.n_layers is None else {"n_layers": self.n_layers}))
 
     @property
     def total_steps(self) -> int:
@@ -218,14 +247,17 @@ def make_optimizer(module: nn.Module, cfg: BenchConfig) -> torch.optim.Optimizer
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=cfg.betas,
-        fused=True if cfg.device == "cuda" else None,
+        # with offload the optimizer steps on host tensors: torch's default (foreach) implementation there
+        fused=True if cfg.device == "cuda" and not cfg.cpu_offload else None,
     )
 
 
 def build_module(cfg: BenchConfig) -> BenchmarkGPT:
-    """The model, initialised directly on the device from ``cfg.seed``: the same weights in every mode."""
+    """The model, initialised directly on the device from ``cfg.seed``: the same weights in every mode. With
+    CPU offload in host memory instead: the strategy moves one unit at a time to the GPU and its shards back,
+    so a model whose states do not fit the GPU never has to."""
     torch.manual_seed(cfg.seed)
-    with torch.device(cfg.device):
+    with torch.device("cpu" if cfg.cpu_offload else cfg.device):
         return BenchmarkGPT(cfg)
 
 
@@ -321,6 +353,8 @@ def strategy_options(cfg: BenchConfig, compiled: bool) -> dict[str, Any]:
         options["activation_checkpointing_policy"] = True
     if cfg.prefetch_depth is not None:
         options["prefetch_depth"] = cfg.prefetch_depth
+    if cfg.cpu_offload:
+        options["cpu_offload"] = True
     return options
 
 
@@ -432,7 +466,8 @@ def format_table(cfg: BenchConfig, results: Sequence[ModeResult], ratio: dict[st
         f"GPT {cfg.model}: d_model {gpt.d_model}, {gpt.n_layers} layers, {gpt.n_heads} heads, seq {gpt.seq_len}, "
         f"{gpt.num_params / 1e9:.3f}B params, {gpt.flops_per_token / 1e9:.2f} GFLOP/token; micro-batch "
         f"{cfg.micro_batch}, bf16, {cfg.steps} timed steps after {cfg.warmup} warm-up, device {cfg.device}"
-        + (f" x {cfg.devices} (tokens/s of the job, MFU per device)" if cfg.devices > 1 else ""),
+        + (f" x {cfg.devices} (tokens/s of the job, MFU per device)" if cfg.devices > 1 else "")
+        + ("; strategy with cpu_offload" if cfg.cpu_offload else ""),
         header,
         "-" * len(header),
     ]
@@ -503,6 +538,125 @@ def run(cfg: BenchConfig) -> tuple[list[ModeResult], dict[str, Any]]:
     return results, report(cfg, results, peak_flops)
 
 
+# ---------------------------------------------------------------------------------- the largest model that fits
+#: Host bytes per parameter with offload: the sharded fp32 parameters, gradients and two Adam moments (16, pinned)
+#: and the model as built before sharding (4). A layer count needing more than ``HOST_MEMORY_SHARE`` of the free
+#: host memory counts as not fitting: it would take the machine down instead of raising an error.
+HOST_BYTES_PER_PARAM = 20
+HOST_MEMORY_SHARE = 0.8
+
+
+@dataclass
+class Largest:
+    """The largest model one setting trains on one GPU: its layer count, every probe, and its measurement."""
+
+    cpu_offload: bool
+    layers: Optional[int] = None
+    params: Optional[int] = None
+    #: each probe: ``layers``, ``params``, ``fits``, ``detail`` (why not)
+    probes: Optional[list[dict[str, Any]]] = None
+    result: Optional[ModeResult] = None
+
+
+def search_largest(fits: Callable[[int], bool], start: int, limit: int) -> Optional[int]:
+    """The largest ``n <= limit`` with ``fits(n)`` (fitting taken as monotone in ``n``): doubling from ``start``
+    until one fails (halving instead when ``start`` fails), then bisection until the gap is within 1/16 of the
+    answer -- each probe trains a model, so a few probes, not a linear scan. ``None``: not even 1 fits."""
+    if fits(start):
+        lo, hi = start, 0
+        while not hi:
+            if lo >= limit:
+                return lo
+            n = min(2 * lo, limit)
+            lo, hi = (n, 0) if fits(n) else (lo, n)
+    else:
+        lo, hi = 0, start
+        while not lo and hi > 1:
+            n = hi // 2
+            lo, hi = (n, hi) if fits(n) else (0, n)
+        if not lo:
+            return None
+    while hi - lo > max(1, lo // 16):
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+    return lo
+
+
+def free_host_memory() -> float:
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def probe_fits(cfg: BenchConfig, layers: int) -> tuple[bool, str]:
+    """Whether ``layers`` layers train on the GPU: two optimizer steps of the strategy (the optimizer's states
+    exist from the first); a CUDA out-of-memory error means no, any other error is raised."""
+    trial = replace(cfg, n_layers=layers, warmup=1, steps=1, modes=("strategy",))
+    host_bytes = trial.gpt.num_params * HOST_BYTES_PER_PARAM
+    if cfg.cpu_offload and host_bytes > HOST_MEMORY_SHARE * free_host_memory():
+        share = f"{HOST_MEMORY_SHARE:.0%}"
+        return False, f"needs ~{host_bytes / 2**30:.0f} GiB of host memory, more than {share} of what is free"
+    device = torch.device(cfg.device)
+    release_memory(device, compiled=False)
+    try:
+        train_strategy(trial, compiled=False, window=StepWindow(trial))
+        return True, ""
+    except torch.cuda.OutOfMemoryError as error:
+        return False, "CUDA out of memory: " + str(error).split("\n")[0][:200]
+    finally:
+        release_memory(device, compiled=False)
+
+
+def find_largest(cfg: BenchConfig, cpu_offload: bool) -> Largest:
+    """Search the layer count (width fixed at the preset's), then measure tokens/s at the largest that fits."""
+    base = replace(cfg, cpu_offload=cpu_offload, modes=("strategy",))
+    largest = Largest(cpu_offload, probes=[])
+
+    def fits(layers: int) -> bool:
+        ok, detail = probe_fits(base, layers)
+        params = replace(base, n_layers=layers).gpt.num_params
+        largest.probes.append({"layers": layers, "params": params, "fits": ok, "detail": detail})  # type: ignore
+        print(f"[cpu_offload={cpu_offload}] {layers} layers ({params / 1e9:.2f}B): {'fits' if ok else detail}")
+        return ok
+
+    largest.layers = search_largest(fits, base.gpt.n_layers, cfg.max_layers)
+    if largest.layers is not None:
+        final = replace(base, n_layers=largest.layers)
+        largest.params = final.gpt.num_params
+        largest.result = run_mode(final, MODES["strategy"], resolve_peak_flops(final))
+    return largest
+
+
+def run_find_largest(cfg: BenchConfig) -> tuple[list[Largest], dict[str, Any]]:
+    """Every requested setting's largest model, and the JSON document (:func:`report`'s, plus ``largest``)."""
+    assert cfg.find_largest is not None
+    if not torch.cuda.is_available():
+        raise SystemExit("--find-largest needs a CUDA device: torch sees none.")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        found = [find_largest(cfg, offload) for offload in SEARCHES[cfg.find_largest]]
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    results = [replace(f.result, mode=f"strategy{' cpu_offload' if f.cpu_offload else ''}") for f in found if f.result]
+    document = report(cfg, results, resolve_peak_flops(cfg))
+    document["largest"] = [asdict(f) for f in found]
+    return found, document
+
+
+def format_largest(cfg: BenchConfig, found: Sequence[Largest]) -> str:
+    gpt = cfg.gpt
+    lines = [f"largest GPT of width {gpt.d_model} ({gpt.n_heads} heads, seq {gpt.seq_len}) that trains on one GPU:"]
+    for f in found:
+        setting = "with cpu_offload   " if f.cpu_offload else "states on the GPU  "
+        if f.layers is None or f.params is None:
+            lines.append(f"  {setting} none (not even one layer)")
+            continue
+        r = f.result
+        measured = "n/a" if r is None or r.tokens_per_s is None else f"{r.tokens_per_s:,.0f} tokens/s"
+        memory = "" if r is None or r.peak_memory_bytes is None else f", peak {r.peak_memory_bytes / 2**30:.1f} GiB"
+        lines.append(f"  {setting} {f.layers} layers, {f.params / 1e9:.2f}B params: {measured}{memory}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------- CLI
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -529,6 +683,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
         "--reshard-after-forward", action="store_true", help="MiCSStrategy(reshard_after_forward=True); off by default"
     )
     parser.add_argument(
+        "--cpu-offload", action="store_true", help="MiCSStrategy(cpu_offload=True) in the strategy modes (GPU only)"
+    )
+    parser.add_argument(
+        "--find-largest",
+        nargs="?",
+        const="both",
+        choices=sorted(SEARCHES),
+        help="search the largest model (layers of the --model width) that trains on one GPU without and/or with "
+        "offload, and measure each (default: both)",
+    )
+    parser.add_argument("--max-layers", type=int, default=defaults.max_layers, help="--find-largest stops here")
+    parser.add_argument(
         "--json",
         type=Path,
         default=None,
@@ -536,7 +702,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
         f"{CPU_JSON.name} for a CPU run, so a smoke run never overwrites a GPU measurement)",
     )
     args = parser.parse_args(argv)
-    default_modes = DEFAULT_MODES[args.device] if args.devices == 1 else ("strategy", "strategy-compiled")
+    one_gpu_comparison = args.devices == 1 and not args.cpu_offload  # the plain loop has no offload
+    default_modes = DEFAULT_MODES[args.device] if one_gpu_comparison else ("strategy", "strategy-compiled")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip()) if args.modes else default_modes
     try:
         cfg = BenchConfig(
@@ -553,6 +720,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
             activation_checkpointing=args.activation_checkpointing,
             prefetch_depth=args.prefetch_depth,
             reshard_after_forward=args.reshard_after_forward,
+            cpu_offload=args.cpu_offload,
+            find_largest=args.find_largest,
+            max_layers=args.max_layers,
         )
     except ValueError as error:
         parser.error(str(error))
@@ -562,6 +732,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run, print the table, write the JSON; exit status 1 when a mode failed."""
     cfg, json_path = parse_args(argv)
+    if cfg.find_largest is not None:
+        found, document = run_find_largest(cfg)
+        print(format_largest(cfg, found))
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(document, indent=2) + "\n")
+        print(f"results: {json_path}")
+        return 0 if all(f.result is not None and f.result.status == "ok" for f in found) else 1
     results, document = run(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # one table and one JSON per job: rank 0's
         return 1 if any(r.status == "error" for r in results) else 0
