@@ -658,7 +658,7 @@ def format_largest(cfg: BenchConfig, found: Sequence[Largest]) -> str:
 
 
 # ---------------------------------------------------------------------------------- CLI
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = BenchConfig()
     parser.add_argument("--model", default=defaults.model, help="GPT preset (tiny, small, medium, large, xl)")
@@ -701,6 +701,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]
         help=f"where to write the results (default: {DEFAULT_JSON.name} under benchmarks/results/ for a GPU run, "
         f"{CPU_JSON.name} for a CPU run, so a smoke run never overwrites a GPU measurement)",
     )
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchConfig, Path]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     one_gpu_comparison = args.devices == 1 and not args.cpu_offload  # the plain loop has no offload
     default_modes = DEFAULT_MODES[args.device] if one_gpu_comparison else ("strategy", "strategy-compiled")

@@ -22,6 +22,7 @@ from lightning_mics import process_groups
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.grad_sync import GradAccumulation
 from lightning_mics.layout import MiCSLayout, register_strategy_names
+from lightning_mics.offload import check_offload_before_launch
 from lightning_mics.options import MiCSOptions, ShardingOption
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wire import WireFormat
@@ -66,6 +67,7 @@ class MiCSFrontEnd:
     buffer_sync = _Option[str]()
     planner_cluster = _Option[Any]()
     release_gradients_after_step = _Option[bool]()
+    cpu_offload = _Option[Any]()
 
     strategy_name = "mics"
     #: how the Lightning base class names its precision-plugin argument
@@ -116,6 +118,11 @@ class MiCSFrontEnd:
         invalid layout before it does, once (see :meth:`MiCSEngine.check_before_launch`)."""
         environment = self.cluster_environment
         assert environment is not None
+        o, devices = self._engine.options, self.parallel_devices
+        check_offload_before_launch(
+            o.cpu_offload, devices[0].type if devices else None, self.num_processes * self.num_nodes,
+            o.ranks_per_node or self.num_processes, o.sharding,
+        )
         if not environment.creates_processes_externally:
             self._engine.check_before_launch(self.num_processes, self.num_nodes)
             self._launcher = self._launcher_class(environment, self.num_processes, self.num_nodes)

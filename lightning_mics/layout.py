@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_mics import _compat as compat
@@ -49,6 +49,13 @@ from lightning_mics.grad_sync import (
     GradAccumulation,
     check_grad_accumulation,
     defer_gradient_sync,
+)
+from lightning_mics.offload import (
+    CPUOffloadOption,
+    check_offload_layout,
+    describe_offload,
+    move_unsharded_states,
+    offload_policy,
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import Hierarchical, ShardingOption
@@ -242,6 +249,7 @@ class MiCSLayout:
                 f"  model states per rank: 1/{topology.partition_size} of {total:,} parameters ({trainable:,} "
                 f"trainable) -> ~{total // topology.partition_size:,} params and grads, optimizer states for "
                 f"~{trainable // optim_degree:,} (1/{optim_degree}); {units}",
+                *([describe_offload(self.settings.cpu_offload)] if self.settings.cpu_offload is not None else []),
                 f"  hierarchical collectives: {'on' if self.hierarchical_groups is not None else 'off'}; "
                 f"reshard after forward: {self.reshard_after_forward}"
                 + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
@@ -303,6 +311,8 @@ class LayoutSettings:
     device_type: str
     backend: str
     planner_reason: Optional[str] = field(default=None, compare=False)
+    #: ``cpu_offload``'s FSDP2 policy (sharded states in host memory), or ``None``
+    cpu_offload: Optional[CPUOffloadPolicy] = None
 
     def differences(self, other: LayoutSettings) -> list[str]:
         """``"partition_size: 2 (earlier) vs 4 (now)"``-style lines for every setting that differs."""
@@ -340,6 +350,7 @@ def resolve_layout(
     backend: str,
     grad_accumulation: str = "sharded",
     cross_replica_wire: Optional[WireFormat] = None,
+    cpu_offload: CPUOffloadOption = False,
     plan_layout: Optional[LayoutPlanner] = None,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
@@ -366,11 +377,7 @@ def resolve_layout(
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
         grad_accumulation, planner_reason = "unsharded", planner_reason or ONE_RANK_PARTITION_REASON
-    if optim_degree is not None and optim_degree > topology.partition_size and cross_replica_wire is not None:
-        raise ValueError(
-            "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
-            "(ShardingSpec optim > grads): drop one of the two."
-        )
+    offload = _checked_step_hooks(optim_degree, topology.partition_size, cross_replica_wire, cpu_offload, device_type)
     return LayoutSettings(
         rank=rank,
         topology=topology,
@@ -384,7 +391,28 @@ def resolve_layout(
         device_type=device_type,
         backend=backend,
         planner_reason=planner_reason,
+        cpu_offload=offload,
     )
+
+
+def _checked_step_hooks(
+    optim_degree: Optional[int],
+    partition_size: int,
+    cross_replica_wire: Optional[WireFormat],
+    cpu_offload: CPUOffloadOption,
+    device_type: str,
+) -> Optional[CPUOffloadPolicy]:
+    """What works on the gradient shards between backward and the step must combine: optimizer states sharded
+    across replicas reduce-scatter them, so neither a compressed hop 2 nor offloaded (host) shards can join
+    them; offload is refused on CPU ranks too. Returns ``cpu_offload``'s FSDP2 policy (``None``: off)."""
+    if optim_degree is not None and optim_degree > partition_size and cross_replica_wire is not None:
+        raise ValueError(
+            "cross_replica_dtype cannot be combined with optimizer states sharded across replicas "
+            "(ShardingSpec optim > grads): drop one of the two."
+        )
+    offload = offload_policy(cpu_offload)
+    check_offload_layout(offload, device_type, optim_degree, partition_size)
+    return offload
 
 
 #: A gradient "shard" of a one-rank partition is the whole gradient: both modes hold full gradients
@@ -448,11 +476,14 @@ def layout_planner(
     cross_replica_wire: Optional[WireFormat] = None,
     log: Optional[logging.Logger] = None,
     planner_cluster: PlannerCluster = None,
+    cpu_offload: CPUOffloadOption = False,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
     :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``.
     ``planner_cluster``: what the planner assumes about the cluster (:mod:`lightning_mics.planner.live`;
-    ``"calibrate"`` measures it here, collectively)."""
+    ``"calibrate"`` measures it here, collectively). ``cpu_offload``: only what stays on the device counts
+    against its memory; the PCIe copies and the host optimizer step count in time."""
+    offloading = offload_policy(cpu_offload) is not None
 
     def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
         from lightning_mics.planner import plan_layout_for
@@ -470,14 +501,20 @@ def layout_planner(
             uniform_only=uniform_only,
             cross_replica_bytes=cross_replica_wire.element_bytes if cross_replica_wire is not None else None,
             cluster=cluster,
+            cpu_offload=offloading,
         )
         if log is not None:
+            chosen = choice.estimate
             log.info(
-                "planner chose %s, grad_accumulation=%s (%s), for %s",
-                choice.estimate.layout.label,
+                "planner chose %s, grad_accumulation=%s (%s), for %s%s",
+                chosen.layout.label,
                 choice.grad_accumulation,
                 choice.reason,
                 describe_cluster(cluster),
+                f"; cpu offload on: {chosen.host_copy_s:.3g} s of PCIe copies and a {chosen.optimizer_step_s:.3g} s "
+                "host optimizer step predicted per optimizer step"
+                if offloading
+                else "",
             )
         return choice
 
@@ -540,15 +577,30 @@ def shard_module(
         compile_blocks=compile_blocks,
         prefetch_depth=prefetch_depth,
         post_forward_meshes=layout.post_forward_meshes,
+        offload_policy=layout.settings.cpu_offload,
     )
     install_layout_collectives(units, layout)
-    if on_meta:
-        materialize_meta_module(module, device)
-    root.to(device)  # buffers and anything FSDP did not own
-    if on_meta and sync_module_states:
-        mesh = layout.device_mesh
-        broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None)
+    _place_states(module, root, layout, device, on_meta, sync_module_states)
     return units
+
+
+def _place_states(
+    module: nn.Module, root: nn.Module, layout: MiCSLayout, device: torch.device, on_meta: bool, sync: bool
+) -> None:
+    """After ``fully_shard``: a meta-device model materialised shard by shard, everything on ``device`` --
+    except, with ``cpu_offload``, the shards, which stay in (and are materialised into) host memory -- and
+    with ``sync``, a meta model's replicas of each shard made equal."""
+    offloaded = layout.settings.cpu_offload is not None
+    if on_meta:
+        materialize_meta_module(module, torch.device("cpu") if offloaded else device)
+    if offloaded:
+        move_unsharded_states(root, device)
+    else:
+        root.to(device)  # buffers and anything FSDP did not own
+    if on_meta and sync:
+        mesh = layout.device_mesh
+        staging = device if layout.backend == "nccl" else None  # NCCL takes device tensors only
+        broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None, device=staging)
 
 
 def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout) -> None:

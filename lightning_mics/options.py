@@ -33,6 +33,7 @@ from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
 from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
 from lightning_mics.fault_tolerance import FaultTolerance
 from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
+from lightning_mics.offload import CPUOffloadOption, check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import PartitionSizeSpec
@@ -171,6 +172,14 @@ class MiCSOptions:
     the environment: ``TORCHFT_LIGHTHOUSE``, ``MICS_REPLICA_GROUP``, ``MICS_NUM_REPLICA_GROUPS``) or a dict of
     its fields; needs the ``[ft]`` extra. See docs/fault-tolerance.md."""
 
+    cpu_offload: CPUOffloadOption = False
+    """Keep the sharded parameters, gradients and optimizer states in host memory (FSDP2's
+    ``CPUOffloadPolicy``; ``True``: pinned memory, or pass a ``torch.distributed.fsdp.CPUOffloadPolicy``), for
+    GPUs too small for the model states: each unit's shard is copied to the GPU for its all-gather and its
+    gradient back, and the optimizer steps on the CPU. The planner counts only what stays on the GPU, plus
+    the PCIe copies and the host optimizer step. GPU ranks only; not with ``cross_replica_dtype``,
+    ``fault_tolerance`` or optimizer states sharded beyond the gradients (docs/usage.md#cpu-offload)."""
+
     def __post_init__(self) -> None:
         ft = self.fault_tolerance
         if ft is True or isinstance(ft, dict):
@@ -228,6 +237,7 @@ class MiCSOptions:
                 f"{sharding!r}."
             )
         check_planner_cluster(self.planner_cluster, plans=self.plans_anything)
+        check_cpu_offload_option(self.cpu_offload, self.cross_replica_dtype, self.fault_tolerance, sharding)
 
     @property
     def plans_anything(self) -> bool:

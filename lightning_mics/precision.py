@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_mics.grad_sync import clip_grad_norm_
+from lightning_mics.offload import check_clipping
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 
@@ -104,10 +105,11 @@ class MiCSPrecision(FSDPPrecision):
         return autocast_context(self.precision, self.device_type) or super().forward_context()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
-        """Clip by the true global gradient norm over all shards; the norm is kept for logging."""
-        self.last_grad_norm = clip_grad_norm_(
-            self.main_params(optimizer), float(clip_val), disjoint_groups=self.disjoint_groups
-        )
+        """Clip by the true global gradient norm over all shards; the norm is kept for logging. Refused
+        for offloaded gradients on NCCL (:func:`~lightning_mics.offload.check_clipping`)."""
+        params = list(self.main_params(optimizer))
+        check_clipping(params)
+        self.last_grad_norm = clip_grad_norm_(params, float(clip_val), disjoint_groups=self.disjoint_groups)
 
 
 #: Plugins Lightning builds from ``Trainer(precision=...)`` that carry nothing but the flag.

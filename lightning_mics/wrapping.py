@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_mics import _compat as compat
@@ -416,9 +416,11 @@ def shard_model(
     compile_blocks: bool = False,
     prefetch_depth: int = 0,
     post_forward_meshes: PostForwardMeshes | None = None,
+    offload_policy: CPUOffloadPolicy | None = None,
 ) -> list[FSDPModule]:
     """Apply ``fully_shard`` to the selected blocks and then to ``root``; return all FSDP units
-    (blocks in forward order, then the root).
+    (blocks in forward order, then the root). ``offload_policy`` (``cpu_offload``) goes to every call alike:
+    a unit left on the GPU would hold its states there, which is what the option is asked to avoid.
 
     Before sharding, blocks may get activation checkpointing and ``torch.compile`` (in place, so
     parameter names do not change); after sharding, explicit prefetching between blocks.
@@ -442,16 +444,17 @@ def shard_model(
     if plan.root is not root:
         raise ValueError("This WrapPlan was made for another module: call plan_wrapping(root, policy) for this root.")
     wrapped = list(plan.modules)  # children first
+    offload: dict[str, Any] = {} if offload_policy is None else {"offload_policy": offload_policy}
     apply_activation_checkpointing(select_modules_to_checkpoint(root, activation_checkpointing, wrapped))
     blocks: list[FSDPModule] = []
     for _, module in wrapped:
         if compile_blocks:
             module.compile()
         shard_with_shared_post_forward_mesh(
-            module, mesh, reshard_after_forward, post_forward_meshes, mp_policy=mp_policy
+            module, mesh, reshard_after_forward, post_forward_meshes, mp_policy=mp_policy, **offload
         )
         blocks.append(module)  # type: ignore[arg-type]
-    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, **offload)
     blocks.reverse()  # forward (pre-)order
     set_explicit_prefetch(blocks, prefetch_depth)
     units = [*blocks, root]
@@ -531,17 +534,34 @@ def broadcast_module_states(module: nn.Module, src: int = 0, device: torch.devic
 
 
 @torch.no_grad()
-def broadcast_shards_across_replicas(module: nn.Module, replica_group: dist.ProcessGroup | None) -> None:
+def broadcast_shards_across_replicas(
+    module: nn.Module, replica_group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> None:
     """After meta-device materialisation: every replica of a shard takes the first replica's values,
     and unsharded buffers take global rank 0's. Each rank initialised only its own shard, from its
     own random state, so replicas agree only if every rank's RNG did; this makes them agree anyway.
-    Collective over the world (buffers) and ``replica_group`` (shards; ``None``: no replicas)."""
+    Collective over the world (buffers) and ``replica_group`` (shards; ``None``: no replicas).
+    ``device``: where the collective needs the data (NCCL: the GPU); shards elsewhere -- in host memory
+    with ``cpu_offload`` -- travel through a staging copy, one at a time."""
     for tensor in _unique_states(module):
         if isinstance(tensor, DTensor):
             if replica_group is not None:
-                dist.broadcast(compat.local_tensor(tensor), dist.get_global_rank(replica_group, 0), group=replica_group)
+                src = dist.get_global_rank(replica_group, 0)
+                _broadcast_staged(compat.local_tensor(tensor), src, replica_group, device)
         else:
-            dist.broadcast(tensor.data, 0)
+            _broadcast_staged(tensor.data, 0, None, device)
+
+
+def _broadcast_staged(
+    target: Tensor, src: int, group: dist.ProcessGroup | None, device: torch.device | None
+) -> None:
+    """``dist.broadcast`` of ``target``, through a copy on ``device`` when it lies elsewhere."""
+    if device is None or target.device == device:
+        dist.broadcast(target, src, group=group)
+        return
+    staged = target.to(device)
+    dist.broadcast(staged, src, group=group)
+    target.copy_(staged)
 
 
 class ShardRegistry:

@@ -1,0 +1,164 @@
+"""CPU offload (``cpu_offload``): the sharded model states live in host memory, the GPU holds what is in flight.
+
+Why: a GPU too small for its share of the model states -- ``1/partition`` of the parameters and gradients
+plus the optimizer states -- can still train the model when those states live in host memory, as Lightning's
+FSDP (``cpu_offload``) and DeepSpeed's ZeRO-Offload allow. The option maps onto FSDP2's
+:class:`~torch.distributed.fsdp.CPUOffloadPolicy`, passed to every ``fully_shard`` call of the layout: each
+unit's sharded parameters are copied to the GPU for its all-gather (host to device), its reduce-scattered
+gradients are copied back (device to host), and the optimizer steps on host tensors -- so its states are
+created, and stay, in host memory. On the GPU remain the gathered parameters and unsharded gradients of the
+units in flight, the activations and the buffers. The price is the PCIe traffic of every step and an
+optimizer step at host-memory speed, which the planner counts (:mod:`lightning_mics.planner.cost_model`).
+
+Where it cannot work it is refused, once, naming the fix: on CPU ranks (the states are in host memory
+already), and with the features whose hooks work on the gradient shards between backward and the optimizer
+step as if they were on the GPU -- the compressed hop 2 (``cross_replica_dtype``), torchft's hop 2
+(``fault_tolerance``) and AMSP optimizer states sharded across replicas (``ShardingSpec`` optim > grads):
+with offload those shards are host tensors, which an NCCL collective does not take. Gradient clipping by
+norm all-reduces the norm over the gradients' groups; with host gradients that needs a backend that takes
+host tensors (gloo), so on NCCL it is refused at the first clip (:func:`check_clipping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from lightning_mics.grad_sync import local_shard
+from lightning_mics.sharding_spec import ShardingSpec
+
+#: What ``cpu_offload`` takes: ``True`` (FSDP2's policy with pinned host memory), ``False``, or a policy.
+CPUOffloadOption = Union[bool, CPUOffloadPolicy]
+
+ON_CPU_RANKS = (
+    "cpu_offload moves model states from the GPU to host memory; on CPU ranks they already are there -- drop "
+    "cpu_offload (or run on GPUs: Trainer(accelerator='gpu'))."
+)
+_HOST_GRADIENTS = "with cpu_offload the gradient shards are in host memory when backward ends"
+
+
+def offload_policy(option: Any) -> Optional[CPUOffloadPolicy]:
+    """The FSDP2 policy ``cpu_offload`` stands for: ``None`` for ``False``, pinned host memory for ``True``
+    (page-locked buffers let the copies run asynchronously, beside compute), a given policy as it is."""
+    if option is False or option is None:
+        return None
+    if option is True:
+        return CPUOffloadPolicy(pin_memory=True)
+    if isinstance(option, CPUOffloadPolicy):
+        return option
+    raise TypeError(
+        f"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy, got {option!r}"
+        + (f"; write cpu_offload={option.lower() == 'true'}." if option in ("true", "false", "True", "False") else ".")
+    )
+
+
+def check_cpu_offload_option(
+    option: Any, cross_replica_dtype: Any, fault_tolerance: Any, sharding: Any
+) -> None:
+    """Refuse ``cpu_offload`` with the options whose step hooks need the gradient shards on the GPU, when
+    the options are created (before anything is launched). Degrees given by name ("node", "world") are
+    compared once the world size is known (:func:`check_offload_before_launch`)."""
+    if offload_policy(option) is None:
+        return
+    if cross_replica_dtype is not None:
+        raise ValueError(
+            f"cpu_offload cannot be combined with cross_replica_dtype={cross_replica_dtype!r}: the compressed hop 2 "
+            f"packs and all-reduces the gradient shards after backward, and {_HOST_GRADIENTS}. Drop "
+            "cross_replica_dtype (hop 2 then runs inside FSDP2, on the GPU, before the copy to host memory) or "
+            "cpu_offload."
+        )
+    if fault_tolerance is not None:
+        raise ValueError(
+            "cpu_offload cannot be combined with fault_tolerance: torchft's hop 2 all-reduces the gradient shards "
+            f"after backward, and {_HOST_GRADIENTS}. Drop one of the two."
+        )
+    if isinstance(sharding, ShardingSpec) and isinstance(sharding.optim, int) and isinstance(sharding.grads, int):
+        check_offload_optim_degree(sharding.optim, sharding.grads)
+
+
+def check_offload_optim_degree(optim_degree: Optional[int], partition_size: int) -> None:
+    """AMSP ``optim > grads`` reduce-scatters the gradient shards across replicas before the step: refused."""
+    if optim_degree is not None and optim_degree > partition_size:
+        raise ValueError(
+            f"cpu_offload cannot be combined with optimizer states sharded across replicas (ShardingSpec optim="
+            f"{optim_degree} > grads={partition_size}): that reduce-scatters the gradient shards before the step, "
+            f"and {_HOST_GRADIENTS}. Use optim equal to grads -- offload already takes the optimizer states off the "
+            "GPU -- or drop cpu_offload."
+        )
+
+
+def check_offload_before_launch(
+    option: Any, device_type: Optional[str], world_size: int, ranks_per_node: int, sharding: Any
+) -> None:
+    """What the launcher knows before it starts the ranks: their device type and the world. ``cpu_offload``
+    on CPU ranks, or with a spec whose optimizer degree resolves beyond its gradient degree, is refused
+    here, once, instead of in every rank."""
+    if offload_policy(option) is None:
+        return
+    if device_type == "cpu":
+        raise ValueError(ON_CPU_RANKS)
+    if isinstance(sharding, ShardingSpec) and world_size >= 1:
+        degrees = sharding.resolve(world_size, ranks_per_node)
+        check_offload_optim_degree(degrees.optim, degrees.grads)
+
+
+def check_offload_layout(
+    policy: Optional[CPUOffloadPolicy], device_type: str, optim_degree: Optional[int], partition_size: int
+) -> None:
+    """The same refusals for a resolved layout (also the planner's, and ranks started by an external
+    launcher): every rank raises alike."""
+    if policy is None:
+        return
+    if device_type == "cpu":
+        raise ValueError(ON_CPU_RANKS)
+    check_offload_optim_degree(optim_degree, partition_size)
+
+
+def describe_offload(policy: Optional[CPUOffloadPolicy]) -> str:
+    """One line for the layout log (``None``: no line, offload is off)."""
+    if policy is None:
+        return ""
+    memory = "pinned host memory" if policy.pin_memory else "pageable host memory"
+    return (
+        f"  cpu offload: on -- sharded parameters, gradients and optimizer states in {memory}; each unit's "
+        "shard is copied to the GPU for its all-gather and its gradient back, and the optimizer steps on the CPU"
+    )
+
+
+def move_unsharded_states(root: nn.Module, device: torch.device) -> None:
+    """Move what FSDP does not manage -- buffers, and parameters outside any unit -- to ``device``, leaving
+    the sharded parameters where the offload policy keeps them. ``root.to(device)`` would copy them to the
+    GPU too (FSDP2 then copies pinned shards back, and refuses unpinned ones on the GPU at the first
+    forward)."""
+    for module in root.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+        for name, param in module._parameters.items():
+            if param is not None and not hasattr(param, "device_mesh") and param.device != device:
+                with torch.no_grad():
+                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+
+
+def check_clipping(params: Iterable[Tensor]) -> None:
+    """Clipping by norm all-reduces the gradients' partial norms over their groups, on the device the
+    gradients are on: with offloaded (host) gradients on NCCL, which takes GPU tensors only, it would fail
+    inside the collective; refuse it with the way out instead."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        if local_shard(grad).device.type == "cpu":
+            raise ValueError(
+                "Gradient clipping by norm does not work with cpu_offload on NCCL yet: the gradients are in host "
+                "memory and the norm's all-reduce runs on NCCL, which takes GPU tensors only. Remove gradient "
+                "clipping (Trainer(gradient_clip_val=None)) or drop cpu_offload."
+            )
+        return
