@@ -118,6 +118,7 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
             ranks_per_node=cluster.ranks_per_node,
             process_group_backend="gloo",
             cross_replica_dtype=spec.cross_replica_dtype,
+            cross_replica_overlap=spec.cross_replica_overlap,
         )
     if spec.family == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -248,6 +249,7 @@ def summarize(
         "optim_degree": spec.optim_degree,
         "planned": spec.planned,
         "cross_replica_dtype": spec.cross_replica_dtype,
+        "cross_replica_overlap": spec.cross_replica_overlap,
         "status": "ok",
         "step_time_s": step_time,
         "step_times_s": step_times,

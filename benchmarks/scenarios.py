@@ -62,6 +62,8 @@ class StrategySpec:
         planned: the layout is not given but chosen by the planner at set-up for the measured cluster
             (``MiCSStrategy(sharding="auto", grad_accumulation="auto", planner_cluster="calibrate")``);
             the row's result records the choice (:meth:`with_choice`) and its bytes follow from it.
+        cross_replica_overlap: MiCS's hop 2 started per unit during the boundary backward (the default);
+            ``False`` (the ``-serial`` rows): FSDP2's own hop 2, or a compressed one after backward.
     """
 
     name: str
@@ -75,6 +77,7 @@ class StrategySpec:
     cross_replica_dtype: Optional[str] = None
     optim_degree: Optional[int] = None
     planned: bool = False
+    cross_replica_overlap: bool = True
 
     def with_choice(self, record: dict[str, Any]) -> StrategySpec:
         """A planned row with the layout its result recorded (the planner's choice at set-up)."""
@@ -127,6 +130,10 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
                                  "grad_accumulation='auto', planner_cluster='calibrate'"),
         StrategySpec("mics-auto-bf16", "mics", m, planned=True, cross_replica_dtype="bf16",
                      description="mics-auto with a bf16 cross-replica all-reduce"),
+        StrategySpec("mics-serial", "mics", m, hierarchical=False, cross_replica_overlap=False,
+                     description="mics with hop 2 after each unit's reduce-scatter, blocking (before issue 24)"),
+        StrategySpec("mics-auto-serial", "mics", m, planned=True, cross_replica_overlap=False,
+                     description="mics-auto with hop 2 not overlapped with backward (before issue 24)"),
         StrategySpec("mics-int8", "mics", m, hierarchical=False, cross_replica_dtype="int8",
                      description="MiCS, partition = one node, blockwise-int8 cross-replica all-reduce"),
         StrategySpec("mics-zero2-int8", "mics", m, hierarchical=False, grad_accumulation="unsharded",

@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as l
 # ``set_custom_reduce_scatter`` are public, the classes they take are not). torch >= 2.8.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
 
-
 # Counting collectives without patching torch.distributed (``collectives.CollectiveRecorder``):
 # ``TorchDispatchMode`` sees every dispatcher op a thread issues while the mode is on its stack, the
 # c10d collectives (``c10d::allreduce_``, ``c10d::_allgather_base_``, ...) included; it lives in a
@@ -36,8 +35,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 # Its ``ignore_compile_internals`` hook (which keeps torch.compile compiling under the mode) was
 # added in 2025 (pytorch#161648); a torch without it ignores the override and compiles nothing while
 # recording. The c10d op names and schemas the recorder reads are the same on 2.11 and 2.13.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack  # noqa: E402
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,  # noqa: E402
+    _get_current_dispatch_mode_stack,  # noqa: E402
+)
 
 
 def dispatch_mode_stack() -> list[Any]:
@@ -130,6 +131,28 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
     return list(groups)
 
 
+def fsdp_unit_parameters(unit: Any) -> list[Any]:
+    """The parameters one ``fully_shard``-ed module manages itself (not those of units nested in it), in
+    FSDP2's order -- the order of its reduce-scatter buffer."""
+    params: list[Any] = []
+    for group in fsdp_param_groups(unit):
+        fsdp_params = getattr(group, "fsdp_params", None)
+        if fsdp_params is None:
+            raise RuntimeError(
+                f"lightning-mics overlaps hop 2 with backward through torch's private FSDPParamGroup.fsdp_params, "
+                f"which torch {torch.__version__} does not have (checked on 2.11 and 2.13). Set "
+                "MiCSStrategy(cross_replica_overlap=False), and report the torch version at lightning-mics."
+            )
+        params.extend(fsdp_param.sharded_param for fsdp_param in fsdp_params)
+    return params
+
+
+def fsdp_requires_all_reduce(unit: Any) -> bool:
+    """Whether the unit's next reduction is a boundary one: what ``set_requires_all_reduce`` set (FSDP2
+    keeps it per parameter group); ``True`` where torch keeps no such flag."""
+    return all(getattr(group, "all_reduce_grads", True) for group in fsdp_param_groups(unit))
+
+
 def set_post_forward_mesh_info(param_group: Any, mesh_info: Any) -> None:
     """Make ``param_group`` reshard to ``mesh_info`` after forward (``None``: not at all). The group and
     each of its FSDPParams hold it; each FSDPParam also derived its post-forward shard's size from it at
@@ -161,22 +184,6 @@ def process_group_count() -> int:
 # ----------------------------------------------------------------------------------------------- Lightning
 # lightning 2.5 - 2.6: the helpers Lightning's own DDP/FSDP strategies use to start processes, move
 # optimizer state and reduce across ranks; a ParallelStrategy subclass needs the same.
-from lightning.fabric.utilities.distributed import (  # noqa: E402
-    _distributed_is_initialized as distributed_is_initialized,
-)
-from lightning.fabric.utilities.distributed import (  # noqa: E402
-    _get_default_process_group_backend_for_device as default_process_group_backend_for_device,
-)
-from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: E402
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: E402
-from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
-
-# The launcher that re-runs the script once per extra local rank (what DDPStrategy uses).
-from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
-    _SubprocessScriptLauncher as SubprocessScriptLauncher,
-)
-
-
 # Fabric (lightning 2.6): the launcher that re-runs the script once per extra local rank (what Fabric's
 # DDP/FSDP strategies use), the interface ``fabric.no_backward_sync`` asks a strategy for, and the
 # protocol Fabric uses to tell objects with ``state_dict``/``load_state_dict`` in ``fabric.save``
@@ -186,7 +193,21 @@ from lightning.fabric.strategies.launchers.subprocess_script import (  # noqa: E
     _SubprocessScriptLauncher as FabricSubprocessScriptLauncher,
 )
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl  # noqa: E402
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _distributed_is_initialized as distributed_is_initialized,
+)
+from lightning.fabric.utilities.distributed import (  # noqa: E402
+    _get_default_process_group_backend_for_device as default_process_group_backend_for_device,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection  # noqa: E402
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available  # noqa: E402
+from lightning.fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device  # noqa: E402
 from lightning.fabric.utilities.types import _Stateful as Stateful  # noqa: E402
+
+# The launcher that re-runs the script once per extra local rank (what DDPStrategy uses).
+from lightning.pytorch.strategies.launchers.subprocess_script import (  # noqa: E402
+    _SubprocessScriptLauncher as SubprocessScriptLauncher,
+)
 
 
 def expose_device_mesh(module: Any, mesh: Any) -> None:
@@ -234,6 +255,8 @@ __all__ = [
     "distributed_is_initialized",
     "expose_device_mesh",
     "fsdp_param_groups",
+    "fsdp_requires_all_reduce",
+    "fsdp_unit_parameters",
     "init_optimizer_state",
     "init_dist_connection",
     "load_state_dict_into",

@@ -415,26 +415,65 @@ def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire: WireFormat) -
     The message's bytes and the step's collectives are the same on every backend; only where the
     messages live differs (:func:`_wire_device`). Nothing reads a tensor's value on the host.
     """
-    group = dist.GroupMember.WORLD if group is None else group
-    n = dist.get_world_size(group)
-    if n == 1:
-        return
-    flat = tensor.view(-1)
-    piece = wire_codec.padded_numel(-(-flat.numel() // n), wire.block)
-    accumulate = torch.promote_types(tensor.dtype, torch.float32)
-    pieces = torch.zeros(n * piece, dtype=accumulate, device=tensor.device)
-    pieces[: flat.numel()].copy_(flat)
-    wire_device = _wire_device(tensor, group)
-    outgoing = wire_codec.encode_rows(pieces.view(n, piece), wire).to(wire_device)
-    incoming = torch.empty_like(outgoing)
-    with _recorded_as_one("reduce_scatter", group, outgoing):
-        dist.all_to_all_single(incoming, outgoing, group=group)
-    total = _sum_rows(wire_codec.decode_rows(incoming.to(tensor.device), wire, piece), accumulate)
-    mine = wire_codec.encode_rows(total.view(1, piece), wire).to(wire_device)
-    gathered = torch.empty_like(outgoing)
-    all_gather_flat(gathered.view(-1), mine.view(-1), group)
-    decoded = wire_codec.decode_rows(gathered.to(tensor.device), wire, piece)
-    flat.copy_(decoded.view(-1)[: flat.numel()])
+    CompressedAllReduce(tensor, group, wire).wait()
+
+
+class CompressedAllReduce:
+    """:func:`compressed_all_reduce_` in stages, so that it can run behind other work (hop 2 overlapped
+    with backward, :mod:`lightning_mics.overlapped_hop`): the constructor encodes and starts the
+    all-to-all, :meth:`advance` adds the pieces and starts the all-gather, :meth:`wait` finishes and writes
+    the sum into the tensor. The arithmetic is the
+    same whichever way it is driven."""
+
+    def __init__(self, tensor: torch.Tensor, group: Any, wire: WireFormat) -> None:
+        self.tensor, self.wire = tensor, wire
+        self.group = dist.GroupMember.WORLD if group is None else group
+        n = dist.get_world_size(self.group)
+        self.done = n == 1
+        if self.done:
+            return
+        flat = tensor.view(-1)
+        self.piece = wire_codec.padded_numel(-(-flat.numel() // n), wire.block)
+        self.accumulate = torch.promote_types(tensor.dtype, torch.float32)
+        pieces = torch.zeros(n * self.piece, dtype=self.accumulate, device=tensor.device)
+        pieces[: flat.numel()].copy_(flat)
+        self.wire_device = _wire_device(tensor, self.group)
+        self.outgoing = wire_codec.encode_rows(pieces.view(n, self.piece), wire).to(self.wire_device)
+        self.incoming = torch.empty_like(self.outgoing)
+        with _recorded_as_one("reduce_scatter", self.group, self.outgoing):
+            self.exchange = dist.all_to_all_single(self.incoming, self.outgoing, group=self.group, async_op=True)
+        self.gather: Any = None
+        self.gathered: Optional[torch.Tensor] = None
+
+    def _start_gather(self) -> None:
+        """Rank ``i`` adds every rank's message for piece ``i`` in fp32, encodes the sum once and starts
+        the all-gather of the sums."""
+        self.exchange.wait()
+        decoded = wire_codec.decode_rows(self.incoming.to(self.tensor.device), self.wire, self.piece)
+        total = _sum_rows(decoded, self.accumulate)
+        mine = wire_codec.encode_rows(total.view(1, self.piece), self.wire).to(self.wire_device)
+        self.gathered = torch.empty_like(self.outgoing)
+        self.gather = all_gather_flat(self.gathered.view(-1), mine.view(-1), self.group, async_op=True)
+
+    def advance(self) -> None:
+        """Move on to the all-gather (waiting for the all-to-all if it has not arrived). Call it at the same
+        point on every rank -- never on local completion: collectives on one group must start in the same
+        order everywhere."""
+        if not self.done and self.gather is None:
+            self._start_gather()
+
+    def wait(self) -> None:
+        """Finish: every rank decodes the same gathered bytes into ``tensor``."""
+        if self.done:
+            return
+        if self.gather is None:
+            self._start_gather()
+        self.gather.wait()
+        assert self.gathered is not None
+        flat = self.tensor.view(-1)
+        decoded = wire_codec.decode_rows(self.gathered.to(self.tensor.device), self.wire, self.piece)
+        flat.copy_(decoded.view(-1)[: flat.numel()])
+        self.done = True
 
 
 class _PlainAllocation:

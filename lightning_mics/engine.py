@@ -58,6 +58,7 @@ from lightning_mics.layout import (
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import MiCSOptions
+from lightning_mics.overlapped_hop import OverlappedCrossReplicaSync
 from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import WrapPlan, plan_wrapping
 
@@ -66,8 +67,9 @@ log = logging.getLogger("lightning_mics")
 #: The checkpoint entry that holds the fault-tolerance state (torchft's step count).
 FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
 
-#: Hop 2 when the engine runs it: in a compressed wire format, or through torchft across fault domains.
-CrossReplicaHook = Union[CompressedCrossReplicaSync, ManagedCrossReplicaSync]
+#: Hop 2 when the engine runs it: per unit behind backward, in a compressed wire format after it, or through
+#: torchft across fault domains.
+CrossReplicaHook = Union[OverlappedCrossReplicaSync, CompressedCrossReplicaSync, ManagedCrossReplicaSync]
 #: What runs around an optimizer's step: AMSP optimizer-state sharding, or hop 2 run by the engine.
 StepHook = Union[ReplicaShardedOptimizerStates, CrossReplicaHook]
 
@@ -155,6 +157,8 @@ class MiCSEngine:
                 cross_replica_wire=self.cross_replica_wire,
                 log=log if strategy.is_global_zero else None,
                 planner_cluster=o.planner_cluster,
+                cross_replica_overlap=o.cross_replica_overlap,
+                cpu_offload=o.cpu_offload,
             )
         settings = resolve_layout(
             world_size=world_size,
@@ -169,6 +173,8 @@ class MiCSEngine:
             grad_accumulation=o.grad_accumulation,
             cross_replica_wire=self.cross_replica_wire,
             plan_layout=planner,
+            cross_replica_overlap=o.cross_replica_overlap,
+            cpu_offload=o.cpu_offload,
         )
         if o.fault_tolerance is not None:
             beyond = settings.optim_degree is not None and settings.optim_degree > settings.topology.partition_size
@@ -303,6 +309,17 @@ class MiCSEngine:
             hook.before_step()
             self._synced_before_step.add(id(optimizer))
 
+    def closure_then_sync(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (it runs the boundary backward inside ``optimizer.step``), followed by
+        :meth:`sync_before_step`: the gradients cross replicas before the update reads them."""
+
+        def closure_then_sync_across_replicas() -> Any:
+            result = closure()
+            self.sync_before_step(optimizer)
+            return result
+
+        return closure_then_sync_across_replicas
+
     def finish_step(self, optimizer: Optimizer) -> None:
         """After the step: AMSP gathers the updated slices into the parameters."""
         self._synced_before_step.discard(id(optimizer))
@@ -382,6 +399,11 @@ class MiCSEngine:
 
     def teardown(self) -> None:
         """The run ends only once its last checkpoint is committed (a failed background save raises here)."""
+        for sync in self._model_syncs.values():  # the model may go on under another strategy
+            if isinstance(sync, OverlappedCrossReplicaSync):
+                sync.remove()
+        self._model_syncs.clear()
+        self._cross_replica.clear()
         try:
             if self.async_saver is not None:
                 self.async_saver.close()

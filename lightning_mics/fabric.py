@@ -159,10 +159,14 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             )
         self._shards.point_at_shards(optimizer)
         models = self._shards.models_of(optimizer)
-        if len(models) > 1 and self.cross_replica_wire is not None and self.topology.replication_degree > 1:
+        layout = self._engine.layout()
+        if len(models) > 1 and layout.topology.replication_degree > 1 and (
+            layout.cross_replica_wire is not None or layout.cross_replica_overlap
+        ):
             raise ValueError(
-                "With cross_replica_dtype, an optimizer must hold the parameters of one model (its gradients are "
-                "synced across replicas once per step, model by model): use one optimizer per model."
+                "With cross_replica_dtype or cross_replica_overlap (the default), an optimizer must hold the "
+                "parameters of one model (hop 2 runs model by model): use one optimizer per model, or "
+                "MiCSFabricStrategy(cross_replica_overlap=False) without cross_replica_dtype."
             )
         loss_scaling = self.precision.scaler is not None
         if self.options.fault_tolerance is not None:
@@ -236,12 +240,11 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         updated slices after."""
         if self._engine.step_hook(optimizer) is None:
             return super().optimizer_step(optimizer, **kwargs)
-        if kwargs.get("closure") is not None:
-            raise ValueError(
-                "optimizer.step(closure) is not supported with cross_replica_dtype or optimizer states sharded "
-                "across replicas (ShardingSpec optim > grads): run the backward before calling optimizer.step()."
-            )
-        self._engine.sync_before_step(optimizer)
+        closure = kwargs.get("closure")
+        if closure is None:
+            self._engine.sync_before_step(optimizer)
+        else:  # the closure runs the backward: gradients cross replicas right after it, inside the step
+            kwargs["closure"] = self._engine.closure_then_sync(optimizer, closure)
         output = super().optimizer_step(optimizer, **kwargs)
         self._engine.finish_step(optimizer)
         return output

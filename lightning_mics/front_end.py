@@ -27,7 +27,6 @@ from lightning_mics.options import MiCSOptions, ShardingOption
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wire import WireFormat
 
-
 T = TypeVar("T")
 
 

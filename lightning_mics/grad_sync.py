@@ -39,7 +39,6 @@ from lightning_mics import _compat as compat
 from lightning_mics.collectives import compressed_all_reduce_
 from lightning_mics.wire import WireFormat
 
-
 #: How gradients accumulate between optimizer steps (module docstring).
 GradAccumulation = Literal["sharded", "unsharded"]
 GRAD_ACCUMULATION_MODES: tuple[str, ...] = get_args(GradAccumulation)

@@ -59,6 +59,7 @@ from lightning_mics.offload import (
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import Hierarchical, ShardingOption
+from lightning_mics.overlapped_hop import OverlappedCrossReplicaSync
 from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
 from lightning_mics.post_forward_mesh import PostForwardMeshes
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
@@ -210,14 +211,21 @@ class MiCSLayout:
         return self.settings.cross_replica_wire
 
     @property
+    def cross_replica_overlap(self) -> bool:
+        """Hop 2 runs per unit behind the boundary backward (:mod:`lightning_mics.overlapped_hop`)."""
+        return self.settings.cross_replica_overlap
+
+    @property
     def shards_optimizer_beyond_partition(self) -> bool:
         return self.optim_groups is not None
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards on. With optimizer states sharded across replicas or a compressed
-        cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
-        ours = self.shards_optimizer_beyond_partition or self.cross_replica_wire is not None
+        """The mesh FSDP shards on. With optimizer states sharded across replicas, a compressed or an
+        overlapped cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
+        ours = (
+            self.shards_optimizer_beyond_partition or self.cross_replica_wire is not None or self.cross_replica_overlap
+        )
         if ours and self.device_mesh.ndim == 2:
             return self.device_mesh[SHARD_DIM]
         return self.device_mesh
@@ -310,6 +318,9 @@ class LayoutSettings:
     cross_replica_wire: Optional[WireFormat]
     device_type: str
     backend: str
+    #: hop 2 started per unit during the boundary backward (:mod:`lightning_mics.overlapped_hop`); ``False``
+    #: where there is no hop 2 to overlap or the engine runs another one (AMSP optim > grads)
+    cross_replica_overlap: bool = False
     planner_reason: Optional[str] = field(default=None, compare=False)
     #: ``cpu_offload``'s FSDP2 policy (sharded states in host memory), or ``None``
     cpu_offload: Optional[CPUOffloadPolicy] = None
@@ -352,6 +363,7 @@ def resolve_layout(
     cross_replica_wire: Optional[WireFormat] = None,
     cpu_offload: CPUOffloadOption = False,
     plan_layout: Optional[LayoutPlanner] = None,
+    cross_replica_overlap: bool = False,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
@@ -390,6 +402,12 @@ def resolve_layout(
         cross_replica_wire=cross_replica_wire,
         device_type=device_type,
         backend=backend,
+        # hop 2 is started per unit on the device's gradient shards: not on offloaded (host) ones, and not where
+        # AMSP's optimizer-state sharding runs its own
+        cross_replica_overlap=cross_replica_overlap
+        and topology.replication_degree > 1
+        and (optim_degree is None or optim_degree <= topology.partition_size)
+        and offload is None,
         planner_reason=planner_reason,
         cpu_offload=offload,
     )
@@ -477,6 +495,7 @@ def layout_planner(
     log: Optional[logging.Logger] = None,
     planner_cluster: PlannerCluster = None,
     cpu_offload: CPUOffloadOption = False,
+    cross_replica_overlap: bool = True,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
     :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``.
@@ -502,6 +521,7 @@ def layout_planner(
             cross_replica_bytes=cross_replica_wire.element_bytes if cross_replica_wire is not None else None,
             cluster=cluster,
             cpu_offload=offloading,
+            cross_replica_overlap=cross_replica_overlap and not offloading,  # as resolve_layout decides
         )
         if log is not None:
             chosen = choice.estimate
@@ -638,13 +658,21 @@ def shard_optimizer_states(
     }
 
 
-def cross_replica_sync(module: nn.Module, layout: MiCSLayout) -> Optional[CompressedCrossReplicaSync]:
-    """``cross_replica_dtype``: the hook that all-reduces ``module``'s gradient shards across replicas
-    in the compressed wire format once per optimizer step (before clipping and the step); ``None``
-    without the option or without replicas."""
-    if layout.cross_replica_wire is None or layout.topology.replication_degree == 1:
+def cross_replica_sync(
+    module: nn.Module, layout: MiCSLayout
+) -> Optional[Union[OverlappedCrossReplicaSync, CompressedCrossReplicaSync]]:
+    """Hop 2 when the engine runs it instead of FSDP2's 2-D mesh: started per unit behind the boundary
+    backward (``cross_replica_overlap``, in the gradients' dtype or ``cross_replica_dtype``), or once per
+    optimizer step in ``cross_replica_dtype`` (before clipping and the step); ``None`` without replicas, or
+    when FSDP2 runs it."""
+    if layout.topology.replication_degree == 1 or layout.shards_optimizer_beyond_partition:
         return None
-    return CompressedCrossReplicaSync(module, layout.device_mesh.get_group(0), layout.cross_replica_wire)
+    replica_group = layout.device_mesh.get_group(0)
+    if layout.cross_replica_overlap:
+        return OverlappedCrossReplicaSync(module, replica_group, layout.cross_replica_wire)
+    if layout.cross_replica_wire is None:
+        return None
+    return CompressedCrossReplicaSync(module, replica_group, layout.cross_replica_wire)
 
 
 @contextmanager

@@ -106,6 +106,12 @@ class MiCSOptions:
     per message, or ``"int8"``: blockwise int8 with one fp32 scale per 256 elements, ~0.25x the bytes.
     Reduce-scatters inside the partition and the optimizer stay in full precision."""
 
+    cross_replica_overlap: bool = True
+    """Start hop 2 for each FSDP unit as soon as its gradients are final on the boundary micro-step, so the
+    transfer across nodes runs while backward computes the earlier units (DDP's buckets, with units as the
+    buckets); the optimizer step waits for it. ``False``: FSDP2's own hop 2 on its 2-D mesh, which blocks the
+    backward where there are no CUDA streams (CPU ranks), and a compressed hop 2 after backward."""
+
     activation_checkpointing_policy: AutoWrapPolicy = None
     """Recompute activations in backward for these modules: ``True`` = every wrapped block; module classes
     or a callable as for ``auto_wrap_policy``."""
@@ -219,7 +225,7 @@ class MiCSOptions:
                 f"checkpoint_verify={self.checkpoint_verify!r} is not one of {list(VERIFY_MODES)}: 'checksum' checks "
                 "sizes and CRC-32 of every file before loading, 'size' only sizes, 'none' nothing."
             )
-        for name in ("async_save", "release_gradients_after_step", "compile_blocks"):
+        for name in ("async_save", "release_gradients_after_step", "compile_blocks", "cross_replica_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         check_buffer_sync(self.buffer_sync)

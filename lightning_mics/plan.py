@@ -17,8 +17,8 @@ for the cost model.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace

@@ -85,6 +85,9 @@ class MiCSPrecision(FSDPPrecision):
         #: :func:`~lightning_mics.grad_sync.clip_grad_norm_`); the strategy sets it at setup from its
         #: optimizer-state sharding, empty without one.
         self.disjoint_groups: Mapping[Tensor, Sequence[dist.ProcessGroup]] = {}
+        #: Run before clipping (the strategy sets it): the boundary gradients cross replicas first where the
+        #: engine runs hop 2, also when manual optimization clips before ``optimizer.step()``.
+        self.before_clipping: Callable[[Optimizer], None] = lambda optimizer: None
 
     @classmethod
     def from_plugin(cls, plugin: Precision) -> "MiCSPrecision":
@@ -107,6 +110,7 @@ class MiCSPrecision(FSDPPrecision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:  # type: ignore[override]
         """Clip by the true global gradient norm over all shards; the norm is kept for logging. Refused
         for offloaded gradients on NCCL (:func:`~lightning_mics.offload.check_clipping`)."""
+        self.before_clipping(optimizer)
         params = list(self.main_params(optimizer))
         check_clipping(params)
         self.last_grad_norm = clip_grad_norm_(params, float(clip_val), disjoint_groups=self.disjoint_groups)

@@ -21,10 +21,10 @@ elements gathered and ``R_u`` trainable elements reduced (both padded to the sha
   sharing them, an all-reduce of the ``R_u / OS`` slice across the rest, and after the optimizer
   step an all-gather of the updated ``G_u / P`` shard across the ``OS / P`` replicas. With a
   compressed ``cross_replica_bytes`` per element (MiCSStrategy's ``cross_replica_dtype``: 2 for
-  bf16, ``1 + 4 / 256`` for blockwise int8) the all-reduces become one reduce-scatter and one
-  all-gather per optimizer step of all units' shards packed together (each unit's ``R_u / P``
-  elements, the total padded to a multiple of the replication degree times ``cross_replica_block``,
-  the elements per int8 scale).
+  bf16, ``1 + 4 / 256`` for blockwise int8) each unit's all-reduce becomes a reduce-scatter and an
+  all-gather of its ``R_u / P`` elements, padded to a multiple of the replication degree times
+  ``cross_replica_block``, the elements per int8 scale (``cross_replica_per_unit=False``, the hop after
+  backward: one such pair per optimizer step of all units' shards packed together).
 
 A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
@@ -106,6 +106,9 @@ class StepLayout:
     cross_replica_bytes: Optional[float] = None
     #: elements per block of the compressed format (each rank's piece is padded to whole blocks)
     cross_replica_block: int = 1
+    #: the compressed hop cut per unit (``cross_replica_overlap``, the default: each unit's message starts
+    #: when its gradients are final) rather than one message packing every unit's shard after backward
+    cross_replica_per_unit: bool = True
 
     def __post_init__(self) -> None:
         check_grad_accumulation(self.grad_accumulation)
@@ -240,7 +243,9 @@ def _gradient_reductions(unit: UnitSize, layout: StepLayout) -> list[ScheduledCo
         "partition",
     )
     if layout.cross_replica_bytes is not None and layout.optim == layout.partition_size:
-        return entries  # packed with the other units' shards (_packed_cross_replica)
+        if layout.cross_replica_per_unit:
+            return entries + _compressed_cross_replica([unit], layout)
+        return entries  # packed with the other units' shards (_compressed_cross_replica after the loop)
     return entries + _cross_replica_reductions(unit, layout, reduced)
 
 
@@ -271,9 +276,9 @@ def _cross_replica_reductions(unit: UnitSize, layout: StepLayout, reduced: Numbe
     ]
 
 
-def _packed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
-    """The compressed hop across replicas (``cross_replica_bytes``, ``OS = P``): one reduce-scatter
-    and one all-gather per optimizer step of every unit's ``R_u / P`` shard packed together, the
+def _compressed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
+    """The compressed hop across replicas (``cross_replica_bytes``, ``OS = P``) of ``units``: one
+    reduce-scatter and one all-gather per optimizer step of their ``R_u / P`` shards packed together, the
     total padded to whole blocks of ``cross_replica_block`` elements for each replica."""
     p = layout.partition_size
     replicas = layout.world_size // p
@@ -299,4 +304,6 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
         schedule += _parameter_gathers(unit, layout)
         if unit.reduce_numel:
             schedule += _gradient_reductions(unit, layout)
-    return schedule + _packed_cross_replica(units, layout)
+    if layout.cross_replica_per_unit:
+        return schedule
+    return schedule + _compressed_cross_replica(units, layout)

@@ -153,6 +153,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raw = [unwrap_optimizer(o) for o in self.optimizers]
             self._engine.attach_optimizers(raw, self._root, loss_scaling=self.precision_plugin.scaler is not None)
             self.precision_plugin.disjoint_groups = self._engine.disjoint_groups()
+            self.precision_plugin.before_clipping = lambda opt: self._engine.sync_before_step(unwrap_optimizer(opt))
         if self.is_global_zero:
             self.layout.log_description(log, self.lightning_module, len(self._fsdp_units), self._wrap_plan)
 
@@ -218,13 +219,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         if self._engine.step_hook(raw) is None:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
-
-            def closure_then_sync_across_replicas() -> Any:
-                result = closure()
-                self._engine.sync_before_step(raw)
-                return result
-
-            output = super().optimizer_step(optimizer, closure_then_sync_across_replicas, model, **kwargs)
+            output = super().optimizer_step(optimizer, self._engine.closure_then_sync(raw, closure), model, **kwargs)
             self._engine.finish_step(raw)
         module = self.lightning_module
         if self.release_gradients_after_step and module is not None and module.automatic_optimization:

@@ -217,6 +217,7 @@ def analytic_comm_bytes(
     grad_accumulation: GradAccumulation = "sharded",
     cross_replica_bytes: Optional[float] = None,
     cross_replica_block: int = 1,
+    cross_replica_per_unit: bool = True,
 ) -> CommBytes:
     """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2: the sum of
     :func:`lightning_mics.schedule.step_schedule` for these units (its docstring derives it).
@@ -241,9 +242,10 @@ def analytic_comm_bytes(
     the scalar all-reduce of gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
     ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (2 for
     ``cross_replica_dtype="bf16"``, ``1 + 4 / 256`` for ``"int8"``), which turns the all-reduces
-    into one packed reduce-scatter and all-gather across replicas; ``cross_replica_block``: its
-    elements per scale (256 for int8), to which each rank's piece is padded.
-    :meth:`WireFormat.byte_model <lightning_mics.wire.WireFormat.byte_model>` gives both.
+    into reduce-scatters and all-gathers across replicas; ``cross_replica_block``: its
+    elements per scale (256 for int8), to which each rank's piece is padded; ``cross_replica_per_unit``:
+    one such message per unit (``cross_replica_overlap``, the default) or one for all units.
+    :meth:`WireFormat.byte_model <lightning_mics.wire.WireFormat.byte_model>` gives the first two.
     """
     if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
         raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
@@ -257,6 +259,7 @@ def analytic_comm_bytes(
         reduce_bytes=reduce_bytes,
         cross_replica_bytes=cross_replica_bytes,
         cross_replica_block=cross_replica_block,
+        cross_replica_per_unit=cross_replica_per_unit,
     )
     by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
     by_group: Counter[str] = Counter({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})

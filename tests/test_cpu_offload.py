@@ -204,11 +204,6 @@ def test_states_fsdp_does_not_manage_move_and_nothing_else() -> None:
     assert {t.device.type for t in [*module.parameters(), *module.buffers()]} == {"meta"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the engine hook: MiCSEngine.resolve_layout must pass cpu_offload=o.cpu_offload to layout_planner "
-    "and resolve_layout (remove this marker with that change)",
-)
 def test_the_engine_hands_the_option_to_the_layout() -> None:
     class Rank:  # what MiCSEngine.resolve_layout reads of a strategy
         world_size, global_rank, num_processes, is_global_zero = 4, 0, 4, False

@@ -14,7 +14,6 @@ from lm_jobs import MICRO_BATCH, SMALL_GPT, fit_small_gpt, quick_trainer
 
 from lightning_mics import MiCSStrategy, MiCSTopology
 from lightning_mics.collectives import CollectiveCall
-from lightning_mics.wire import INT8
 from lightning_mics.telemetry import (
     CROSS_REPLICA,
     INTRA_PARTITION,
@@ -28,6 +27,7 @@ from lightning_mics.telemetry import (
     fsdp_unit_shapes,
     padded_numel,
 )
+from lightning_mics.wire import INT8
 
 WORLD, RANKS_PER_NODE, ACCUMULATE, STEPS = 4, 2, 2, 3
 #: (partition size, grad_accumulation, cross_replica_dtype): MiCS 2x2, pure replication, ZeRO-3, MiCS 2x2
@@ -88,6 +88,20 @@ def test_analytic_formula_for_an_int8_cross_replica_hop_by_hand() -> None:
     assert got.by_kind["all_gather"] == fp32.by_kind["all_gather"] + 2 * 260
     assert got.cross_replica == 4 * 260 and isinstance(got.cross_replica, int)
     assert got.intra_partition == fp32.intra_partition
+
+
+def test_int8_messages_are_cut_per_unit_when_overlapped_else_packed() -> None:
+    """Two such units: overlapped (the default) each unit's 9 elements get their own 2 pieces of one block
+    (2 x 260 bytes per unit and collective); after backward, packed, the 18 elements still fit 2 pieces."""
+    unit = UnitShapes(shapes=((5, 3), (5,)), trainable=(True, False), reshard_after_forward=True)
+    fp32 = analytic_comm_bytes([unit, unit], partition_size=2, replication_degree=2)
+    per_unit = analytic_comm_bytes([unit, unit], partition_size=2, replication_degree=2, **INT8.byte_model())
+    packed = analytic_comm_bytes(
+        [unit, unit], partition_size=2, replication_degree=2, **INT8.byte_model(), cross_replica_per_unit=False
+    )
+    assert per_unit.by_kind["reduce_scatter"] == fp32.by_kind["reduce_scatter"] + 2 * 2 * 260
+    assert packed.by_kind["reduce_scatter"] == fp32.by_kind["reduce_scatter"] + 2 * 260
+    assert (per_unit.cross_replica, packed.cross_replica) == (8 * 260, 4 * 260)
 
 
 def test_calls_are_split_by_the_group_they_ran_on() -> None:
@@ -173,6 +187,7 @@ def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
                 expected=expected,
                 memory=telemetry.memory_per_rank,
                 full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
+                units=len(strategy.fsdp_units),
                 metrics_csv=str(Path(logger.log_dir) / "metrics.csv"),
             )
         )
@@ -210,11 +225,14 @@ def test_layouts_move_the_traffic_where_mics_says(measured) -> None:
     assert zero3.cross_replica == 0 and zero3.intra_partition > 0
     # unsharded accumulation: one reduce-scatter per optimizer step instead of one per micro-step
     assert unsharded.by_kind["reduce_scatter"] * ACCUMULATE == mics.by_kind["reduce_scatter"]
-    assert (unsharded.by_kind["all_gather"], unsharded.cross_replica) == (mics.by_kind["all_gather"], mics.cross_replica)
-    # bf16 on the cross-replica hop: a packed reduce-scatter + all-gather of 2-byte elements instead
-    # of fp32 all-reduces -- half the ring bytes (payload 2 x 2 bytes vs 4, up to the packing's padding)
+    assert unsharded.by_kind["all_gather"] == mics.by_kind["all_gather"]
+    assert unsharded.cross_replica == mics.cross_replica
+    # bf16 on the cross-replica hop: per unit a reduce-scatter + all-gather of 2-byte elements instead
+    # of an fp32 all-reduce -- half the ring bytes (payload 2 x 2 bytes vs 4, up to each unit's padding to
+    # a multiple of the 2 replicas: one element, 2 bytes, in each of the two collectives)
     assert compressed.by_kind["all_reduce"] == 0 and compressed.intra_partition == mics.intra_partition
-    assert mics.cross_replica <= compressed.cross_replica <= mics.cross_replica + 2 * 2 * 2
+    units = measured[0][len(LAYOUTS) - 1]["units"]
+    assert mics.cross_replica <= compressed.cross_replica <= mics.cross_replica + 2 * 2 * 2 * units
 
 
 @pytest.mark.distributed

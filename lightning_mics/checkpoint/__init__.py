@@ -55,8 +55,8 @@ from lightning_mics.checkpoint.format import (
     PathLike,
     read_record,
 )
-from lightning_mics.checkpoint.integrity import VERIFY_MODES, VerifyMode
 from lightning_mics.checkpoint.from_checkpoint import load_from_checkpoint
+from lightning_mics.checkpoint.integrity import VERIFY_MODES, VerifyMode
 from lightning_mics.checkpoint.loading import inspect_checkpoint, load, read_full_state
 from lightning_mics.checkpoint.rng import capture_rng_state, restore_rng_state
 from lightning_mics.checkpoint.saving import AsyncCheckpointSaver, save

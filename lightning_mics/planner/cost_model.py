@@ -194,6 +194,8 @@ class Collective:
     payload_bytes: float  #: total over the units (each call carries payload / count)
     count: int
     every_micro_step: bool
+    #: the :data:`~lightning_mics.schedule.GroupRole` it runs on (``"replication"``: hop 2)
+    role: str = ""
 
     def cost(self, cluster: ClusterSpec, hierarchical: bool) -> CollectiveCost:
         # Each unit is its own collective: latency is paid per call, bandwidth on the total.
@@ -257,7 +259,7 @@ def layout_schedule(
         else:
             group = _group_shape(entry.group, entry.group_size, layout)
             merged[key] = Collective(
-                entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step
+                entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step, entry.group
             )
     return list(merged.values())
 
@@ -458,7 +460,9 @@ def estimate(
     comm, first_forward = _costs_by_phase(schedule, cluster)
     copies = host_copies(layout, model, training, cluster, grad_accumulation)
     comm, first_forward = copies.added_to(comm, first_forward)
-    exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a) + copies.blocking_s
+    hop2 = _overlapped_hop2_s(schedule, cluster, training)
+    exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a, hop2)
+    exposed += copies.blocking_s
     optimizer_step = _optimizer_step_s(layout, model, training, cluster)
     return LayoutEstimate(
         layout=layout,
@@ -523,6 +527,15 @@ def _costs_by_phase(
     return comm, first_forward
 
 
+def _overlapped_hop2_s(schedule: list[Collective], cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """Seconds of the boundary's cross-replica collectives when the strategy starts them per unit behind
+    backward (``cross_replica_overlap``), else 0 (they are part of the blocking boundary reduction)."""
+    if not training.cross_replica_overlap:
+        return 0.0
+    hop2 = [c for c in schedule if c.phase == "boundary" and c.role == "replication"]
+    return sum(c.cost(cluster, hierarchical=False).time_s for c in hop2)
+
+
 def _exposed_comm_s(
     comm: dict[str, CollectiveCost],
     first_forward: CollectiveCost,
@@ -530,11 +543,16 @@ def _exposed_comm_s(
     units: int,
     cluster: ClusterSpec,
     a: int,
+    hop2: float = 0.0,
 ) -> float:
     """Communication time left visible in one optimizer step of ``a`` micro-steps: of each micro-step's
     forward and backward (:func:`_exposed`; compute split 1/3 forward, 2/3 backward), plus the
-    post-step all-gather in full."""
+    post-step all-gather in full. ``hop2``: seconds of the boundary's cross-replica hop started per unit
+    (:func:`_overlapped_hop2_s`), taken out of the boundary and hidden, at ``hop2_overlap``, behind what the
+    rank does meanwhile: the boundary backward's compute and its own exposed communication (the last unit's
+    share cannot hide)."""
     fwd, bwd, boundary, post = (comm[k].time_s for k in ("forward", "backward", "boundary", "post_step"))
+    boundary -= hop2
     forward_compute, backward_compute = compute_micro / 3, compute_micro * 2 / 3
 
     def exposed_micro_step(forward_comm: float, backward_comm: float) -> float:
@@ -552,6 +570,10 @@ def _exposed_comm_s(
             + (a - 2) * exposed_micro_step(fwd, bwd)
             + exposed_micro_step(fwd, bwd + boundary)
         )
+    if hop2 > 0:
+        hop2_overlap = cluster.overlap if cluster.hop2_overlap is None else cluster.hop2_overlap
+        window = backward_compute + _exposed(bwd + boundary, backward_compute, units, cluster.overlap)
+        exposed_steps += _exposed(hop2, window, units, hop2_overlap)
     return exposed_steps + post
 
 

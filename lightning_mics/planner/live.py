@@ -120,10 +120,11 @@ def describe_cluster(cluster: Optional[ClusterSpec]) -> str:
 
 def measure_cluster(base: ClusterSpec, ranks_per_node: int, device: Any) -> ClusterSpec:
     """``base`` with this job's measured links, compute rate and optimizer-step rate. CPU ranks
-    share cores with gloo's communication, so nothing overlaps there (``overlap=0``)."""
-    from lightning_mics.topology import MiCSTopology
-
+    share cores with gloo's communication, so nothing overlaps there (``overlap=0``) -- except hop 2 when the
+    strategy starts it per unit (``hop2_overlap=1``): gloo's threads wait on the network while the rank computes."""
     import torch.distributed as dist
+
+    from lightning_mics.topology import MiCSTopology
 
     topology = MiCSTopology.create(dist.get_world_size(), ranks_per_node, ranks_per_node)
     links = calibrate_cluster(topology, device=device)
@@ -134,6 +135,7 @@ def measure_cluster(base: ClusterSpec, ranks_per_node: int, device: Any) -> Clus
         compute_flops=measure_compute_flops(device),
         memory_bandwidth=measure_optimizer_bandwidth(device),
         overlap=0.0 if on_cpu else cluster.overlap,
+        hop2_overlap=1.0 if on_cpu else cluster.hop2_overlap,
         name="calibrated",
     )
 

@@ -290,12 +290,14 @@ def plan_layout_for(
     cross_replica_bytes: Optional[float] = None,
     cluster: Optional[ClusterSpec] = None,
     cpu_offload: bool = False,
+    cross_replica_overlap: bool = True,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
     once the processes exist. ``cluster``: the links and rates to plan for (the strategy's
     ``planner_cluster``, :mod:`lightning_mics.planner.live`); ``None``: :meth:`ClusterSpec.generic`.
     ``cpu_offload``: the strategy's ``cpu_offload`` (the states count against host memory, not the device).
+    ``cross_replica_overlap``: the strategy's (hop 2 hidden behind the boundary backward).
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -314,7 +316,12 @@ def plan_layout_for(
         param_count,
         device_memory_bytes(device, ranks_per_node),
         cluster=cluster,
-        training=TrainingSpec(accumulation=accumulation, precision=precision, cpu_offload=cpu_offload),
+        training=TrainingSpec(
+            accumulation=accumulation,
+            precision=precision,
+            cpu_offload=cpu_offload,
+            cross_replica_overlap=cross_replica_overlap,
+        ),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,
         uniform_only=uniform_only,

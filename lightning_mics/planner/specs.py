@@ -61,6 +61,11 @@ class ClusterSpec:
     #: Fraction of compute time that can hide communication. Not 1 even with separate streams: NCCL
     #: kernels take SMs and HBM bandwidth from the compute they overlap.
     overlap: float = 0.8
+    #: Fraction of the boundary backward that can hide hop 2 when the strategy starts it per unit itself
+    #: (``cross_replica_overlap``); ``None``: :attr:`overlap`. On CPU ranks (calibrated: 1.0) gloo's own
+    #: threads move those bytes while the rank's thread computes, so it hides even where FSDP2's blocking
+    #: collectives do not (``overlap=0``).
+    hop2_overlap: Optional[float] = None
     memory_reserve_fraction: float = 0.1
     #: How reduce-scatters run: ``"ring"`` -- one ring pass (NCCL; MiCSStrategy on gloo, which uses
     #: :func:`~lightning_mics.collectives.ring_reduce_scatter`) -- or ``"all_reduce"``: gloo's own
@@ -98,6 +103,8 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{name} must be >= 0 seconds, got {getattr(self, name)!r}.")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"ClusterSpec.overlap is a fraction in [0, 1], got {self.overlap!r}.")
+        if self.hop2_overlap is not None and not 0.0 <= self.hop2_overlap <= 1.0:
+            raise ValueError(f"ClusterSpec.hop2_overlap is a fraction in [0, 1] or None, got {self.hop2_overlap!r}.")
         if self.reduce_scatter_algorithm not in ("ring", "all_reduce"):
             raise ValueError(
                 "ClusterSpec.reduce_scatter_algorithm must be 'ring' or 'all_reduce', "
@@ -254,6 +261,9 @@ class TrainingSpec:
     activation_checkpointing: bool = False
     #: sharded parameters, gradients and optimizer states in host memory (``MiCSStrategy(cpu_offload=True)``)
     cpu_offload: bool = False
+    #: hop 2 started per unit during the boundary backward (``MiCSStrategy(cross_replica_overlap=True)``,
+    #: the default) rather than by FSDP2 inside each unit's post-backward or, compressed, after backward
+    cross_replica_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation"):
