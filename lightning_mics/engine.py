@@ -71,12 +71,28 @@ FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
 #: torchft across fault domains.
 CrossReplicaHook = Union[OverlappedCrossReplicaSync, CompressedCrossReplicaSync, ManagedCrossReplicaSync]
 #: What runs around an optimizer's step: AMSP optimizer-state sharding, or hop 2 run by the engine.
-StepHook = Union[ReplicaShardedOptimizerStates, CrossReplicaHook]
+StepHook = Union[ReplicaShardedOptimizerStates, CrossReplicaHook, "EachModel"]
 
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+class EachModel:
+    """Hop 2 of every model one optimizer steps (Fabric lets an optimizer hold several models' parameters),
+    model by model, in the order the optimizer was set up with them (the same on every rank)."""
+
+    def __init__(self, syncs: Sequence[CrossReplicaHook]) -> None:
+        self.syncs = list(syncs)
+
+    def before_step(self) -> None:
+        for sync in self.syncs:
+            sync.before_step()
+
+    def after_step(self) -> None:
+        for sync in self.syncs:
+            sync.after_step()
 
 
 class MiCSEngine:
@@ -211,23 +227,29 @@ class MiCSEngine:
         return units, wrap_plan
 
     def attach_optimizers(
-        self, optimizers: Sequence[Optimizer], module: Optional[nn.Module], loss_scaling: bool
+        self, optimizers: Sequence[Optimizer], modules: Union[nn.Module, Sequence[nn.Module]], loss_scaling: bool
     ) -> None:
         """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
-        ``optim > grads``) or hop 2 of ``module`` (the model the optimizers step) in ``cross_replica_dtype``
-        -- never both."""
+        ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
+        never both."""
         layout = self.layout()
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)
-        if sharded or module is None:
+        modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+        if sharded or not modules:
             return
-        sync = self._model_syncs.get(id(module))
-        if sync is None:
-            sync = self._cross_replica_hook(module, layout)
+        syncs = []
+        for module in modules:
+            sync = self._model_syncs.get(id(module))
             if sync is None:
-                return
-            self._model_syncs[id(module)] = sync
-        self._cross_replica.update({id(optimizer): sync for optimizer in optimizers})
+                sync = self._cross_replica_hook(module, layout)
+                if sync is None:
+                    continue
+                self._model_syncs[id(module)] = sync
+            syncs.append(sync)
+        if syncs:
+            hook = syncs[0] if len(syncs) == 1 else EachModel(syncs)
+            self._cross_replica.update({id(optimizer): hook for optimizer in optimizers})
 
     def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaHook]:
         if self.replica_group is not None:

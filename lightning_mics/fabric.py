@@ -159,19 +159,10 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             )
         self._shards.point_at_shards(optimizer)
         models = self._shards.models_of(optimizer)
-        layout = self._engine.layout()
-        if len(models) > 1 and layout.topology.replication_degree > 1 and (
-            layout.cross_replica_wire is not None or layout.cross_replica_overlap
-        ):
-            raise ValueError(
-                "With cross_replica_dtype or cross_replica_overlap (the default), an optimizer must hold the "
-                "parameters of one model (hop 2 runs model by model): use one optimizer per model, or "
-                "MiCSFabricStrategy(cross_replica_overlap=False) without cross_replica_dtype."
-            )
         loss_scaling = self.precision.scaler is not None
         if self.options.fault_tolerance is not None:
             self._join_fault_domain(optimizer)
-        self._engine.attach_optimizers([optimizer], models[0] if models else None, loss_scaling)
+        self._engine.attach_optimizers([optimizer], models, loss_scaling)
         compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.add(optimizer)
         return optimizer

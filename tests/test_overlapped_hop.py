@@ -82,6 +82,28 @@ def _train(fabric: Fabric, use_closure: bool = False) -> tuple[dict[str, torch.T
     return full_parameters(model.module), in_flight
 
 
+def _train_two_models_one_optimizer(fabric: Fabric) -> list[dict[str, torch.Tensor]]:
+    """Two identical models stepped by one SGD on the sum of their losses, no clipping: each gets exactly its
+    own gradients, so each must train like the single model (hop 2 runs for both, model by model)."""
+    first, second = ToyModule(CFG), ToyModule(CFG)
+    first, second = fabric.setup_module(first), fabric.setup_module(second)
+    params = [p for m in (first, second) for p in m.parameters() if p.requires_grad]
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(params, lr=CFG.lr, momentum=CFG.momentum))
+    tokens, targets = global_batches(CFG)
+    for step in range(CFG.steps):
+        for j in range(CFG.accumulate):
+            first_row = ((step * CFG.accumulate + j) * WORLD + fabric.global_rank) * CFG.micro_batch
+            batch = (tokens[first_row : first_row + CFG.micro_batch], targets[first_row : first_row + CFG.micro_batch])
+            boundary = j == CFG.accumulate - 1
+            with fabric.no_backward_sync(first, enabled=not boundary), fabric.no_backward_sync(
+                second, enabled=not boundary
+            ):
+                fabric.backward((lm_loss(first, batch) + lm_loss(second, batch)) / CFG.accumulate)
+        optimizer.step()
+        optimizer.zero_grad()
+    return [full_parameters(first.module), full_parameters(second.module)]
+
+
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, options in {
@@ -95,6 +117,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         out[name], out[name + "_in_flight"] = _train(fabric)
         out[name + "_mesh_dims"] = fabric.strategy.layout.fsdp_mesh.ndim
     out["closure"], _ = _train(_launch(), use_closure=True)
+    out["two_models"] = _train_two_models_one_optimizer(_launch())
     return out
 
 
@@ -144,6 +167,13 @@ def test_int8_overlapped_matches_single_process_and_replicas_agree(runs):
     # ranks 0 and 2 hold the same shard in different replicas: identical after every step
     for key, tensor in runs[0]["overlap_int8"].items():
         assert torch.equal(tensor, runs[2]["overlap_int8"][key]), key
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", [0, 1])
+def test_one_optimizer_over_two_models_syncs_both(runs, model):
+    unclipped = RunConfig(world_size=WORLD, accumulate=3, clip=None, steps=2)
+    assert_matches_reference([result["two_models"][model] for result in runs], unclipped)
 
 
 @pytest.mark.distributed
