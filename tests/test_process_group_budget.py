@@ -18,8 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from distributed import _worker, free_port
+from distributed import kill_ranks, start_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -116,15 +115,14 @@ def _run_ranks_within(seconds: float) -> list[dict[str, Any]]:
     """``distributed.run_ranks(_measure, WORLD)``, but failing (and killing the ranks it started) when
     they are not done within ``seconds``: a hung collective must not hang the suite."""
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _worker, args=(_measure, WORLD, free_port(), out_dir, ()), nprocs=WORLD, join=False, start_method="spawn"
-        )
+        context = start_ranks(_measure, WORLD, out_dir, ())
         deadline = time.monotonic() + seconds
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the process-group measurement did not finish within {seconds} s")
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the process-group measurement did not finish within {seconds} s")
+        finally:
+            kill_ranks(context)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
