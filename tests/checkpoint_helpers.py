@@ -7,9 +7,9 @@ fault-tolerance scenario; the environment says which rank, as torchrun would.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # when run as a script
 
-from distributed import exit_after_distributed_work, free_port  # noqa: E402
+from distributed import adopt_starters_state, exit_after_distributed_work, free_port, start_method  # noqa: E402
 from toy import RunConfig, ToyModule, full_parameters, lm_loss, trainer_kwargs  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
@@ -256,39 +256,46 @@ def resume_scenarios(rank: int, world_size: int, root: str, async_save: bool = F
 
 
 def launch_ranks(scenario: str, root: Path, world_size: int, deadline_s: float) -> list[Optional[int]]:
-    """Start ``world_size`` processes of this file as torchrun would; wait at most ``deadline_s``.
+    """Start ``world_size`` rank processes of ``scenario`` as torchrun would (each its own process with
+    the launcher's variables, its output in ``ROOT/SCENARIO-rankR.log``); wait at most ``deadline_s``.
 
-    Returns the exit codes; ``None`` for a process that was still running at the deadline (it is
-    killed then, so a hang fails the test instead of blocking it)."""
+    Returns the exit codes (``-9`` for a SIGKILLed rank); ``None`` for a process that was still running
+    at the deadline (it is killed then, so a hang fails the test instead of blocking it). The processes
+    come from the harness's fork server (:func:`distributed.start_method`), which saves each rank the
+    imports a fresh interpreter pays."""
+    context = multiprocessing.get_context(start_method())
     port = free_port()
-    processes = []
-    for rank in range(world_size):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-        }
-        env.pop("LOCAL_WORLD_SIZE", None)
-        log = open(root / f"{scenario}-rank{rank}.log", "w")
-        command = [sys.executable, __file__, scenario, str(root)]
-        processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+    processes = [
+        context.Process(target=_launched_rank, args=(scenario, str(root), rank, world_size, port, dict(os.environ)))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
     stop_at = time.monotonic() + deadline_s
     codes: list[Optional[int]] = []
     for process in processes:
-        try:
-            codes.append(process.wait(timeout=max(0.0, stop_at - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
+        process.join(timeout=max(0.0, stop_at - time.monotonic()))
+        codes.append(process.exitcode)
     for process in processes:
-        if process.poll() is None:
+        if process.is_alive():
             process.kill()
-            process.wait()
+        process.join(timeout=10)
     return codes
+
+
+def _launched_rank(scenario: str, root: str, rank: int, world_size: int, port: int, env: dict[str, str]) -> None:
+    """One rank started by :func:`launch_ranks`: torchrun's environment, output to the rank's log."""
+    adopt_starters_state(env, output=None)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
+        LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    with open(Path(root) / f"{scenario}-rank{rank}.log", "w") as log:
+        os.dup2(log.fileno(), sys.stdout.fileno())
+        os.dup2(log.fileno(), sys.stderr.fileno())
+    _scenario_rank(scenario, Path(root))
+    exit_after_distributed_work()
 
 
 #: The rank that is killed in the fault-tolerance scenario, and the collective timeout there.
