@@ -29,6 +29,8 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("all-gather", re.compile(r"all_gather|_allgather")),
     ("reduce-scatter", re.compile(r"reduce_scatter")),
     ("all-reduce", re.compile(r"all_reduce|allreduce")),
+    # waiting, before the optimizer step, for the hop 2 sums started during backward (issue 24)
+    ("hop 2 wait (overlapped, ours)", re.compile(r"overlapped_hop\.py")),
     ("barrier / broadcast", re.compile(r"\bbarrier\b|broadcast")),
     ("telemetry / collective recording (ours)", re.compile(r"telemetry\.py|CollectiveRecorder|recorded \(")),
     ("optimizer step", re.compile(r"torch/optim/")),
@@ -88,7 +90,9 @@ def markdown(tables: dict[str, dict[str, float]]) -> str:
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("profiles", nargs="+", type=Path, help="py-spy raw files, one per strategy (named by file stem)")
+    parser.add_argument(
+        "profiles", nargs="+", type=Path, help="py-spy raw files, one per strategy (named by file stem)"
+    )
     args = parser.parse_args(list(argv) if argv is not None else None)
     try:
         tables = {path.stem: breakdown(read_samples(path)) for path in args.profiles}
