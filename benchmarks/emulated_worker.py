@@ -33,27 +33,22 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 
-#: One intra-op thread per rank: 8 ranks share 2 cores, oversubscription would only add noise.
-torch.set_num_threads(1)
-torch.set_num_interop_threads(1)
-
-import lightning.pytorch as pl  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, Strategy  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup  # noqa: E402
-from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule  # noqa: E402
-from examples.models.gpt import Block  # noqa: E402
-from lightning_mics import MiCSStrategy, ShardingSpec  # noqa: E402
-from lightning_mics.planner import live  # noqa: E402
-from lightning_mics.telemetry import model_state_bytes  # noqa: E402
+from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
+from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
+from examples.models.gpt import Block
+from lightning_mics import MiCSStrategy, ShardingSpec
+from lightning_mics.planner import live
+from lightning_mics.telemetry import model_state_bytes
 
 UPLINK = "uplink"
 
@@ -388,6 +383,10 @@ def planner_choice(spec: StrategySpec, strategy: Strategy, cluster: ClusterShape
 
 
 def main() -> None:
+    # One intra-op thread per rank: 8 ranks share 2 cores, oversubscription would only add noise. Set here, before
+    # any torch work, not at import: importing this module (the tests do) must not change the importer's threads.
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
     parser = argparse.ArgumentParser(description="One rank of benchmarks/emulated_cluster.py (not run by hand).")
     parser.add_argument("--job", type=Path, required=True, help="JSON: strategy, cluster and training setup")
     parser.add_argument("--output", type=Path, help="where rank 0 writes the result record")
