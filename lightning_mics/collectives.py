@@ -474,6 +474,10 @@ class CompressedAllReduce:
         decoded = wire_codec.decode_rows(self.gathered.to(self.tensor.device), self.wire, self.piece)
         flat.copy_(decoded.view(-1)[: flat.numel()])
         self.done = True
+        if self.tensor.is_cuda:  # the stages may run on different streams (overlapped: FSDP2's, then the step's)
+            for buffer in (self.outgoing, self.incoming, self.gathered):
+                if buffer.is_cuda:
+                    buffer.record_stream(torch.cuda.current_stream())
 
 
 class _PlainAllocation:
