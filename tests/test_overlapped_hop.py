@@ -46,6 +46,13 @@ def _hop(fabric: Fabric) -> Any:
     return syncs[0] if syncs else None
 
 
+def _micro_batch(fabric: Fabric, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's piece of global micro-batch ``j`` of optimizer step ``step`` (as the reference consumes it)."""
+    tokens, targets = global_batches(CFG)
+    first = ((step * CFG.accumulate + j) * WORLD + fabric.global_rank) * CFG.micro_batch
+    return tokens[first : first + CFG.micro_batch], targets[first : first + CFG.micro_batch]
+
+
 def _train(fabric: Fabric, use_closure: bool = False) -> tuple[dict[str, torch.Tensor], list[int]]:
     """``CFG.accumulate`` micro-steps per optimizer step (``no_backward_sync`` on all but the last), clipping,
     SGD. Returns the unsharded parameters and, per micro-step, the units whose sums were in flight when
@@ -58,11 +65,9 @@ def _train(fabric: Fabric, use_closure: bool = False) -> tuple[dict[str, torch.T
     first_block.register_full_backward_pre_hook(
         lambda *_: in_flight.append(hop.units_in_flight if isinstance(hop, OverlappedCrossReplicaSync) else -1)
     )
-    tokens, targets = global_batches(CFG)
     for step in range(CFG.steps):
         for j in range(CFG.accumulate):
-            first = ((step * CFG.accumulate + j) * WORLD + fabric.global_rank) * CFG.micro_batch
-            batch = (tokens[first : first + CFG.micro_batch], targets[first : first + CFG.micro_batch])
+            batch = _micro_batch(fabric, step, j)
             boundary = j == CFG.accumulate - 1
 
             def micro_step(batch: Any = batch) -> torch.Tensor:
@@ -89,11 +94,9 @@ def _train_two_models_one_optimizer(fabric: Fabric) -> list[dict[str, torch.Tens
     first, second = fabric.setup_module(first), fabric.setup_module(second)
     params = [p for m in (first, second) for p in m.parameters() if p.requires_grad]
     optimizer = fabric.setup_optimizers(torch.optim.SGD(params, lr=CFG.lr, momentum=CFG.momentum))
-    tokens, targets = global_batches(CFG)
     for step in range(CFG.steps):
         for j in range(CFG.accumulate):
-            first_row = ((step * CFG.accumulate + j) * WORLD + fabric.global_rank) * CFG.micro_batch
-            batch = (tokens[first_row : first_row + CFG.micro_batch], targets[first_row : first_row + CFG.micro_batch])
+            batch = _micro_batch(fabric, step, j)
             boundary = j == CFG.accumulate - 1
             with fabric.no_backward_sync(first, enabled=not boundary), fabric.no_backward_sync(
                 second, enabled=not boundary
