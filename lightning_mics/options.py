@@ -119,8 +119,7 @@ class MiCSOptions:
     prefetch_depth: int = 1
     """Start the all-gather of the next ``N`` blocks while the current one computes (forward and backward),
     so communication overlaps compute; 0 leaves FSDP's implicit prefetching. Assumes blocks run in module
-    order, as transformer layers do. On CPU ranks (gloo) the all-gathers are asynchronous, so a prefetch
-    overlaps there too."""
+    order, as transformer layers do."""
 
     compile_blocks: bool = False
     """``torch.compile`` each wrapped block (in place) before sharding."""
