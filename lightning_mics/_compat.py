@@ -147,18 +147,6 @@ def fsdp_unit_parameters(unit: Any) -> list[Any]:
     return params
 
 
-def set_unshard_async_op(unit: Any) -> bool:
-    """Make the unit's pre-forward and pre-backward all-gathers (prefetches included) asynchronous, so that
-    on ranks without CUDA streams a prefetched all-gather runs while the current block computes. Returns
-    whether torch offers the switch (private ``FSDPModule._set_unshard_async_op``); without it the
-    all-gathers stay synchronous, which is slower but computes the same."""
-    setter = getattr(unit, "_set_unshard_async_op", None)
-    if setter is None:
-        return False
-    setter(True)
-    return True
-
-
 def fsdp_requires_all_reduce(unit: Any) -> bool:
     """Whether the unit's next reduction is a boundary one: what ``set_requires_all_reduce`` set (FSDP2
     keeps it per parameter group); ``True`` where torch keeps no such flag."""

@@ -508,34 +508,12 @@ def install_ring_reduce_scatter(units: list[Any]) -> None:
         unit.set_custom_reduce_scatter(comm)
 
 
-class PointToPointWork(dist.Work):
-    """A collective's pending point-to-point messages as one work handle: FSDP2 defers the wait of an
-    asynchronous all-gather (a prefetch) only for a ``Work`` it is given back."""
-
-    def __init__(self, requests: list[Any]) -> None:
-        super().__init__()
-        self._requests = requests
-
-    def wait(self, timeout: Any = None) -> bool:
-        for request in self._requests:
-            request.wait() if timeout is None else request.wait(timeout)
-        self._requests = []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(request.is_completed() for request in self._requests)
-
-
-def direct_all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
-) -> PointToPointWork | None:
+def direct_all_gather(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
     """All-gather by direct exchange: every rank sends its shard to each peer and receives each
     peer's shard straight into its place in ``output`` -- all ``n - 1`` transfers at once, one round
     instead of a ring's ``n - 1`` dependent steps. The same bytes leave every rank as in a ring
     (``(n-1)/n`` of the output), but a ring crosses a node boundary only on its few boundary edges,
-    while here every pair talks: use it only for groups inside one node (MiCS's partition).
-    ``async_op``: return the pending messages as one :class:`PointToPointWork` instead of waiting (gloo
-    moves them on its own threads meanwhile); ``input`` must then stay untouched until the wait."""
+    while here every pair talks: use it only for groups inside one node (MiCS's partition)."""
     group = dist.GroupMember.WORLD if group is None else group
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if output.numel() != n * input.numel():
@@ -548,11 +526,8 @@ def direct_all_gather(
             source = (rank - offset) % n
             requests.append(dist.irecv(blocks[source], dist.get_global_rank(group, source), group=group))
         blocks[rank].copy_(input.view(-1))
-    work = PointToPointWork(requests)
-    if async_op:
-        return work
-    work.wait()
-    return None
+        for request in requests:
+            request.wait()
 
 
 class DirectAllGather(_PlainAllocation, AllGather):
@@ -560,16 +535,16 @@ class DirectAllGather(_PlainAllocation, AllGather):
 
     Gloo's ``all_gather_into_tensor`` runs a ring of dependent steps; on loopback the direct
     exchange measured 1.1-1.4x faster for 4 ranks and 3-20 MB outputs
-    (``python benchmarks/ring_reduce_scatter.py --all-gather``). Asynchronous calls (FSDP2's prefetches on
-    gloo, see :func:`install_layout_collectives`) return the pending exchange. Other devices and backends
-    take the backend's own collective."""
+    (``python benchmarks/ring_reduce_scatter.py --all-gather``). Other devices and backends, and
+    asynchronous calls, take the backend's own collective."""
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
     ) -> Any:
-        if input_tensor.device.type != "cpu" or dist.get_backend(group) != "gloo":
+        if async_op or input_tensor.device.type != "cpu" or dist.get_backend(group) != "gloo":
             return all_gather_flat(output_tensor, input_tensor, group, async_op)
-        return direct_all_gather(output_tensor, input_tensor.contiguous(), group, async_op)
+        direct_all_gather(output_tensor, input_tensor.contiguous(), group)
+        return None
 
 
 def install_direct_all_gather(units: list[Any]) -> None:

@@ -569,8 +569,7 @@ def shard_module(
        does, so that all replicas of a shard hold the same values;
     2. :func:`~lightning_mics.wrapping.shard_model` on the layout's mesh;
     3. the collectives the layout needs: hierarchical ones for partitions that span nodes, else on
-       gloo a ring reduce-scatter (gloo's own is an all-reduce: twice the bytes); on CPU ranks
-       asynchronous all-gathers, so that prefetches overlap compute;
+       gloo a ring reduce-scatter (gloo's own is an all-reduce: twice the bytes);
     4. a meta-device model is materialised shard by shard (``reset_parameters()``), and the
        replicas of each shard take the first replica's values.
 
@@ -600,7 +599,7 @@ def shard_module(
         post_forward_meshes=layout.post_forward_meshes,
         offload_policy=layout.settings.cpu_offload,
     )
-    install_layout_collectives(units, layout, device)
+    install_layout_collectives(units, layout)
     _place_states(module, root, layout, device, on_meta, sync_module_states)
     return units
 
@@ -624,26 +623,16 @@ def _place_states(
         broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None, device=staging)
 
 
-def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout, device: torch.device) -> None:
+def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout) -> None:
     """The collectives ``layout`` needs instead of FSDP2's own: two-stage ones for partitions that span
     nodes; on gloo a ring reduce-scatter (gloo's own is an all-reduce: twice the bytes) and, inside one
-    node, a direct-exchange all-gather.
-
-    On CPU ranks (gloo) the all-gathers are also made asynchronous: CPU tensors have no streams, so FSDP2's
-    prefetch (``prefetch_depth``) would otherwise gather the next block synchronously before the current
-    one computes -- reordered, never overlapped. Asynchronous, gloo's threads move the next block's
-    shards while this block computes (two-stage all-gathers stay synchronous)."""
+    node, a direct-exchange all-gather."""
     if layout.hierarchical_groups is not None:
         install_hierarchical_collectives(units, layout.hierarchical_groups)
     elif layout.backend == "gloo":
         install_ring_reduce_scatter(units)
         if not layout.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
             install_direct_all_gather(units)
-    if layout.backend == "gloo" and device.type == "cpu":
-        if not all(compat.set_unshard_async_op(unit) for unit in units):
-            logging.getLogger(__name__).info(
-                "torch %s has no FSDPModule._set_unshard_async_op: all-gathers stay synchronous", torch.__version__
-            )
 
 
 def shard_optimizer_states(

@@ -391,14 +391,11 @@ def apply_activation_checkpointing(modules: list[tuple[str, nn.Module]]) -> None
         compat.composable_activation_checkpoint(module)
 
 
-def set_explicit_prefetch(blocks: list[FSDPModule], depth: int, root: FSDPModule | None = None) -> None:
+def set_explicit_prefetch(blocks: list[FSDPModule], depth: int) -> None:
     """Let each block's all-gather start ``depth`` blocks early, forward and backward, so that
-    communication overlaps the previous blocks' compute. ``blocks`` are in forward order. The ``root``
-    unit (which runs first: embeddings) starts the first blocks' all-gathers in forward."""
+    communication overlaps the previous blocks' compute. ``blocks`` are in forward order."""
     if depth < 1:
         return
-    if root is not None and blocks:
-        root.set_modules_to_forward_prefetch([block for block in blocks[:depth] if block is not root])
     for i, block in enumerate(blocks):
         following = blocks[i + 1 : i + 1 + depth]
         preceding = list(reversed(blocks[max(0, i - depth) : i]))
@@ -459,7 +456,7 @@ def shard_model(
         blocks.append(module)  # type: ignore[arg-type]
     fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, **offload)
     blocks.reverse()  # forward (pre-)order
-    set_explicit_prefetch(blocks, prefetch_depth, root=root)  # type: ignore[arg-type]
+    set_explicit_prefetch(blocks, prefetch_depth)
     units = [*blocks, root]
     for unit in units:
         unit.set_force_sum_reduction_for_comms(force_sum_reduction)  # type: ignore[union-attr]

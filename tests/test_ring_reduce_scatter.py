@@ -1,8 +1,7 @@
 """The ring reduce-scatter that replaces gloo's all-reduce-based one: same results, half the bytes
 sent, visible to the recorder as one reduce-scatter, and used by FSDP2 in training. Likewise the
-direct-exchange all-gather used inside a node: gloo's result bit for bit (also asynchronous), ``(n-1)/n``
-of the output sent per rank, recorded as one all-gather, and FSDP2's all-gather when the partition is one
-node, asked for asynchronously on CPU ranks (so prefetches overlap compute)."""
+direct-exchange all-gather used inside a node: gloo's result bit for bit, ``(n-1)/n`` of the output
+sent per rank, recorded as one all-gather, and FSDP2's all-gather when the partition is one node."""
 
 from __future__ import annotations
 
@@ -93,14 +92,10 @@ def _compare_with_gloo(rank: int, world_size: int) -> dict[str, Any]:
             finally:
                 dist.isend = original_isend
             all_gather_flat(gloos, shard, group)
-            later = torch.full_like(ours, float("nan"))
-            work = direct_all_gather(later, shard, group, async_op=True)
-            waited = work.wait() if isinstance(work, dist.Work) else None
             results[f"all-gather {name}: {dtype}"] = {
                 "ours": ours, "gloo": gloos, "sent": sum(sent), "n": n,
                 "calls": [(c.kind, c.ranks, c.bytes) for c in recorder.calls],
                 "output_bytes": ours.numel() * ours.element_size(),
-                "async": later, "async work": type(work).__name__, "waited": waited,
             }
     return results
 
@@ -127,9 +122,6 @@ def test_direct_all_gather_equals_gloos_sends_n_minus_1_shards_and_is_recorded_o
                 continue
             n, ranks = result["n"], GROUPS[case.split(":")[0].removeprefix("all-gather ")]
             torch.testing.assert_close(result["ours"], result["gloo"], rtol=0, atol=0, msg=case)
-            # asynchronous (FSDP2's prefetch on CPU ranks): a Work that FSDP2 waits on, then the same bits
-            assert (result["async work"], result["waited"]) == ("PointToPointWork", True), case
-            torch.testing.assert_close(result["async"], result["gloo"], rtol=0, atol=0, msg=case)
             assert result["calls"] == [("all_gather", ranks, result["output_bytes"])], case
             assert result["sent"] == (n - 1) * result["output_bytes"] // n, case
             checked += 1
@@ -169,11 +161,11 @@ def _fit_and_inspect(rank: int, world_size: int) -> dict[str, Any]:
         comm_calls.append(1)
         return original_call(self, *args, **kwargs)
 
-    gathers: list[bool] = []  # per all-gather: whether FSDP2 asked for it asynchronously
+    gathers: list[int] = []
     original_gather = DirectAllGather.__call__
 
     def counting_gather(self: DirectAllGather, *args: Any, **kwargs: Any) -> Any:
-        gathers.append(bool(kwargs.get("async_op", False)))
+        gathers.append(1)
         return original_gather(self, *args, **kwargs)
 
     RingReduceScatter.__call__ = counting_call
@@ -188,7 +180,7 @@ def _fit_and_inspect(rank: int, world_size: int) -> dict[str, Any]:
         DirectAllGather.__call__ = original_gather
     return {
         "comm_calls": len(comm_calls), "units": len(trainer.strategy._fsdp_units), "sends": len(sent),
-        "gathers": len(gathers), "async_gathers": sum(gathers),
+        "gathers": len(gathers),
     }
 
 
@@ -198,5 +190,3 @@ def test_fsdp_units_reduce_scatter_over_the_ring_on_gloo() -> None:
         assert result["comm_calls"] == result["units"] > 1
         assert result["sends"] >= result["units"]  # ... point to point: one send per ring step (2 ranks: one step)
         assert result["gathers"] >= result["units"]  # the one-node partition all-gathers by direct exchange
-        # ... asynchronously on CPU ranks, so that a prefetched block's gather overlaps the current block
-        assert result["async_gathers"] == result["gathers"]
