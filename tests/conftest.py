@@ -2,6 +2,7 @@ import os
 import sys
 
 # The helpers in this folder (distributed harness, toy models) are imported by the spawned ranks too.
+# The repository root, for `benchmarks` and `examples`, comes from pyproject.toml's pytest `pythonpath`.
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402

@@ -12,6 +12,11 @@ rank starts as fresh as a spawned one, without paying the imports again (about 6
 process's environment as it is when the ranks start, as a spawned process would. Where CUDA is
 available the ranks are spawned instead: the server's imports may have initialised the driver,
 which a forked process cannot use.
+
+The fault-tolerance harness (``ft_harness.py``) starts its replica groups' ranks the same way,
+through :func:`start_processes`; torchft's Manager starts its threads in the ranks, after the fork.
+A fork copies only the forking thread, so the server must have no other (see :func:`start_fork_server`);
+every forked rank checks that it has none.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-#: What the fork server imports once: what (nearly) every rank imports anyway.
+#: What the fork server imports once: what (nearly) every rank imports anyway. Installed packages only:
+#: Python 3.11's fork server ignores its starter's ``sys.path``, so this folder's helpers would not be
+#: found there (a rank imports them in milliseconds once these are loaded).
 PRELOAD = [
     "pytest",
     "torch",
@@ -39,11 +46,15 @@ PRELOAD = [
     "lightning_mics",
     "lightning_mics.checkpoint",
     "lightning_mics.telemetry",
-    "distributed",
-    "toy",
-    "recording",
-    "checkpoint_helpers",
+    "torchft",  # ~1 s per fault-tolerance rank; the server skips it where it is not installed
 ]
+
+#: Added to the fork server's own environment only. numpy (which torch imports) loads OpenBLAS, whose
+#: pool starts a worker thread per extra core as the library loads; OpenBLAS stops it before each fork
+#: (its own fork handler), but with one thread the server needs no library's handler to be forkable, and
+#: :func:`check_forked_from_one_thread` can be strict. Ranks take their starter's environment
+#: (:func:`adopt_starters_state`); they just keep a single-threaded OpenBLAS.
+FORK_SERVER_ENVIRONMENT = {"OPENBLAS_NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -57,8 +68,42 @@ def start_method() -> str:
     ``MICS_TEST_START_METHOD=spawn`` spawns every rank (the slower way, to rule the fork server out)."""
     if torch.cuda.is_available() or os.environ.get("MICS_TEST_START_METHOD") == "spawn":
         return "spawn"
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # no effect once it runs
+    start_fork_server()
     return "forkserver"
+
+
+def start_fork_server() -> None:
+    """Start the session's fork server (a no-op once it runs) with :data:`PRELOAD` imported and no thread
+    but its main one: what another thread held at the fork (a lock in the allocator, OpenMP or torchft's
+    runtime) would stay held forever in the rank. :data:`FORK_SERVER_ENVIRONMENT` is in force only while
+    the server starts; every later start of a process finds it running."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    saved = {name: os.environ.get(name) for name in FORK_SERVER_ENVIRONMENT}
+    os.environ.update(FORK_SERVER_ENVIRONMENT)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_forked_from_one_thread() -> None:
+    """In a forked rank: fail, naming the cause, if the fork server runs more than one thread (a preloaded
+    module started one), rather than leave a rank to hang on a lock a thread of the server held."""
+    server = f"/proc/{os.getppid()}"
+    try:
+        is_server = b"multiprocessing.forkserver" in Path(server, "cmdline").read_bytes()
+        threads = len(os.listdir(Path(server, "task")))
+    except OSError:  # no /proc, or the server is gone: nothing to judge
+        return
+    if is_server and threads > 1:
+        raise RuntimeError(f"the fork server runs {threads} threads: a module of PRELOAD started one; fork "
+                           "only from a single thread (set MICS_TEST_START_METHOD=spawn to rule the server out)")
 
 
 class StartersOutput:
@@ -87,8 +132,9 @@ def adopt_starters_state(environment: dict[str, str], output: _Output | None) ->
     """In a new rank: the environment and output of the process that started it, as if spawned."""
     os.environ.clear()
     os.environ.update(environment)
-    if output is not None:
+    if output is not None:  # forked from the fork server
         output.install()
+        check_forked_from_one_thread()
 
 
 def _worker(
@@ -132,17 +178,20 @@ def exit_after_distributed_work() -> None:
     os._exit(0)
 
 
-def start_ranks(fn: Callable[..., Any], world_size: int, out_dir: str, args: tuple) -> Any:
-    """Start ``_worker(rank, fn, ...)`` on ``world_size`` new processes; their torch ProcessContext."""
-    method = start_method()
+def start_processes(worker: Callable[..., Any], args: tuple, nprocs: int, method: str | None = None) -> Any:
+    """Start ``worker(index, *args, environment, output)`` on ``nprocs`` new processes, forked from the fork
+    server or spawned (:func:`start_method`, unless ``method`` says), and return their torch ProcessContext
+    without waiting. The worker passes ``environment`` and ``output`` to :func:`adopt_starters_state` first."""
+    method = method or start_method()
     output = StartersOutput() if method == "forkserver" else None
     return mp.start_processes(
-        _worker,
-        args=(fn, world_size, free_port(), out_dir, args, dict(os.environ), output),
-        nprocs=world_size,
-        join=False,
-        start_method=method,
+        worker, args=(*args, dict(os.environ), output), nprocs=nprocs, join=False, start_method=method
     )
+
+
+def start_ranks(fn: Callable[..., Any], world_size: int, out_dir: str, args: tuple) -> Any:
+    """Start ``_worker(rank, fn, ...)`` on ``world_size`` new processes; their torch ProcessContext."""
+    return start_processes(_worker, (fn, world_size, free_port(), out_dir, args), world_size)
 
 
 def kill_ranks(context: Any) -> None:
@@ -153,16 +202,23 @@ def kill_ranks(context: Any) -> None:
         process.join(timeout=10)
 
 
+def join_or_kill(context: Any, timeout: float, what: str) -> None:
+    """Wait for every process of ``context`` to end: a failed one's error is raised (torch's join ends the
+    others), ``TimeoutError`` after ``timeout`` seconds. However it ends (the test interrupted too), every
+    process still running is SIGKILLed and reaped: none outlives the test."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within {timeout} s")
+    finally:
+        kill_ranks(context)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; return their results. Ranks
     still running after ``timeout`` seconds (or when the test is interrupted) are killed."""
     with tempfile.TemporaryDirectory() as out_dir:
         context = start_ranks(fn, world_size, out_dir, args)
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size} ranks of {fn.__name__} did not finish within {timeout} s")
-        finally:
-            kill_ranks(context)
+        join_or_kill(context, timeout, f"{world_size} ranks of {fn.__name__}")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,6 +1,14 @@
-"""The fault-tolerance tests' harness: a Lighthouse on loopback and replica groups of spawned gloo ranks, each
-group its own ``torch.distributed`` world (its own port), as two jobs would be on a cluster. Every process it
-starts is killed when the test ends, whatever happened."""
+"""The fault-tolerance tests' harness: a Lighthouse on loopback and replica groups of gloo ranks, each group its
+own ``torch.distributed`` world (its own port), as two jobs would be on a cluster. Every process it starts is
+killed when the test ends, whatever happened.
+
+The ranks are started as ``distributed.run_ranks`` starts its own: forked from the session's fork server (which
+has imported torch, Lightning, torchft and the library and runs no thread), or spawned where CUDA is available;
+a replacement for a failed group is spawned (see :func:`start_group`).
+Each rank is a process of its own, so a rank that exits or is killed mid-step is a real process death; torchft's
+Manager starts its threads in the rank, after the fork, and its gloo process group runs in-process (no child
+processes to outlive a killed rank). The Lighthouse is torchft's native binary, started with ``subprocess`` in
+a session of its own: it imports nothing, so the fork server would save it nothing."""
 
 from __future__ import annotations
 
@@ -15,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
-from distributed import exit_after_distributed_work, free_port
+from distributed import adopt_starters_state, exit_after_distributed_work, free_port, join_or_kill, start_processes
 from toy import RunConfig, trainer_kwargs
 
 from lightning_mics import FaultTolerance, MiCSStrategy
@@ -55,7 +62,10 @@ def lighthouse(min_replicas: int, join_timeout_ms: int = 1000) -> Iterator[str]:
         process.wait(timeout=10)
 
 
-def _group_rank(rank: int, group: int, port: int, out_dir: str, fn: Any, args: tuple) -> None:
+def _group_rank(
+    rank: int, group: int, port: int, out_dir: str, fn: Any, args: tuple, environment: dict[str, str], output: Any
+) -> None:
+    adopt_starters_state(environment, output)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(GROUP_WORLD), RANK=str(rank),
         LOCAL_RANK=str(rank), NODE_RANK="0",
@@ -66,29 +76,31 @@ def _group_rank(rank: int, group: int, port: int, out_dir: str, fn: Any, args: t
     exit_after_distributed_work()
 
 
+#: ``(out_dir, group)`` of each group whose ranks failed in :func:`wait`: a group started again under them is
+#: a replacement job (see :func:`start_group`).
+_failed_groups: set[tuple[str, int]] = set()
+
+
 def start_group(group: int, out_dir: str, fn: Any, *args: Any) -> Any:
-    """One replica group's job: ``GROUP_WORLD`` spawned ranks with their own world, not waited for."""
-    return mp.start_processes(
-        _group_rank, args=(group, free_port(), out_dir, fn, args), nprocs=GROUP_WORLD, join=False,
-        start_method="spawn",
-    )
+    """One replica group's job: ``GROUP_WORLD`` new ranks with their own world, not waited for. A replacement
+    for a group of this test (``out_dir``) whose ranks failed is spawned, not forked, as a relaunched job pays a
+    fresh interpreter's start: the lost-group test needs the survivor to train alone before the replacement
+    joins, and a forked one joins within about a second, before the survivor's next quorum."""
+    key = (out_dir, group)
+    method = "spawn" if key in _failed_groups else None
+    context = start_processes(_group_rank, (group, free_port(), out_dir, fn, args), GROUP_WORLD, method)
+    context.replica_group = key
+    return context
 
 
 def wait(context: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    """Wait for a group's ranks; raise a failed rank's error or ``TimeoutError``. Every rank still running
+    then is SIGKILLed and reaped, whichever way it ended."""
     try:
-        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"a replica group did not finish within {timeout} s")
-    finally:
-        kill(context)
-
-
-def kill(context: Any) -> None:
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
-        process.join(timeout=10)
+        join_or_kill(context, timeout, "a replica group")
+    except BaseException:
+        _failed_groups.add(context.replica_group)
+        raise
 
 
 def read(out_dir: str, group: int) -> list[Any]:

@@ -3,17 +3,12 @@ schedules, argument validation and the refusals. No root, namespaces or processe
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.insert(0, str(REPO))
-
-from benchmarks import emulated_cluster  # noqa: E402
-from benchmarks.comm_model import (  # noqa: E402
+from benchmarks import emulated_cluster
+from benchmarks.comm_model import (
     RingCollective,
     expected_step_bytes,
     fsdp1_unit_numel,
@@ -23,9 +18,9 @@ from benchmarks.comm_model import (  # noqa: E402
     gradient_bytes_held_during_accumulation,
     step_collectives,
 )
-from benchmarks.netns import EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites  # noqa: E402
-from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies, select_strategies  # noqa: E402
-from examples.models import GPTConfig  # noqa: E402
+from benchmarks.netns import EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites
+from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies, select_strategies
+from examples.models import GPTConfig
 
 CLUSTER = ClusterShape(num_nodes=2, ranks_per_node=4)
 SETUP = TrainingSetup(GPTConfig(seq_len=8, d_model=16, n_layers=2, n_heads=2), micro_batch=1, accumulate=4,

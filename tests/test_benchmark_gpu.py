@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.insert(0, str(REPO))
+from benchmarks import gpu_throughput
 
-from benchmarks import gpu_throughput  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

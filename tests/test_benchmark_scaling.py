@@ -5,24 +5,19 @@ its chart and the planner's per-point comparison. No root, namespaces or rank pr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
-    sys.path.insert(0, str(REPO))
-
-from benchmarks import compare_planner, emulated_cluster, scaling  # noqa: E402
-from benchmarks.comm_model import (  # noqa: E402
+from benchmarks import compare_planner, emulated_cluster, scaling
+from benchmarks.comm_model import (
     expected_inter_node_bytes_per_node,
     fsdp2_unit_numel,
     gpt_fsdp_units,
 )
-from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies  # noqa: E402
-from examples.models import GPTConfig  # noqa: E402
+from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies
+from examples.models import GPTConfig
 
 #: the model of a --quick run (a tiny model's padding to 6 ranks outweighs ZeRO-3's ring growth)
 QUICK = emulated_cluster.QUICK
