@@ -8,8 +8,8 @@ Input: py-spy's ``--format raw`` output recorded with ``--idle`` (one line per d
 counts like time computing. Only samples inside Lightning's training loop count (start-up -- imports,
 process-group rendezvous, sharding -- is left out). Each goes to the category of the frame *nearest
 the leaf* that matches one of :data:`CATEGORIES` (a collective issued inside a copy-out counts as
-the collective); samples matching none are split into forward / backward compute by whether the
-stack is inside autograd's backward, and "other" (Lightning's loop bookkeeping, data loading).
+the collective) or is autograd's backward or a forward (compute, wherever it was called from); samples
+matching none are "other" (Lightning's loop bookkeeping, data loading).
 """
 
 from __future__ import annotations
@@ -54,14 +54,18 @@ def read_samples(path: Path) -> Counter[tuple[str, ...]]:
 
 
 def categorise(stack: tuple[str, ...]) -> str:
+    """The category of the frame nearest the leaf that names one. Forward and backward count as such
+    frames too: Lightning runs the boundary micro-step's closure (forward and backward) inside
+    ``optimizer.step``, so a search that skipped them would book that compute -- and DDP's bucket
+    all-reduce, which waits in C++ under autograd's backward -- as the optimizer step."""
     for frame in reversed(stack):
         for name, pattern in CATEGORIES:
             if pattern.search(frame):
                 return name
-    if any(BACKWARD.search(frame) for frame in stack):
-        return "backward compute (autograd)"
-    if any(FORWARD.search(frame) for frame in stack):
-        return "forward compute"
+        if BACKWARD.search(frame):
+            return "backward compute (autograd)"
+        if FORWARD.search(frame):
+            return "forward compute"
     return "other (Lightning loop, data)"
 
 
