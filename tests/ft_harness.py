@@ -3,8 +3,7 @@ own ``torch.distributed`` world (its own port), as two jobs would be on a cluste
 killed when the test ends, whatever happened.
 
 The ranks are started as ``distributed.run_ranks`` starts its own: forked from the session's fork server (which
-has imported torch, Lightning, torchft and the library and runs no thread), or spawned where CUDA is available;
-a replacement for a failed group is spawned (see :func:`start_group`).
+has imported torch, Lightning, torchft and the library and runs no thread), or spawned where CUDA is available.
 Each rank is a process of its own, so a rank that exits or is killed mid-step is a real process death; torchft's
 Manager starts its threads in the rank, after the fork, and its gloo process group runs in-process (no child
 processes to outlive a killed rank). The Lighthouse is torchft's native binary, started with ``subprocess`` in
@@ -76,31 +75,27 @@ def _group_rank(
     exit_after_distributed_work()
 
 
-#: ``(out_dir, group)`` of each group whose ranks failed in :func:`wait`: a group started again under them is
-#: a replacement job (see :func:`start_group`).
-_failed_groups: set[tuple[str, int]] = set()
-
-
 def start_group(group: int, out_dir: str, fn: Any, *args: Any) -> Any:
-    """One replica group's job: ``GROUP_WORLD`` new ranks with their own world, not waited for. A replacement
-    for a group of this test (``out_dir``) whose ranks failed is spawned, not forked, as a relaunched job pays a
-    fresh interpreter's start: the lost-group test needs the survivor to train alone before the replacement
-    joins, and a forked one joins within about a second, before the survivor's next quorum."""
-    key = (out_dir, group)
-    method = "spawn" if key in _failed_groups else None
-    context = start_processes(_group_rank, (group, free_port(), out_dir, fn, args), GROUP_WORLD, method)
-    context.replica_group = key
-    return context
+    """One replica group's job: ``GROUP_WORLD`` new ranks with their own world, not waited for. A test that
+    needs one group to have reached a point before another starts waits for it (:func:`wait_for_step`):
+    a forked group starts within about a second, so start-up time orders nothing."""
+    return start_processes(_group_rank, (group, free_port(), out_dir, fn, args), GROUP_WORLD)
 
 
 def wait(context: Any, timeout: float) -> None:
     """Wait for a group's ranks; raise a failed rank's error or ``TimeoutError``. Every rank still running
     then is SIGKILLed and reaped, whichever way it ended."""
-    try:
-        join_or_kill(context, timeout, "a replica group")
-    except BaseException:
-        _failed_groups.add(context.replica_group)
-        raise
+    join_or_kill(context, timeout, "a replica group")
+
+
+def wait_for_step(path: Path, step: int, timeout: float) -> None:
+    """Wait until a rank has written a step number of at least ``step`` to ``path``: how a test orders a
+    group's start after another group's progress without guessing how long either takes."""
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text() and int(path.read_text()) >= step):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name} did not reach step {step} within {timeout} s")
+        time.sleep(0.2)
 
 
 def read(out_dir: str, group: int) -> list[Any]:

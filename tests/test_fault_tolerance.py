@@ -25,6 +25,7 @@ from ft_harness import (
     shard_digest,
     start_group,
     wait,
+    wait_for_step,
 )
 from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, trainer_kwargs
 
@@ -301,7 +302,11 @@ def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) 
             self.digests[manager.current_step()] = shard_digest(module)
             self.participants.append((manager.current_step(), manager.num_participants()))
             if manager.num_participants() < 2 and not fail and len(self.participants) > 1:
-                time.sleep(3.0)  # alone: give the restarted group time to start and heal
+                if any(live == 2 for _, live in self.participants):  # alone after a loss (not before the other came)
+                    # the test starts the replacement only once this is on record
+                    alone = Path(directory).parent / f"group{group}_rank{rank}.alone"
+                    alone.write_text(str(manager.current_step()))
+                time.sleep(3.0)  # give the replacement time to start and heal
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
     record = Record()
@@ -328,6 +333,8 @@ def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> 
         doomed = start_group(1, out_dir, _run_group, address, True, shared)
         with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
             wait(doomed, timeout=180)
+        for rank in range(GROUP_WORLD):  # the survivor has trained a step alone: the loss is on the record
+            wait_for_step(Path(out_dir, f"group0_rank{rank}.alone"), 1, timeout=120)
         restarted = start_group(1, out_dir, _run_group, address, False, shared)
         wait(survivor, timeout=300)
         wait(restarted, timeout=120)
@@ -337,7 +344,8 @@ def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> 
         live = [count for _, count in alone["participants"]]
         assert alone["global_step"] == healed["global_step"] == LONG.steps  # both finished the run
         assert 1 <= alone["discarded"] <= 2, alone  # the step the failure hit, not the job
-        lost_at = next(step for (step, count), before in zip(alone["participants"][1:], live) if count < before)
+        lost_at = next((step for (step, count), before in zip(alone["participants"][1:], live) if count < before), None)
+        assert lost_at is not None, alone["participants"]
         assert live[-1] == 2  # alone after the loss, together again at the end
         assert alone["resumed_from"] is None and healed["resumed_from"] is not None  # it loaded "last", then
         assert min(healed["digests"]) >= lost_at > 0  # healed: it started at the survivor's step, not at 0

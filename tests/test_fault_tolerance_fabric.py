@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, lighthouse, read, shard_digest, start_group, wait
+from ft_harness import GROUP_WORLD, lighthouse, read, shard_digest, start_group, wait, wait_for_step
 from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, global_batches, lm_loss
 
 from lightning_mics import FaultTolerance, MiCSFabricStrategy
@@ -64,14 +64,6 @@ def _fabric_loop(
         "committed": strategy.committed_steps,
         "second_model": second_model,
     }
-
-
-def wait_for_step(path: Path, step: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text() and int(path.read_text()) >= step):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path.name} did not reach step {step} within {timeout} s")
-        time.sleep(0.2)
 
 
 @pytest.mark.distributed
