@@ -178,11 +178,11 @@ def exit_after_distributed_work() -> None:
     os._exit(0)
 
 
-def start_processes(worker: Callable[..., Any], args: tuple, nprocs: int, method: str | None = None) -> Any:
+def start_processes(worker: Callable[..., Any], args: tuple, nprocs: int) -> Any:
     """Start ``worker(index, *args, environment, output)`` on ``nprocs`` new processes, forked from the fork
-    server or spawned (:func:`start_method`, unless ``method`` says), and return their torch ProcessContext
-    without waiting. The worker passes ``environment`` and ``output`` to :func:`adopt_starters_state` first."""
-    method = method or start_method()
+    server or spawned (:func:`start_method`), and return their torch ProcessContext without waiting. The
+    worker passes ``environment`` and ``output`` to :func:`adopt_starters_state` first."""
+    method = start_method()
     output = StartersOutput() if method == "forkserver" else None
     return mp.start_processes(
         worker, args=(*args, dict(os.environ), output), nprocs=nprocs, join=False, start_method=method
