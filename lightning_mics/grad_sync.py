@@ -277,9 +277,12 @@ def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
 
 
 def unpack_gradient_shards(flat: Tensor, params: Sequence[Tensor]) -> None:
-    """Copy a buffer :func:`pack_gradient_shards` made (and a collective reduced) back into the gradients."""
+    """Copy a buffer :func:`pack_gradient_shards` made (and a collective reduced) back into the gradients. A
+    gradient dropped since it was packed (``zero_grad(set_to_none=True)`` while the sum was in flight) has
+    nothing to receive; the others still take theirs, at the offsets they were packed at."""
     offset = 0
     for param in params:
-        grad = local_shard(param.grad).view(-1)  # type: ignore[arg-type]
-        grad.copy_(flat[offset : offset + grad.numel()])
+        if param.grad is not None:
+            grad = local_shard(param.grad).view(-1)
+            grad.copy_(flat[offset : offset + grad.numel()])
         offset += padded_shard_numel(param)

@@ -142,9 +142,7 @@ class OverlappedCrossReplicaSync:
         for unit_sum in self._in_flight.values():
             unit_sum.reduction.wait()
             unit_sum.flat.div_(self.replicas)
-            live = [p for p in unit_sum.params if p.grad is not None]
-            if len(live) == len(unit_sum.params):
-                unpack_gradient_shards(unit_sum.flat, unit_sum.params)
+            unpack_gradient_shards(unit_sum.flat, unit_sum.params)
             if unit_sum.flat.is_cuda:  # allocated on FSDP2's reduce-scatter stream, last read on this one
                 unit_sum.flat.record_stream(torch.cuda.current_stream())
         self._in_flight.clear()

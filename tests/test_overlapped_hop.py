@@ -183,3 +183,18 @@ def test_one_optimizer_over_two_models_syncs_both(runs, model):
 def test_fabric_step_with_a_closure_syncs_inside_the_step(runs):
     unclipped = RunConfig(world_size=WORLD, accumulate=3, clip=None, steps=2)
     assert_matches_reference([result["closure"] for result in runs], unclipped)
+
+
+def test_a_gradient_dropped_while_its_sum_is_in_flight_leaves_the_others_their_sums() -> None:
+    from lightning_mics.grad_sync import pack_gradient_shards, unpack_gradient_shards
+
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 4)]
+    for i, param in enumerate(params):
+        param.grad = torch.full((param.numel(),), float(i + 1))
+    flat = pack_gradient_shards(params)
+    flat.mul_(10)  # the reduced sum
+    params[1].grad = None  # zero_grad(set_to_none=True) while the sum was in flight
+    unpack_gradient_shards(flat, params)
+    assert params[1].grad is None
+    torch.testing.assert_close(params[0].grad, torch.full((3,), 10.0))
+    torch.testing.assert_close(params[2].grad, torch.full((4,), 30.0))  # its own offset, not shifted
