@@ -30,7 +30,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("reduce-scatter", re.compile(r"reduce_scatter")),
     ("all-reduce", re.compile(r"all_reduce|allreduce")),
     # waiting, before the optimizer step, for the hop 2 sums started during backward (issue 24)
-    ("hop 2 wait (overlapped, ours)", re.compile(r"overlapped_hop\.py")),
+    ("hop 2 wait (overlapped, ours)", re.compile(r"hop2[/\\]pipeline\.py|hop2[/\\]transport\.py")),
     ("barrier / broadcast", re.compile(r"\bbarrier\b|broadcast")),
     ("telemetry / collective recording (ours)", re.compile(r"telemetry\.py|CollectiveRecorder|recorded \(")),
     ("optimizer step", re.compile(r"torch/optim/")),

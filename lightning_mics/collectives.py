@@ -420,7 +420,7 @@ def compressed_all_reduce_(tensor: torch.Tensor, group: Any, wire: WireFormat) -
 
 class CompressedAllReduce:
     """:func:`compressed_all_reduce_` in stages, so that it can run behind other work (hop 2 overlapped
-    with backward, :mod:`lightning_mics.overlapped_hop`): the constructor encodes and starts the
+    with backward, :mod:`lightning_mics.hop2.pipeline`): the constructor encodes and starts the
     all-to-all, :meth:`advance` adds the pieces and starts the all-gather, :meth:`wait` finishes and writes
     the sum into the tensor. The arithmetic is the
     same whichever way it is driven."""

@@ -37,17 +37,17 @@ from lightning_mics.buffer_sync import sync_buffers
 from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
     GroupConfiguration,
-    ManagedCrossReplicaSync,
     ReplicaGroup,
     check_fault_tolerant_layout,
 )
-from lightning_mics.grad_sync import CompressedCrossReplicaSync, clip_grad_norm_
+from lightning_mics.grad_sync import clip_grad_norm_
+from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
+from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
     build_layout,
     check_layout,
-    cross_replica_sync,
     layout_planner,
     limit_intra_op_threads,
     optimizers_in_partition_form,
@@ -58,7 +58,6 @@ from lightning_mics.layout import (
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import MiCSOptions
-from lightning_mics.overlapped_hop import OverlappedCrossReplicaSync
 from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import WrapPlan, plan_wrapping
 
@@ -67,32 +66,9 @@ log = logging.getLogger("lightning_mics")
 #: The checkpoint entry that holds the fault-tolerance state (torchft's step count).
 FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
 
-#: Hop 2 when the engine runs it: per unit behind backward, in a compressed wire format after it, or through
-#: torchft across fault domains.
-CrossReplicaHook = Union[OverlappedCrossReplicaSync, CompressedCrossReplicaSync, ManagedCrossReplicaSync]
-#: What runs around an optimizer's step: AMSP optimizer-state sharding, or hop 2 run by the engine.
-StepHook = Union[ReplicaShardedOptimizerStates, CrossReplicaHook, "EachModel"]
-
-
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
     return getattr(optimizer, "_optimizer", optimizer)
-
-
-class EachModel:
-    """Hop 2 of every model one optimizer steps (Fabric lets an optimizer hold several models' parameters),
-    model by model, in the order the optimizer was set up with them (the same on every rank)."""
-
-    def __init__(self, syncs: Sequence[CrossReplicaHook]) -> None:
-        self.syncs = list(syncs)
-
-    def before_step(self) -> None:
-        for sync in self.syncs:
-            sync.before_step()
-
-    def after_step(self) -> None:
-        for sync in self.syncs:
-            sync.after_step()
 
 
 class MiCSEngine:
@@ -107,10 +83,10 @@ class MiCSEngine:
         self.layout_or_none: Optional[MiCSLayout] = None
         #: per optimizer (by id): AMSP ``optim > grads`` states sharded across replicas
         self._state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
-        #: per optimizer (by id): its model's hop 2 run by the engine (``cross_replica_dtype``, or through torchft
-        #: with ``fault_tolerance``); per model (by id), the same
-        self._cross_replica: dict[int, CrossReplicaHook] = {}
-        self._model_syncs: dict[int, CrossReplicaHook] = {}
+        #: per optimizer (by id): its models' hop 2 run by the engine (:mod:`lightning_mics.hop2`); per model (by
+        #: id), its pipeline
+        self._cross_replica: dict[int, StepHook] = {}
+        self._model_syncs: dict[int, CrossReplicaPipeline] = {}
         #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
         self.replica_group: Optional[ReplicaGroup] = None
         self._step_open = False
@@ -191,10 +167,10 @@ class MiCSEngine:
             plan_layout=planner,
             cross_replica_overlap=o.cross_replica_overlap,
             cpu_offload=o.cpu_offload,
+            managed=o.fault_tolerance is not None,
         )
         if o.fault_tolerance is not None:
-            beyond = settings.optim_degree is not None and settings.optim_degree > settings.topology.partition_size
-            check_fault_tolerant_layout(settings.topology.replication_degree, beyond)
+            check_fault_tolerant_layout(settings.topology.replication_degree, settings.shards_optimizer_beyond_partition)
         return settings
 
     def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:
@@ -251,10 +227,18 @@ class MiCSEngine:
             hook = syncs[0] if len(syncs) == 1 else EachModel(syncs)
             self._cross_replica.update({id(optimizer): hook for optimizer in optimizers})
 
-    def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaHook]:
-        if self.replica_group is not None:
-            return ManagedCrossReplicaSync(module, self.replica_group, layout.cross_replica_wire)
-        return cross_replica_sync(module, layout)
+    def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaPipeline]:
+        """Hop 2 of ``module`` when the layout says the engine runs it (:class:`~lightning_mics.hop2.Hop2`)."""
+        hop2 = layout.settings.hop2
+        if not hop2.run_by_engine:
+            return None
+        transport: Transport
+        if hop2.managed:
+            assert self.replica_group is not None, "join_fault_domain() runs before the optimizers are attached"
+            transport = ManagedTransport(self.replica_group, layout.cross_replica_wire)
+        else:
+            transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.cross_replica_wire)
+        return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped)
 
     # ------------------------------------------------------------------ fault tolerance (torchft)
     def join_fault_domain(
@@ -422,8 +406,7 @@ class MiCSEngine:
     def teardown(self) -> None:
         """The run ends only once its last checkpoint is committed (a failed background save raises here)."""
         for sync in self._model_syncs.values():  # the model may go on under another strategy
-            if isinstance(sync, OverlappedCrossReplicaSync):
-                sync.remove()
+            sync.remove()
         self._model_syncs.clear()
         self._cross_replica.clear()
         try:

@@ -36,8 +36,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics import _compat as compat
-from lightning_mics.collectives import compressed_all_reduce_
-from lightning_mics.wire import WireFormat
 
 #: How gradients accumulate between optimizer steps (module docstring).
 GradAccumulation = Literal["sharded", "unsharded"]
@@ -213,76 +211,3 @@ def clip_grad_norm_(
         local = local_shard(grad)
         local.mul_(clip_coef.to(local.dtype))
     return total_norm
-
-
-class CompressedCrossReplicaSync:
-    """Hop 2 with fewer bytes on the slow links: at the accumulation boundary, all-reduce the
-    gradient shards across the replication group in a compressed ``wire`` format (16-bit floats or
-    blockwise int8, :mod:`lightning_mics.wire`).
-
-    FSDP2 then runs on the partition alone (it reduce-scatters in the full reduction dtype, where
-    the links are fast); this object takes over the cross-replica all-reduce that FSDP2 would do on
-    a 2-D mesh. It runs once per optimizer step, after the boundary backward (so before clipping and
-    the optimizer): the rank's gradient shards are packed into one buffer -- each parameter at its
-    *padded* shard size, so every rank of a replication group packs alike -- summed across
-    replicas with :func:`~lightning_mics.collectives.compressed_all_reduce_`, divided by the
-    replication degree (FSDP2 already averaged over the partition) and unpacked. Every replica gets
-    the same rounded values, so replicas stay identical. The rounding is one rounding of each rank's
-    message and one of the sum (16-bit, or int8 to within half a block's scale); sums are formed in
-    fp32 on every backend.
-    """
-
-    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup, wire: WireFormat) -> None:
-        self.module = module
-        self.replica_group = replica_group
-        self.wire = wire
-        self.replicas = replica_group.size()
-
-    @torch.no_grad()
-    def before_step(self) -> None:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        if not params or self.replicas == 1:
-            return
-        flat = pack_gradient_shards(params)
-        compressed_all_reduce_(flat, self.replica_group, self.wire)
-        flat.div_(self.replicas)
-        unpack_gradient_shards(flat, params)
-
-    def after_step(self) -> None:
-        """Nothing to do after the optimizer step (the hook protocol of the strategy's step)."""
-
-
-def padded_shard_numel(param: Tensor) -> int:
-    """Elements one rank packs for ``param``: its gradient shard padded as FSDP2 pads dim 0, so that every
-    rank of a replication group packs alike (the same offsets for the same parameters)."""
-    if not isinstance(param, DTensor):
-        return param.numel()
-    shards = math.prod(param.device_mesh.size(d) for d, pl in enumerate(param.placements) if isinstance(pl, Shard))
-    shape = tuple(param.shape) or (1,)
-    rows = -(-shape[0] // shards)
-    return rows * math.prod(shape[1:])
-
-
-def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
-    """This rank's gradient shards of ``params`` in one flat buffer (each at its padded size, zeros in the
-    padding): one message for the cross-replica hop instead of one per parameter."""
-    first = local_shard(params[0].grad)  # type: ignore[arg-type]
-    flat = torch.zeros(sum(padded_shard_numel(p) for p in params), dtype=first.dtype, device=first.device)
-    offset = 0
-    for param in params:
-        grad = local_shard(param.grad).reshape(-1)  # type: ignore[arg-type]
-        flat[offset : offset + grad.numel()].copy_(grad)
-        offset += padded_shard_numel(param)
-    return flat
-
-
-def unpack_gradient_shards(flat: Tensor, params: Sequence[Tensor]) -> None:
-    """Copy a buffer :func:`pack_gradient_shards` made (and a collective reduced) back into the gradients. A
-    gradient dropped since it was packed (``zero_grad(set_to_none=True)`` while the sum was in flight) has
-    nothing to receive; the others still take theirs, at the offsets they were packed at."""
-    offset = 0
-    for param in params:
-        if param.grad is not None:
-            grad = local_shard(param.grad).view(-1)
-            grad.copy_(flat[offset : offset + grad.numel()])
-        offset += padded_shard_numel(param)

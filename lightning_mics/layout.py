@@ -44,12 +44,8 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import (
-    CompressedCrossReplicaSync,
-    GradAccumulation,
-    check_grad_accumulation,
-    defer_gradient_sync,
-)
+from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
+from lightning_mics.hop2 import Hop2, decide_hop2, hop2_can_overlap
 from lightning_mics.offload import (
     CPUOffloadOption,
     check_offload_layout,
@@ -59,7 +55,6 @@ from lightning_mics.offload import (
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import Hierarchical, ShardingOption
-from lightning_mics.overlapped_hop import OverlappedCrossReplicaSync
 from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
 from lightning_mics.post_forward_mesh import PostForwardMeshes
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
@@ -211,22 +206,10 @@ class MiCSLayout:
         return self.settings.cross_replica_wire
 
     @property
-    def cross_replica_overlap(self) -> bool:
-        """Hop 2 runs per unit behind the boundary backward (:mod:`lightning_mics.overlapped_hop`)."""
-        return self.settings.cross_replica_overlap
-
-    @property
-    def shards_optimizer_beyond_partition(self) -> bool:
-        return self.optim_groups is not None
-
-    @property
     def fsdp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards on. With optimizer states sharded across replicas, a compressed or an
-        overlapped cross-replica hop, that hop is ours, so FSDP gets the partition alone."""
-        ours = (
-            self.shards_optimizer_beyond_partition or self.cross_replica_wire is not None or self.cross_replica_overlap
-        )
-        if ours and self.device_mesh.ndim == 2:
+        """The mesh FSDP shards on: the 2-D one where FSDP2 runs hop 2 itself; the partition alone where the
+        engine runs it or there is none (:class:`~lightning_mics.hop2.Hop2`)."""
+        if not self.settings.hop2.fsdp_uses_replicate_dim and self.device_mesh.ndim == 2:
             return self.device_mesh[SHARD_DIM]
         return self.device_mesh
 
@@ -264,7 +247,8 @@ class MiCSLayout:
                 f"  grad accumulation: {self.grad_accumulation}"
                 + (f" -- {self.planner_reason}" if self.planner_reason else ""),
                 "  cross-replica all-reduce in "
-                + ("the gradients' dtype" if self.cross_replica_wire is None else str(self.cross_replica_wire)),
+                + ("the gradients' dtype" if self.cross_replica_wire is None else str(self.cross_replica_wire))
+                + f"; hop 2: {self.settings.hop2.describe()}",
                 (
                     f"  {self.process_groups} process groups created by this layout "
                     f"({compat.process_group_count()} alive in this process, the default group included)"
@@ -318,12 +302,21 @@ class LayoutSettings:
     cross_replica_wire: Optional[WireFormat]
     device_type: str
     backend: str
-    #: hop 2 started per unit during the boundary backward (:mod:`lightning_mics.overlapped_hop`); ``False``
-    #: where there is no hop 2 to overlap or the engine runs another one (AMSP optim > grads)
-    cross_replica_overlap: bool = False
+    #: who runs hop 2 and when (:func:`~lightning_mics.hop2.decide_hop2`): read by everything that depends on it
+    hop2: Hop2 = Hop2()
     planner_reason: Optional[str] = field(default=None, compare=False)
     #: ``cpu_offload``'s FSDP2 policy (sharded states in host memory), or ``None``
     cpu_offload: Optional[CPUOffloadPolicy] = None
+
+    @property
+    def cross_replica_overlap(self) -> bool:
+        """Hop 2 runs per unit behind the boundary backward."""
+        return self.hop2.overlapped
+
+    @property
+    def shards_optimizer_beyond_partition(self) -> bool:
+        """AMSP ``optim > grads``: optimizer states sharded across replicas."""
+        return self.hop2.shards_optimizer_beyond_partition
 
     def differences(self, other: LayoutSettings) -> list[str]:
         """``"partition_size: 2 (earlier) vs 4 (now)"``-style lines for every setting that differs."""
@@ -345,6 +338,11 @@ class LayoutSettings:
         # by the option's name and value, as the user wrote it: cross_replica_dtype: None vs 'int8'
         wire = values.pop("cross_replica_wire")
         values["cross_replica_dtype"] = None if wire is None else wire.name
+        # hop 2 follows from the other settings except where it overlaps backward and whether torchft carries it:
+        # those two, under their options' names (the rest would repeat another line of the difference)
+        hop2 = values.pop("hop2")
+        values["cross_replica_overlap"] = hop2.overlapped
+        values["fault_tolerance"] = hop2.managed
         return values
 
 
@@ -364,11 +362,13 @@ def resolve_layout(
     cpu_offload: CPUOffloadOption = False,
     plan_layout: Optional[LayoutPlanner] = None,
     cross_replica_overlap: bool = False,
+    managed: bool = False,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
     given -- without creating any process group (:func:`build_layout` creates them), so that a
-    strategy can compare it with the layout of a model sharded before."""
+    strategy can compare it with the layout of a model sharded before. ``managed``: hop 2 runs through
+    torchft across replica groups (``fault_tolerance``); who runs hop 2 is decided here, once."""
     planner_reason = None
     if sharding == "auto" or (sharding is None and partition_size == "auto") or grad_accumulation == "auto":
         if plan_layout is None:
@@ -389,7 +389,9 @@ def resolve_layout(
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
         grad_accumulation, planner_reason = "unsharded", planner_reason or ONE_RANK_PARTITION_REASON
+    optim_beyond_partition = optim_degree is not None and optim_degree > topology.partition_size
     offload = _checked_step_hooks(optim_degree, topology.partition_size, cross_replica_wire, cpu_offload, device_type)
+    optim_beyond_partition = optim_degree is not None and optim_degree > topology.partition_size
     return LayoutSettings(
         rank=rank,
         topology=topology,
@@ -402,12 +404,14 @@ def resolve_layout(
         cross_replica_wire=cross_replica_wire,
         device_type=device_type,
         backend=backend,
-        # hop 2 is started per unit on the device's gradient shards: not on offloaded (host) ones, and not where
-        # AMSP's optimizer-state sharding runs its own
-        cross_replica_overlap=cross_replica_overlap
-        and topology.replication_degree > 1
-        and (optim_degree is None or optim_degree <= topology.partition_size)
-        and offload is None,
+        hop2=decide_hop2(
+            replicas=topology.replication_degree,
+            optim_beyond_partition=optim_beyond_partition,
+            compressed=cross_replica_wire is not None,
+            cross_replica_overlap=cross_replica_overlap,
+            offloaded=offload is not None,
+            managed=managed,
+        ),
         planner_reason=planner_reason,
         cpu_offload=offload,
     )
@@ -475,7 +479,7 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     groups_before = compat.process_group_count()
     mesh = build_device_mesh(topology, settings.device_type, settings.backend, timeout)
     optim_groups = None
-    if settings.optim_degree is not None and settings.optim_degree > topology.partition_size:
+    if settings.shards_optimizer_beyond_partition:
         optim_groups = create_optimizer_state_groups(topology, settings.optim_degree, timeout)
     hierarchical_groups = None
     if settings.hierarchical:
@@ -521,7 +525,7 @@ def layout_planner(
             cross_replica_bytes=cross_replica_wire.element_bytes if cross_replica_wire is not None else None,
             cluster=cluster,
             cpu_offload=offloading,
-            cross_replica_overlap=cross_replica_overlap and not offloading,  # as resolve_layout decides
+            cross_replica_overlap=hop2_can_overlap(cross_replica_overlap, offloading),  # as resolve_layout decides
         )
         if log is not None:
             chosen = choice.estimate
@@ -640,7 +644,7 @@ def shard_optimizer_states(
 ) -> dict[int, ReplicaShardedOptimizerStates]:
     """AMSP ``optim > grads``: each optimizer steps on this rank's slice of its partition shard;
     returns the hook that brackets its steps, by ``id(optimizer)``. Empty in every other layout."""
-    if not layout.shards_optimizer_beyond_partition:
+    if not layout.settings.shards_optimizer_beyond_partition:
         return {}
     if loss_scaling:
         raise ValueError(
@@ -656,23 +660,6 @@ def shard_optimizer_states(
         )
         for optimizer in optimizers
     }
-
-
-def cross_replica_sync(
-    module: nn.Module, layout: MiCSLayout
-) -> Optional[Union[OverlappedCrossReplicaSync, CompressedCrossReplicaSync]]:
-    """Hop 2 when the engine runs it instead of FSDP2's 2-D mesh: started per unit behind the boundary
-    backward (``cross_replica_overlap``, in the gradients' dtype or ``cross_replica_dtype``), or once per
-    optimizer step in ``cross_replica_dtype`` (before clipping and the step); ``None`` without replicas, or
-    when FSDP2 runs it."""
-    if layout.topology.replication_degree == 1 or layout.shards_optimizer_beyond_partition:
-        return None
-    replica_group = layout.device_mesh.get_group(0)
-    if layout.cross_replica_overlap:
-        return OverlappedCrossReplicaSync(module, replica_group, layout.cross_replica_wire)
-    if layout.cross_replica_wire is None:
-        return None
-    return CompressedCrossReplicaSync(module, replica_group, layout.cross_replica_wire)
 
 
 @contextmanager

@@ -114,17 +114,23 @@ def _fit_in_group(rank: int, group: int, address: str) -> dict[Any, dict[str, An
 def _fit_with_wire(group: int, address: str, wire: Any) -> dict[str, Any]:
     import lightning.pytorch as pl
 
-    from lightning_mics.grad_sync import padded_shard_numel
+    from lightning_mics import _compat as compat
+    from lightning_mics.hop2.pipeline import padded_shard_numel
     from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
     module = ValidatedToyModule(EQUIVALENCE)
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
-    class Packed(pl.Callback):  # what hop 2 packs: this rank's shards of the gradients the step has
+    class Packed(pl.Callback):  # what hop 2 packs: this rank's shards of the gradients the step has, per unit
         numel = 0
+        unit_numels: list[int] = []
 
         def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
             self.numel = sum(padded_shard_numel(p) for p in module.parameters() if p.grad is not None)
+            self.unit_numels = [
+                sum(padded_shard_numel(p) for p in compat.fsdp_unit_parameters(unit) if p.grad is not None)
+                for unit in trainer.strategy.fsdp_units
+            ]
 
     packed = Packed()
     strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_dtype=wire)
@@ -140,6 +146,7 @@ def _fit_with_wire(group: int, address: str, wire: Any) -> dict[str, Any]:
         "cross_replica_bytes": [record.comm.by_group[CROSS_REPLICA] for record in telemetry.steps],
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
         "packed_numel": packed.numel,
+        "unit_numels": packed.unit_numels,
     }
 
 
@@ -187,9 +194,10 @@ def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_i
             assert torch.equal(value, params[GROUP_WORLD + rank][name]), name
     reference, _ = reference_training(EQUIVALENCE)
     assert any(not torch.allclose(params[0]["model." + n], reference[n], rtol=0, atol=0) for n in reference)
-    for result in results:  # telemetry: hop 2 once per step (and the agreement). bf16: the all-reduced message;
-        numel = result["packed_numel"]  # int8: the all-gather's payload, both groups' messages
-        message = 2 * numel if wire == "bf16" else 2 * message_bytes(numel)
+    for result in results:  # telemetry: hop 2 once per step (and the agreement). bf16: the all-reduced messages;
+        numel = result["packed_numel"]  # int8: the all-gathers' payload, both groups' messages, one per FSDP unit
+        assert sum(result["unit_numels"]) == numel  # behind backward: every shard goes in its unit's message
+        message = 2 * numel if wire == "bf16" else sum(2 * message_bytes(n) for n in result["unit_numels"] if n)
         assert set(result["cross_replica_bytes"]) == {message + AGREEMENT_BYTES}, (wire, numel)
 
 
@@ -292,7 +300,7 @@ def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) 
             self.digests: dict[int, str] = {}
             self.participants: list[tuple[int, int]] = []
 
-        def on_after_backward(self, trainer, module) -> None:
+        def on_before_backward(self, trainer, module, loss) -> None:  # hop 2 starts inside backward
             together = [step for step, live in self.participants if live == 2]
             if fail and rank == 1 and len(together) >= FAIL_AFTER_STEPS_TOGETHER:
                 os._exit(1)  # a node lost mid-step: no cleanup, no goodbye

@@ -28,7 +28,7 @@ from toy import (
 )
 
 from lightning_mics import MiCSFabricStrategy
-from lightning_mics.overlapped_hop import OverlappedCrossReplicaSync
+from lightning_mics.hop2.pipeline import CrossReplicaPipeline
 
 WORLD, PARTITION, RANKS_PER_NODE = 4, 2, 2
 CFG = RunConfig(world_size=WORLD, accumulate=3, clip=0.5, steps=2)
@@ -63,7 +63,7 @@ def _train(fabric: Fabric, use_closure: bool = False) -> tuple[dict[str, torch.T
     in_flight: list[int] = []
     first_block = module.model.blocks[0]
     first_block.register_full_backward_pre_hook(
-        lambda *_: in_flight.append(hop.units_in_flight if isinstance(hop, OverlappedCrossReplicaSync) else -1)
+        lambda *_: in_flight.append(hop.units_in_flight if isinstance(hop, CrossReplicaPipeline) and hop.overlapped else -1)
     )
     for step in range(CFG.steps):
         for j in range(CFG.accumulate):
@@ -186,7 +186,7 @@ def test_fabric_step_with_a_closure_syncs_inside_the_step(runs):
 
 
 def test_a_gradient_dropped_while_its_sum_is_in_flight_leaves_the_others_their_sums() -> None:
-    from lightning_mics.grad_sync import pack_gradient_shards, unpack_gradient_shards
+    from lightning_mics.hop2.pipeline import pack_gradient_shards, unpack_gradient_shards
 
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 4)]
     for i, param in enumerate(params):

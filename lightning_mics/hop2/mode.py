@@ -1,0 +1,101 @@
+"""Who runs hop 2 -- the cross-replica sum at the accumulation boundary -- and when: decided once, here.
+
+Pure Python (no torch), so the planner and the layout resolution read the same rule without importing a
+runtime. :func:`decide_hop2` is called by the layout resolution (:func:`lightning_mics.layout.resolve_layout`);
+everything else reads the resulting :class:`Hop2` from the layout's settings -- the mesh FSDP2 shards on,
+the engine's step hook, the fault-tolerance checks, offload and the planner's mirror
+(:func:`hop2_can_overlap`).
+
+The schedules:
+
+* ``"none"`` -- one replica: nothing crosses.
+* ``"fsdp"`` -- FSDP2 runs it on its 2-D (replicate, shard) mesh, in the gradients' dtype, inside each
+  unit's post-backward (blocking on CPU ranks).
+* ``"behind_backward"`` -- the engine starts each FSDP unit's sum as soon as its gradient shards are final,
+  while backward computes the units before it, and finishes every sum before clipping and the step
+  (:class:`lightning_mics.hop2.pipeline.CrossReplicaPipeline`, overlapped).
+* ``"after_backward"`` -- the engine sums every shard once, after backward, before clipping and the step
+  (the same pipeline, not overlapped): a compressed wire with ``cross_replica_overlap=False``, or the
+  fault-tolerant hop without overlap.
+* ``"optimizer_states"`` -- AMSP ``optim > grads``: the gradient shards are reduce-scattered into the
+  optimizer-state slices across replicas (:class:`lightning_mics.optim_sharding.ReplicaShardedOptimizerStates`).
+
+The transport -- the replication process group or torchft's Manager (``managed``) -- is orthogonal to the
+schedule: the engine's two schedules run over either (:mod:`lightning_mics.hop2.transport`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Hop2Schedule = Literal["none", "fsdp", "behind_backward", "after_backward", "optimizer_states"]
+
+
+@dataclass(frozen=True)
+class Hop2:
+    """How this layout's hop 2 runs (module docstring): the schedule and whether torchft carries it."""
+
+    schedule: Hop2Schedule = "fsdp"
+    #: through torchft's Manager across replica groups (``fault_tolerance``), not the replication group
+    managed: bool = False
+
+    @property
+    def overlapped(self) -> bool:
+        """Started per unit behind the boundary backward."""
+        return self.schedule == "behind_backward"
+
+    @property
+    def run_by_engine(self) -> bool:
+        """The engine's pipeline runs it (FSDP2 then shards on the partition alone)."""
+        return self.schedule in ("behind_backward", "after_backward")
+
+    @property
+    def shards_optimizer_beyond_partition(self) -> bool:
+        """AMSP ``optim > grads``: optimizer states sharded across replicas, which run their own hop 2."""
+        return self.schedule == "optimizer_states"
+
+    @property
+    def fsdp_uses_replicate_dim(self) -> bool:
+        """FSDP2 gets the 2-D mesh (and runs hop 2 itself); every other schedule gives it the partition."""
+        return self.schedule == "fsdp"
+
+    def describe(self) -> str:
+        """For the layout log."""
+        where = {
+            "none": "none (one replica)",
+            "fsdp": "FSDP2's all-reduce on the 2-D mesh, per unit in its post-backward",
+            "behind_backward": "per FSDP unit, started as its gradients are final, behind the boundary backward",
+            "after_backward": "once after the boundary backward",
+            "optimizer_states": "reduce-scatter into the optimizer-state slices across replicas (AMSP)",
+        }[self.schedule]
+        return where + (", through torchft across replica groups" if self.managed else "")
+
+
+def hop2_can_overlap(cross_replica_overlap: bool, offloaded: bool) -> bool:
+    """Whether hop 2 may start per unit behind backward: asked for, and not on host (offloaded) gradient
+    shards. The planner's mirror of :func:`decide_hop2` for its candidate layouts."""
+    return cross_replica_overlap and not offloaded
+
+
+def decide_hop2(
+    *,
+    replicas: int,
+    optim_beyond_partition: bool,
+    compressed: bool,
+    cross_replica_overlap: bool,
+    offloaded: bool,
+    managed: bool,
+) -> Hop2:
+    """The one rule (module docstring). ``replicas``: the replication degree inside this world;
+    ``managed``: replica groups are separate worlds joined by torchft (``fault_tolerance``), so hop 2 runs
+    whatever ``replicas`` says."""
+    if optim_beyond_partition:
+        return Hop2("optimizer_states", managed)
+    if replicas == 1 and not managed:
+        return Hop2("none")
+    if hop2_can_overlap(cross_replica_overlap, offloaded):
+        return Hop2("behind_backward", managed)
+    if compressed or managed:
+        return Hop2("after_backward", managed)
+    return Hop2("fsdp")

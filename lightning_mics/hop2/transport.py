@@ -1,0 +1,192 @@
+"""What carries hop 2's messages: the replication process group, or torchft's Manager across fault domains.
+
+The pipeline (:mod:`lightning_mics.hop2.pipeline`) packs, starts and unpacks; a transport only has to
+*start* an average of one flat buffer asynchronously and say, at the end of the step, whether the step
+counts. A new transport is one class here with :meth:`Transport.start_average`, :meth:`Transport.commit`
+and :attr:`Transport.active`; a new wire format is one entry in :mod:`lightning_mics.wire` (the encoded
+collectives live in :mod:`lightning_mics.collectives`).
+
+Every transport leaves the **average over the replicas taking part** in the buffer when its
+:class:`InFlight` is waited on, whatever the wire: the replication group sums and divides by its size;
+torchft averages over the quorum's groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mics import wire as wire_codec
+from lightning_mics.collectives import CompressedAllReduce
+from lightning_mics.wire import WireFormat
+
+if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.group import ReplicaGroup
+
+
+class InFlight(Protocol):
+    """One buffer's average, started. Collectives on one group must start in the same order on every rank:
+    :meth:`advance` is called at the same point everywhere (when the next buffer starts), never on local
+    completion."""
+
+    def advance(self) -> None:
+        """Start the next stage, if the wire has one (the compressed hop's all-gather)."""
+
+    def wait(self) -> None:
+        """Finish: the average is in the buffer."""
+
+
+class Transport(Protocol):
+    """Where hop 2 travels (module docstring)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether there is anyone to average with (a replication group of one has nobody)."""
+
+    def start_average(self, flat: Tensor) -> InFlight:
+        """Start averaging ``flat`` in place across the replicas."""
+
+    def commit(self) -> bool:
+        """After every average of the step finished: whether the optimizer may step (``False``: a replica
+        failed during the step, whose gradients must then be dropped)."""
+
+
+# ------------------------------------------------------------------------------------------ process group
+class _SumThenDivide:
+    """A sum over ``replicas`` started by ``reduction`` (with ``wait``/``advance``), divided on completion."""
+
+    def __init__(self, flat: Tensor, reduction: Any, replicas: int) -> None:
+        self.flat, self.reduction, self.replicas = flat, reduction, replicas
+
+    def advance(self) -> None:
+        advance = getattr(self.reduction, "advance", None)
+        if advance is not None:
+            advance()
+
+    def wait(self) -> None:
+        self.reduction.wait()
+        self.flat.div_(self.replicas)
+
+
+class ProcessGroupTransport:
+    """The replication process group of this world (gloo or NCCL; the hierarchical layouts' replication group
+    is flat: same-local-rank peers of different nodes). fp32 (the gradients' own dtype): one asynchronous
+    all-reduce per buffer; a compressed ``wire``: :class:`~lightning_mics.collectives.CompressedAllReduce`
+    (all-to-all, fp32 sums, all-gather), staged so that it can run behind backward."""
+
+    def __init__(self, group: dist.ProcessGroup, wire: Optional[WireFormat]) -> None:
+        self.group = group
+        self.wire = wire
+        self.replicas = group.size()
+
+    @property
+    def active(self) -> bool:
+        return self.replicas > 1
+
+    def start_average(self, flat: Tensor) -> InFlight:
+        if self.wire is None:
+            reduction: Any = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            reduction = CompressedAllReduce(flat, self.group, self.wire)
+        return _SumThenDivide(flat, reduction, self.replicas)
+
+    def commit(self) -> bool:
+        """A process group fails loudly (its collective raises): a step that got here counts."""
+        return True
+
+
+# ------------------------------------------------------------------------------------------------ torchft
+class _Nothing:
+    """Nothing in flight: torchft already recorded a failure this step, which will not commit."""
+
+    def advance(self) -> None:
+        """Nothing to advance."""
+
+    def wait(self) -> None:
+        """Nothing to finish; the buffer keeps this rank's values (the step is dropped)."""
+
+
+class _ManagedAverage:
+    """torchft's all-reduce (it averages over the quorum's groups, in its callback); a 16-bit ``message``
+    is written back into ``flat`` on completion."""
+
+    def __init__(self, flat: Tensor, message: Tensor, work: Any) -> None:
+        self.flat, self.message, self.work = flat, message, work
+
+    def advance(self) -> None:
+        """One collective."""
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.message is not self.flat:
+            self.flat.copy_(self.message)
+
+
+class _ManagedGatherAverage:
+    """int8: every group's blockwise message all-gathered (torchft has no int8 sum), decoded and summed in
+    fp32 in quorum order -- the same bytes and order in every group, so every group gets the same average."""
+
+    def __init__(self, flat: Tensor, gathered: list[Tensor], future: Any, group: ReplicaGroup) -> None:
+        self.flat, self.gathered, self.future, self.group = flat, gathered, future, group
+
+    def advance(self) -> None:
+        """One collective."""
+
+    def wait(self) -> None:
+        self.future.wait()
+        if self.group.manager.errored() is not None:
+            return  # a failure: the step will not commit
+        total = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
+        for message in self.gathered:
+            total += wire_codec.decode(message, self.flat.numel())
+        self.flat.copy_(total.div_(len(self.gathered)))
+
+
+class ManagedTransport:
+    """Hop 2 through this replica group's torchft Manager (:class:`lightning_mics.fault_tolerance.ReplicaGroup`):
+    averaged over the groups in this step's quorum, and the step commits only if every rank of every group
+    finished it. A failure never raises here: torchft records it and :meth:`commit` refuses the step.
+
+    With a 16-bit ``wire`` the buffer crosses in that dtype and torchft sums in it: half the bytes, one rounding
+    per group added (G - 1 for G groups) plus the message's own, where the replication group's compressed hop
+    sums in fp32. With int8 each group's buffer is encoded blockwise (a quarter of the bytes plus a scale per
+    block) and all-gathered: the all-gather receives G - 1 messages where a ring all-reduce moves
+    2 (G - 1) / G buffers, so int8 halves bf16's bytes for 2 groups, equals them for 4 and costs more beyond."""
+
+    def __init__(self, group: ReplicaGroup, wire: Optional[WireFormat]) -> None:
+        self.group = group
+        self.wire = wire
+
+    @property
+    def active(self) -> bool:
+        """Always: how many groups take part is known only at each step's quorum (one is cheap)."""
+        return True
+
+    def start_average(self, flat: Tensor) -> InFlight:
+        manager = self.group.manager
+        if manager.errored() is not None:
+            return _Nothing()
+        if self.wire is not None and self.wire.dtype is None:  # int8
+            return self._start_gather(flat)
+        message = flat if self.wire is None else flat.to(self.wire.dtype)
+        return _ManagedAverage(flat, message, manager.allreduce(message))
+
+    def _start_gather(self, flat: Tensor) -> InFlight:
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        manager = self.group.manager
+        message = wire_codec.encode(flat)
+        gathered = [torch.empty_like(message) for _ in range(manager.num_participants())]
+        try:
+            work = self.group.pg.allgather([gathered], [message], AllgatherOptions())
+            future = manager.wrap_future(work.get_future(), None)
+        except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
+            manager.report_error(error)
+            return _Nothing()
+        return _ManagedGatherAverage(flat, gathered, future, self.group)
+
+    def commit(self) -> bool:
+        return self.group.commit()
