@@ -1,0 +1,99 @@
+"""What a replica group needs to find the others (``FaultTolerance``), read from options or the environment,
+and the layouts that cannot lose a group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "MICS_REPLICA_GROUP"
+NUM_REPLICA_GROUPS_ENV = "MICS_NUM_REPLICA_GROUPS"
+#: A configuration digest crosses as two 16-bit integers in float64: their sums over every group stay exact
+#: (through torchft's average and back), so every group reads back every other group's digest.
+DIGEST_CHUNKS = 2
+#: The agreement message has a slot per possible group, the same length in every group whatever its options
+#: say (an all-reduce of unequal lengths would fail in the transport, not with a clear error): 6 KB a step.
+MAX_REPLICA_GROUPS = 256
+AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (DIGEST_CHUNKS + 1) * 8
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Where this replica group finds the others (``MiCSStrategy(fault_tolerance=...)``).
+
+    Each field left ``None`` is read from the environment when training starts, so that one config serves
+    every group's job: ``lighthouse`` from ``TORCHFT_LIGHTHOUSE``, ``replica_group`` from
+    ``MICS_REPLICA_GROUP`` and ``num_replica_groups`` from ``MICS_NUM_REPLICA_GROUPS``."""
+
+    #: the Lighthouse's address, e.g. ``"http://10.0.0.1:29510"``
+    lighthouse: Optional[str] = None
+    #: this group's index, ``0 <= replica_group < num_replica_groups``: its share of the data
+    replica_group: Optional[int] = None
+    #: how many replica groups the job has when all are alive (the data is split into that many shares)
+    num_replica_groups: Optional[int] = None
+    #: the fewest live groups a step may commit with
+    min_replica_groups: int = 1
+    #: seconds a cross-group collective, commit or heal may take before the step is given up
+    timeout: float = 60.0
+    #: seconds to wait for a quorum (longer than a step)
+    quorum_timeout: float = 60.0
+    #: seconds without a new step (quorum) after which a rank takes its whole process down: a hung group must
+    #: die, not keep heartbeating and block everyone's quorum. Longer than a step plus any validation or save.
+    watchdog: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
+
+    def resolved(self) -> FaultTolerance:
+        """The options with the environment's values filled in; one clear error for what is missing."""
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        group = self.replica_group if self.replica_group is not None else _env_int(REPLICA_GROUP_ENV)
+        groups = self.num_replica_groups if self.num_replica_groups is not None else _env_int(NUM_REPLICA_GROUPS_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"fault_tolerance needs the Lighthouse's address: FaultTolerance(lighthouse='http://host:29510') or "
+                f"{LIGHTHOUSE_ENV}=http://host:29510 (start one with `torchft_lighthouse --min_replicas 1 --bind "
+                "0.0.0.0:29510`, see docs/fault-tolerance.md)."
+            )
+        if group is None or groups is None or not 0 <= group < groups:
+            raise ValueError(
+                f"fault_tolerance needs this group's index and the number of groups (0 <= index < number), got "
+                f"replica_group={group!r}, num_replica_groups={groups!r}: set FaultTolerance(replica_group=..., "
+                f"num_replica_groups=...) or {REPLICA_GROUP_ENV} and {NUM_REPLICA_GROUPS_ENV} in each group's job."
+            )
+        if groups > MAX_REPLICA_GROUPS:
+            raise ValueError(
+                f"fault_tolerance supports up to {MAX_REPLICA_GROUPS} replica groups, got num_replica_groups={groups}: "
+                "make each partition (and so each group) larger."
+            )
+        return replace(self, lighthouse=lighthouse, replica_group=group, num_replica_groups=groups)
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} must be a non-negative integer.")
+    return int(value)
+
+
+def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition: bool) -> None:
+    """Refuse the layouts that cannot lose a group: inside one group's job, the world must be one partition
+    (replicas live in other groups) and optimizer states may not be sharded across groups."""
+    if replication_degree != 1:
+        raise ValueError(
+            f"With fault_tolerance each replica group's job is one partition, but this world holds "
+            f"{replication_degree} replicas of the partition. Launch each partition as its own job (its own "
+            "torchrun/SLURM step with MICS_REPLICA_GROUP), or set partition_size to the job's world size."
+        )
+    if optim_beyond_partition:
+        raise ValueError(
+            "fault_tolerance cannot be combined with optimizer states sharded across replicas (ShardingSpec optim > "
+            "grads): a lost group would take its slice of every optimizer state with it. Use optim <= grads."
+        )

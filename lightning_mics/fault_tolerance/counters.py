@@ -1,0 +1,70 @@
+"""The Trainer's side of fault tolerance: its step count, schedulers and hyper-parameters kept to committed steps."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_mics import _compat as compat
+from lightning_mics.fault_tolerance.heal_state import state_hooks
+
+if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.group import ReplicaGroup
+
+
+class CommittedStepCounters:
+    """Keeps the Trainer's step count, its LR schedulers and the optimizers' hyper-parameters in line with
+    the committed steps. Lightning counts every optimizer step and steps its schedulers after it, committed
+    or not; a discarded step is undone before the next quorum, so that ``max_steps``, checkpoint names and
+    the learning rate follow committed steps only -- the same in every group, whichever joined when (a group
+    that joins heals only when torchft's committed step differs)."""
+
+    def __init__(
+        self, trainer: Any, optimizers: Sequence[Optimizer], schedulers: Sequence[Any], set_global_step: Callable
+    ) -> None:
+        self.trainer = trainer
+        self.optimizers = list(optimizers)
+        self.schedulers = list(schedulers)
+        self.set_global_step = set_global_step
+        self._snapshot: Optional[tuple[int, list[Any], list[Any]]] = None
+
+    def undo_if_discarded(self, group: ReplicaGroup) -> None:
+        """Before the quorum: if the last step was discarded, back to the counters it started with."""
+        if group.last_step_discarded and self._snapshot is not None:
+            global_step, schedulers, hyper_parameters = self._snapshot
+            for scheduler, state in zip(self.schedulers, schedulers):
+                scheduler.load_state_dict(state)
+            for optimizer, groups in zip(self.optimizers, hyper_parameters):
+                for param_group, values in zip(optimizer.param_groups, groups):
+                    param_group.update(values)
+            self.set_global_step(global_step)
+            group.last_step_discarded = False
+
+    def remember(self) -> None:
+        """After the quorum (and any heal): the counters this step starts with."""
+        self._snapshot = (
+            self.trainer.global_step,
+            copy.deepcopy([scheduler.state_dict() for scheduler in self.schedulers]),
+            [[_hyper_parameters(group) for group in optimizer.param_groups] for optimizer in self.optimizers],
+        )
+
+
+def _hyper_parameters(param_group: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({key: value for key, value in param_group.items() if key != "params"})
+
+
+def trainer_state_hooks(
+    trainer: Any, module: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], CommittedStepCounters]:
+    """For a Lightning Trainer: :func:`state_hooks` with its step count, and its step counters kept to
+    committed steps."""
+
+    def set_global_step(step: int) -> None:
+        compat.set_global_step(trainer, step)
+
+    state_fn, load_fn = state_hooks(module, optimizers, schedulers, lambda: trainer.global_step, set_global_step)
+    return state_fn, load_fn, CommittedStepCounters(trainer, optimizers, schedulers, set_global_step)

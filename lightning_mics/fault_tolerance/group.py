@@ -1,0 +1,244 @@
+"""This replica group's torchft ``Manager``: the quorum at every step, healing a joining group, commit, and a
+watchdog that takes a hung rank down."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_mics.fault_tolerance.agreement import GroupConfiguration, agreement_message, agreement_verdict, check_healed_whole
+from lightning_mics.fault_tolerance.config import LIGHTHOUSE_ENV, FaultTolerance
+from lightning_mics.fault_tolerance.errors import LighthouseUnavailable, ReplicaGroupRefused
+
+log = logging.getLogger("lightning_mics.fault_tolerance")
+
+
+class ReplicaGroup:
+    """This group's torchft ``Manager``: quorum, commit, and the state a joining
+    group heals from (``state_fn`` / ``load_fn``, called on every rank of the group for its own shards)."""
+
+    def __init__(
+        self,
+        options: FaultTolerance,
+        device: torch.device,
+        state_fn: Callable[[], dict[str, Any]],
+        load_fn: Callable[[dict[str, Any]], None],
+        configuration: Optional[GroupConfiguration] = None,
+    ) -> None:
+        try:
+            from torchft import Manager
+            from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        except ModuleNotFoundError as missing:
+            raise ModuleNotFoundError(
+                "fault_tolerance needs torchft: pip install 'lightning-mics[ft]' (or torchft==0.2.0)."
+            ) from missing
+
+        self.options = options
+        self.device = device
+        self.configuration = configuration or GroupConfiguration(())
+        _forget_earlier_manager()
+        timeout = timedelta(seconds=options.timeout)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        #: torchft's reconfigurable group of this rank index across the quorum's groups (hop 2's wire)
+        self.pg = pg
+        try:
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=lambda state: self._heal(state, load_fn),
+                state_dict=lambda: {"configuration": self.configuration.items, "state": state_fn()},
+                min_replica_size=options.min_replica_groups,
+                use_async_quorum=False,  # heal before the forward, so no step trains on stale weights
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=options.quorum_timeout),
+                connect_timeout=timeout,  # an unreachable Lighthouse is an error within the configured timeout
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                lighthouse_addr=options.lighthouse,
+                replica_id=f"mics_group_{options.replica_group}",
+                init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
+            )
+        except RuntimeError as error:
+            if dist.get_rank() == 0:  # the group's other ranks wait for rank 0's server address: fail them too
+                _job_store().set(_manager_keys()[0], _NO_MANAGER)
+            raise LighthouseUnavailable(
+                f"fault tolerance: no Lighthouse answered at {options.lighthouse} within {options.timeout:g} s "
+                f"({error}). Start it before the groups (`torchft_lighthouse --min_replicas 1 --bind 0.0.0.0:29510`) "
+                f"and give every group its address (FaultTolerance(lighthouse=...) or {LIGHTHOUSE_ENV})."
+            ) from error
+        self.discarded_steps = 0
+        #: whether the last step this group finished was discarded
+        self.last_step_discarded = False
+        self.closed = False
+        self._participants: Optional[int] = None
+        self._outage_started: Optional[float] = None
+        self._watchdog = Watchdog(options.watchdog)
+
+    def start_step(self) -> None:
+        """The quorum for the next optimizer step (a group that joins heals here, before its forward), then the
+        two checks torchft does not make: every rank of this group healed (or none did), and every group in
+        the quorum was started alike. A failed check ends this group with :class:`ReplicaGroupRefused`."""
+        self._watchdog.kick()
+        try:
+            self.manager.start_quorum()
+        except ReplicaGroupRefused:
+            raise  # the heal refused the live groups' state (another configuration): that error, as it is
+        except (TimeoutError, RuntimeError) as error:
+            raise LighthouseUnavailable(
+                f"fault tolerance: no quorum from the Lighthouse at {self.options.lighthouse} within "
+                f"{self.options.quorum_timeout:g} s ({error}). Either the Lighthouse stopped or fewer than "
+                f"min_replica_groups={self.options.min_replica_groups} groups are up. This group stops at torchft "
+                f"step {self.manager.current_step()}; its last checkpoint is what survives: restart the Lighthouse, "
+                "then relaunch every group with ckpt_path='last' (docs/fault-tolerance.md)."
+            ) from error
+        check_healed_whole(self.manager.current_step(), self.device)
+        self._check_agreement()
+        participants = self.manager.num_participants()
+        if participants != self._participants:
+            self._log_membership(participants)
+        self._participants = participants
+
+    def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
+        """Refuse a peer started differently before touching any state; else load its state."""
+        theirs = GroupConfiguration(tuple(received["configuration"]))
+        differences = self.configuration.differences(theirs)
+        if differences:
+            raise ReplicaGroupRefused(
+                f"fault tolerance: replica group {self.options.replica_group} cannot heal from the live groups: it "
+                f"was started differently ({'; '.join(differences)}, this group's vs theirs). Start every group "
+                "with the same configuration."
+            )
+        load_fn(received["state"])
+        log.warning("fault tolerance: healed from a live replica group at step %d", self.manager.current_step())
+
+    def _check_agreement(self) -> None:
+        """Every group of the quorum publishes its index and configuration digest (one tiny all-reduce);
+        a group claiming a taken index, or started unlike the others, is refused before any step commits."""
+        group = self.options.replica_group
+        assert group is not None
+        message = agreement_message(group, self.configuration.digest_chunks()).to(self.device)
+        self.manager.allreduce(message).wait()
+        if self.manager.errored() is not None:
+            return  # the step is discarded anyway; the next one checks again
+        summed = message.cpu() * self.manager.num_participants()  # torchft averaged
+        verdict = agreement_verdict(summed, group)
+        if verdict is not None:
+            raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
+
+    def _log_membership(self, participants: int) -> None:
+        if self._participants is not None and participants < self._participants:
+            self._outage_started = time.monotonic()
+            log.warning(
+                "fault tolerance: %d replica group(s) left at step %d; training on with %d",
+                self._participants - participants,
+                self.manager.current_step(),
+                participants,
+            )
+        elif self._participants is not None:
+            started = self._outage_started
+            outage = "" if started is None else f" after an outage of {time.monotonic() - started:.1f} s"
+            log.warning(
+                "fault tolerance: %d replica group(s) joined at step %d%s; %d train now",
+                participants - self._participants,
+                self.manager.current_step(),
+                outage,
+                participants,
+            )
+            self._outage_started = None
+
+    def commit(self) -> bool:
+        """Whether every rank of every group in the quorum finished the step (then the optimizer may step)."""
+        committed = self.manager.should_commit()
+        self.last_step_discarded = not committed
+        if not committed:
+            self.discarded_steps += 1
+            log.warning(
+                "fault tolerance: step %d discarded (a replica group failed during it; %d discarded so far)",
+                self.manager.current_step(),
+                self.discarded_steps,
+            )
+        return committed
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """One group writes checkpoints for all (the others' would be copies): the first group of the
+        current quorum -- the same answer on every rank of a group, and on one group of the quorum."""
+        return self.manager.participating_rank() == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of fault tolerance: torchft's step count (a group resumed from the checkpoint
+        is then ahead of a fresh one, which heals from it instead of averaging with it)."""
+        return {"manager": self.manager.state_dict(), "replica_group": self.options.replica_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state["manager"])
+
+    def shutdown(self) -> None:
+        """Stop serving and heartbeating (the Lighthouse then drops this group); idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._watchdog.stop()
+            self.manager.shutdown(wait=False)
+
+
+#: What rank 0 publishes as its Manager's address when it could not start one (the Lighthouse did not answer):
+#: the other ranks then fail to connect within the timeout too, instead of waiting for an address forever.
+_NO_MANAGER = "http://127.0.0.1:1"
+
+
+def _manager_keys() -> tuple[str, str]:
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    return MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+
+def _job_store() -> dist.TCPStore:
+    """The job's store (``MASTER_ADDR``/``MASTER_PORT``), where torchft's Managers publish their address."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         wait_for_workers=False)
+
+
+def _forget_earlier_manager() -> None:
+    """Before a second Manager in this world (a second ``fit`` in the same processes): rank 0 deletes the
+    address an earlier one published in the job's store, so that the other ranks wait for the new one
+    instead of connecting to the old, shut-down server. A collective (a barrier of the world)."""
+    if dist.get_rank() == 0:
+        store = _job_store()
+        for key in _manager_keys():
+            store.delete_key(key)
+    dist.barrier()
+
+
+class Watchdog:
+    """Takes the process down when no step has started for ``seconds``: a rank that hangs outside a
+    collective (whose timeout would end it) would otherwise keep its group heartbeating to the Lighthouse and
+    block the quorum of every group. Killing one rank ends the group: its peers' collectives fail."""
+
+    def __init__(self, seconds: float, exit: Callable[[int], None] = os._exit) -> None:
+        self.seconds = seconds
+        self._exit = exit
+        self._last = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="mics-ft-watchdog", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(min(1.0, self.seconds / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.seconds:
+                log.error("fault tolerance: no step for %.0f s (watchdog %.0f s): ending this rank", idle, self.seconds)
+                self._exit(1)
+                return

@@ -1,0 +1,109 @@
+"""What a joining group takes from a live one -- this rank's shards of the model and optimizer states, the
+schedulers, the step count -- and how it loads them in place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_mics import _compat as compat
+
+
+def local_state(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by this rank's shard (detached copies): what a peer's rank of
+    the same index needs, in a form torchft's transport can carry."""
+    if isinstance(tree, DTensor):
+        return tree.to_local().detach().clone()
+    if isinstance(tree, Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {key: local_state(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local_state(value) for value in tree)
+    return tree
+
+
+@torch.no_grad()
+def copy_local_state_(live: Any, received: Any) -> None:
+    """Copy ``received`` (from :func:`local_state` on a peer) into the live tensors of ``live`` in place."""
+    if isinstance(live, DTensor):
+        live.to_local().copy_(received)
+    elif isinstance(live, Tensor):
+        live.copy_(received)
+    elif isinstance(live, dict):
+        for key, value in live.items():
+            copy_local_state_(value, received[key])
+    elif isinstance(live, (list, tuple)):
+        for value, other in zip(live, received):
+            copy_local_state_(value, other)
+
+
+def optimizer_local_state(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's per-parameter states and hyper-parameters, this rank's shards."""
+    state = optimizer.state_dict()
+    return {"state": local_state(state["state"]), "param_groups": state["param_groups"]}
+
+
+def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
+    """Give ``optimizer`` a peer's states: created first if it never stepped, then copied into in place, so
+    that they stay DTensors on this group's mesh; hyper-parameters (learning rate) too."""
+    if received["state"] and not optimizer.state:
+        compat.init_optimizer_state(optimizer)
+    own = optimizer.state_dict()
+    copy_local_state_(own["state"], received["state"])
+    for group, peer in zip(optimizer.param_groups, received["param_groups"]):
+        group.update({key: value for key, value in peer.items() if key != "params"})
+
+
+def training_state(
+    model_state: dict[str, Any], optimizers: Sequence[Optimizer], schedulers: Sequence[Any], global_step: int
+) -> dict[str, Any]:
+    """What a joining group takes from this one (this rank's shards): the model, the optimizers' and
+    schedulers' states and the step count. Runs in torchft's quorum thread at the start of a step; reads
+    ``model_state``, the sharded state dict taken when the group joined (whose DTensors are the sharded
+    parameters and buffers themselves), not the module, whose state-dict hooks must not run in another
+    thread while its forward is being entered. Copies, so the snapshot is the step's start."""
+    return {
+        "model": local_state(model_state),
+        "optimizers": [optimizer_local_state(optimizer) for optimizer in optimizers],
+        "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+        "global_step": global_step,
+    }
+
+
+def load_training_state(
+    state: dict[str, Any],
+    model_state: dict[str, Any],
+    optimizers: Sequence[Optimizer],
+    schedulers: Sequence[Any],
+    set_global_step: Callable[[int], None],
+) -> None:
+    """Heal from a peer's :func:`training_state`, in place (every rank of the group loads its own shards)."""
+    copy_local_state_(model_state, state["model"])
+    for optimizer, received in zip(optimizers, state["optimizers"]):
+        load_optimizer_local_state(optimizer, received)
+    for scheduler, received in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(received)
+    set_global_step(state["global_step"])
+
+
+def state_hooks(
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    schedulers: Sequence[Any] = (),
+    global_step: Callable[[], int] = lambda: 0,
+    set_global_step: Callable[[int], None] = lambda step: None,
+) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """What this group serves to a joining one and how it heals: the model, the optimizers (states and
+    hyper-parameters), the schedulers and the step count -- a Fabric loop has neither of the last two (its
+    counters follow torchft's committed step)."""
+    model_state = module.state_dict()  # sharded now
+    return (
+        lambda: training_state(model_state, optimizers, schedulers, global_step()),
+        lambda state: load_training_state(state, model_state, optimizers, schedulers, set_global_step),
+    )
