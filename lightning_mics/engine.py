@@ -40,6 +40,7 @@ from lightning_mics.fault_tolerance import (
     ReplicaGroup,
     check_fault_tolerant_layout,
 )
+from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
 from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
@@ -257,7 +258,9 @@ class MiCSEngine:
             ft = ft.resolved()
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
             configuration = GroupConfiguration.of(layout | dict(run) | {"num_replica_groups": ft.num_replica_groups})
-            self.replica_group = ReplicaGroup(ft, device, state_fn, load_fn, configuration)
+            self.replica_group = ReplicaGroup(
+                ft, device, state_fn, load_fn, configuration, parameter_digest=self._parameter_digest
+            )
             if dist.get_rank() == 0:  # in each group's job log
                 log.info(
                     "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "
@@ -268,6 +271,11 @@ class MiCSEngine:
                     ft.min_replica_groups,
                 )
                 log.info("fault tolerance: this group's configuration: %s", configuration)
+
+    def _parameter_digest(self) -> list[int]:
+        """This rank's parameter shards of every model hop 2 runs for, as digest chunks (fault tolerance compares
+        them across groups every ``check_parameters_every`` steps)."""
+        return parameter_digest_chunks([pipeline.module for pipeline in self._model_syncs.values()])
 
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
         """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``

@@ -167,7 +167,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         optimizers = [unwrap_optimizer(o) for o in self.optimizers]
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
         state_fn, load_fn, self._step_counters = ft.trainer_state_hooks(trainer, module, optimizers, schedulers)
-        run = ft.run_configuration(self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers)
+        run = ft.run_configuration(
+            self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers, schedulers
+        )
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 
     @override

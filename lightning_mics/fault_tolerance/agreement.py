@@ -4,6 +4,7 @@ configuration would average gradients of a different model, or at other steps.""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mics.fault_tolerance.config import DIGEST_CHUNKS, MAX_REPLICA_GROUPS
+from lightning_mics.fault_tolerance.config import CONFIGURATION_BYTES, DIGEST_CHUNKS, MAX_REPLICA_GROUPS
 from lightning_mics.fault_tolerance.errors import ReplicaGroupRefused
 
 
@@ -30,8 +31,25 @@ class GroupConfiguration:
         return cls(tuple((name, str(value)) for name, value in values.items()))
 
     def digest_chunks(self) -> list[int]:
-        digest = hashlib.sha256(repr(self.items).encode()).digest()
-        return [int.from_bytes(digest[2 * i : 2 * i + 2], "big") for i in range(DIGEST_CHUNKS)]
+        return digest_chunks(repr(self.items).encode())
+
+    def encoded(self, group: int) -> Tensor:
+        """Group ``group``'s configuration as ``CONFIGURATION_BYTES`` of UTF-8 JSON (zero-padded; whole items
+        dropped from the end if longer): what groups exchange on a mismatch."""
+        items = list(self.items)
+        text = json.dumps([group, items]).encode()
+        while items and len(text) > CONFIGURATION_BYTES:
+            items.pop()
+            text = json.dumps([group, items]).encode()
+        message = torch.zeros(CONFIGURATION_BYTES, dtype=torch.uint8)
+        message[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return message
+
+    @classmethod
+    def decoded(cls, message: Tensor) -> tuple[int, GroupConfiguration]:
+        """``(group, configuration)`` from an :meth:`encoded` message."""
+        group, items = json.loads(bytes(message.cpu().tolist()).rstrip(b"\0").decode())
+        return int(group), cls(tuple((str(name), str(value)) for name, value in items))
 
     def differences(self, other: GroupConfiguration) -> list[str]:
         mine, theirs = dict(self.items), dict(other.items)
@@ -45,51 +63,155 @@ class GroupConfiguration:
         return ", ".join(f"{name}={value}" for name, value in self.items)
 
 
+def digest_chunks(data: bytes) -> list[int]:
+    """``data``'s SHA-256 as ``DIGEST_CHUNKS`` 16-bit integers (exact through torchft's float64 average)."""
+    digest = hashlib.sha256(data).digest()
+    return [int.from_bytes(digest[2 * i : 2 * i + 2], "big") for i in range(DIGEST_CHUNKS)]
+
+
 def model_signature(module: nn.Module) -> str:
-    """Parameter and buffer names, global shapes and dtypes: equal for two groups holding the same model."""
-    entries = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in module.state_dict().items() if isinstance(t, Tensor)]
-    return f"{len(entries)} tensors, sha256 {hashlib.sha256(';'.join(entries).encode()).hexdigest()[:16]}"
+    """Parameter and buffer names, global shapes and dtypes: equal for two groups holding the same model. The
+    element count leads, so that a refusal shows a model of another size at a glance."""
+    tensors = [(name, t) for name, t in module.state_dict().items() if isinstance(t, Tensor)]
+    entries = [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in tensors]
+    elements = sum(t.numel() for _, t in tensors)
+    digest = hashlib.sha256(";".join(entries).encode()).hexdigest()[:16]
+    return f"{len(entries)} tensors of {elements:,} elements, sha256 {digest}"
+
+
+#: What an LR scheduler's state holds that changes as it steps (every other entry is a setting groups share).
+_SCHEDULER_PROGRESS = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
+
+
+def _hyper_parameter_value(param_group: Mapping[str, Any], key: str) -> Any:
+    """A schedule moves ``lr`` as it steps; ``initial_lr`` (set by torch's schedulers) is the setting."""
+    return param_group.get("initial_lr", param_group["lr"]) if key == "lr" else param_group[key]
 
 
 def run_configuration(
-    precision: str, accumulate_grad_batches: int, module: nn.Module, optimizers: Sequence[Optimizer]
+    precision: str,
+    accumulate_grad_batches: int,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    schedulers: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """What besides the layout every group must share (see :class:`GroupConfiguration`)."""
-    return {
+    """What besides the layout every group must share (see :class:`GroupConfiguration`): precision,
+    accumulation, the model's tensors, each optimizer's class and hyper-parameters per parameter group (lr,
+    betas, weight decay, ...), and each LR scheduler's class and settings. Named one by one, so that a refused
+    group is told which one differs."""
+    values: dict[str, Any] = {
         "precision": precision,
         "accumulate_grad_batches": accumulate_grad_batches,
         "model": model_signature(module),
         "optimizers": [type(optimizer).__name__ for optimizer in optimizers],
     }
+    for i, optimizer in enumerate(optimizers):
+        for j, param_group in enumerate(optimizer.param_groups):
+            for key in sorted(k for k in param_group if k not in ("params", "initial_lr")):
+                values[f"optimizers[{i}].param_groups[{j}].{key}"] = _hyper_parameter_value(param_group, key)
+    for k, scheduler in enumerate(schedulers):
+        settings = {key: value for key, value in scheduler.state_dict().items() if key not in _SCHEDULER_PROGRESS}
+        values[f"lr_schedulers[{k}]"] = f"{type(scheduler).__name__} {settings}"
+    return values
 
 
-def agreement_message(group: int, chunks: Sequence[int]) -> Tensor:
-    """This group's entry of the quorum's agreement: its digest in its own slot and a 1 in its count slot."""
-    message = torch.zeros(MAX_REPLICA_GROUPS * (DIGEST_CHUNKS + 1), dtype=torch.float64)
+#: Where each group's entries sit in the agreement message: configuration digests, presence counts, parameter
+#: digests (each group writes only its own slots, so the sum over groups holds every group's values).
+_COUNTS = MAX_REPLICA_GROUPS * DIGEST_CHUNKS
+_PARAMETERS = _COUNTS + MAX_REPLICA_GROUPS
+
+
+def agreement_message(group: int, chunks: Sequence[int], parameter_chunks: Optional[Sequence[int]] = None) -> Tensor:
+    """This group's entry of the quorum's agreement: its configuration digest in its own slot, a 1 in its count
+    slot and, on a step that checks them, its parameter digest (:func:`parameter_digest_chunks`)."""
+    message = torch.zeros(_PARAMETERS + MAX_REPLICA_GROUPS * DIGEST_CHUNKS, dtype=torch.float64)
     message[group * DIGEST_CHUNKS : (group + 1) * DIGEST_CHUNKS] = torch.tensor(chunks, dtype=torch.float64)
-    message[MAX_REPLICA_GROUPS * DIGEST_CHUNKS + group] = 1.0
+    message[_COUNTS + group] = 1.0
+    if parameter_chunks is not None:
+        start = _PARAMETERS + group * DIGEST_CHUNKS
+        message[start : start + DIGEST_CHUNKS] = torch.tensor(parameter_chunks, dtype=torch.float64)
     return message
+
+
+def _present(summed: Tensor) -> list[int]:
+    """The groups that sent exactly one message (a duplicated index is refused on its own)."""
+    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
+    return [group for group in range(MAX_REPLICA_GROUPS) if counts[group] == 1]
+
+
+def _slot(summed: Tensor, start: int, group: int) -> tuple[int, ...]:
+    offset = start + group * DIGEST_CHUNKS
+    return tuple(summed[offset : offset + DIGEST_CHUNKS].round().long().tolist())
+
+
+def _majority(digests: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], dict[tuple[int, ...], list[int]]]:
+    """The most common digest (ties: the one of the lowest group index) and the groups holding each."""
+    holders: dict[tuple[int, ...], list[int]] = {}
+    for other in sorted(digests):
+        holders.setdefault(digests[other], []).append(other)
+    reference = max(holders, key=lambda digest: (len(holders[digest]), -holders[digest][0]))
+    return reference, holders
+
+
+def configurations_differ(summed: Tensor) -> bool:
+    """Whether any group of the quorum was refused by the configuration check (every group reads the same sum,
+    so every group answers alike: the exchange of configurations that names the settings runs in all or none)."""
+    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
+    return any(count > 1 for count in counts) or len({_slot(summed, 0, g) for g in _present(summed)}) > 1
+
+
+def reference_group(summed: Tensor) -> int:
+    """The group whose configuration is the reference (the majority's, its lowest index)."""
+    reference, holders = _majority({group: _slot(summed, 0, group) for group in _present(summed)})
+    return holders[reference][0]
+
+
+def parameter_digest_chunks(modules: Sequence[nn.Module]) -> list[int]:
+    """A digest of this rank's parameter shards: exact integer sums of their bits (order-independent, so equal
+    shards give equal digests whatever the thread count), hashed. Two groups' same-index ranks match exactly
+    when their shards are bit-identical -- the invariant fault tolerance keeps."""
+    from lightning_mics.grad_sync import local_shard
+
+    integer = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+               torch.float16: torch.int16}
+    sums = []
+    with torch.no_grad():
+        for param in (p for module in modules for p in module.parameters()):
+            local = local_shard(param.detach())
+            bits = local.view(integer[local.dtype]) if local.dtype in integer else local
+            sums.append(bits.sum(dtype=torch.int64).cpu())
+    return digest_chunks(repr(torch.stack(sums).tolist() if sums else []).encode())
+
+
+def drift_verdict(summed: Tensor, step: int) -> Optional[str]:
+    """Why the run must end because the groups' parameters differ at torchft ``step`` (``None``: they agree, or
+    this step checked none). Names the groups that differ from the majority."""
+    digests = {group: _slot(summed, _PARAMETERS, group) for group in _present(summed)}
+    if len(digests) < 2 or len(set(digests.values())) == 1 or not any(any(d) for d in digests.values()):
+        return None
+    reference, holders = _majority(digests)
+    odd = sorted(group for digest, groups in holders.items() if digest != reference for group in groups)
+    return (
+        f"the replica groups' parameters differ after committed step {step}: group(s) {odd} hold other shards "
+        f"than group(s) {holders[reference]} (a digest of this rank index's shards, compared every "
+        "check_parameters_every steps). They must be bit-identical: something the configuration check cannot see "
+        "differs between the groups (a learning rate changed in code, a custom optimizer, nondeterministic "
+        "kernels, a hardware fault). The run ends here; restart every group from the last checkpoint."
+    )
 
 
 def agreement_verdict(summed: Tensor, group: int) -> Optional[str]:
     """Why ``group`` may not train in this quorum (``summed``: every group's :func:`agreement_message`
     added), or ``None``. Two groups with one index are both refused; a group whose configuration differs
     from the most common one (ties: the one of the lowest index) is refused and the others go on."""
-    counts = summed[MAX_REPLICA_GROUPS * DIGEST_CHUNKS :].round().long().tolist()
+    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
     if counts[group] > 1:
         return (
             f"{counts[group]} groups claim replica_group={group}: give each group's job its own index "
             "(MICS_REPLICA_GROUP), else two groups train on the same share of the data."
         )
-    digests = {
-        other: tuple(summed[other * DIGEST_CHUNKS : (other + 1) * DIGEST_CHUNKS].round().long().tolist())
-        for other in range(MAX_REPLICA_GROUPS)
-        if counts[other] == 1
-    }
-    holders: dict[tuple[int, ...], list[int]] = {}
-    for other in sorted(digests):
-        holders.setdefault(digests[other], []).append(other)
-    reference = max(holders, key=lambda digest: (len(holders[digest]), -holders[digest][0]))
+    digests = {other: _slot(summed, 0, other) for other in _present(summed)}
+    reference, holders = _majority(digests)
     if digests[group] == reference:
         return None
     return (

@@ -13,10 +13,14 @@ NUM_REPLICA_GROUPS_ENV = "MICS_NUM_REPLICA_GROUPS"
 #: A configuration digest crosses as two 16-bit integers in float64: their sums over every group stay exact
 #: (through torchft's average and back), so every group reads back every other group's digest.
 DIGEST_CHUNKS = 2
-#: The agreement message has a slot per possible group, the same length in every group whatever its options
-#: say (an all-reduce of unequal lengths would fail in the transport, not with a clear error): 6 KB a step.
+#: The agreement message has slots per possible group -- its configuration digest, its presence count and its
+#: parameter digest -- the same length in every group whatever its options say (an all-reduce of unequal
+#: lengths would fail in the transport, not with a clear error): 10 KB a step.
 MAX_REPLICA_GROUPS = 256
-AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (DIGEST_CHUNKS + 1) * 8
+AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (2 * DIGEST_CHUNKS + 1) * 8
+#: On a configuration mismatch the groups exchange their configurations as text, each in this many bytes, so
+#: that a refused group is told which settings differ.
+CONFIGURATION_BYTES = 16384
 
 
 @dataclass(frozen=True)
@@ -37,17 +41,28 @@ class FaultTolerance:
     min_replica_groups: int = 1
     #: seconds a cross-group collective, commit or heal may take before the step is given up
     timeout: float = 60.0
-    #: seconds to wait for a quorum (longer than a step)
+    #: seconds to wait for a quorum (longer than a step); also how long a group waits, without training, while
+    #: fewer than ``min_replica_groups`` groups are live, before it ends with an error saying how many are
     quorum_timeout: float = 60.0
     #: seconds without a new step (quorum) after which a rank takes its whole process down: a hung group must
     #: die, not keep heartbeating and block everyone's quorum. Longer than a step plus any validation or save.
     watchdog: float = 900.0
+    #: every this many committed steps the groups compare a digest of their parameter shards at the quorum: a
+    #: group that drifted (another learning rate slipped through, a bit flip) ends the run with an error naming
+    #: the groups and the step, instead of training on silently diverged. The digest is exact integer
+    #: arithmetic over the shards' bits, one read of them per check.
+    check_parameters_every: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog"):
+        for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog", "check_parameters_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
+        if not isinstance(self.check_parameters_every, int):
+            raise ValueError(
+                f"FaultTolerance(check_parameters_every={self.check_parameters_every!r}) must be a whole number of "
+                "steps."
+            )
 
     def resolved(self) -> FaultTolerance:
         """The options with the environment's values filled in; one clear error for what is missing."""

@@ -14,9 +14,26 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_mics.fault_tolerance.agreement import GroupConfiguration, agreement_message, agreement_verdict, check_healed_whole
+from lightning_mics.fault_tolerance.agreement import (
+    GroupConfiguration,
+    agreement_message,
+    agreement_verdict,
+    check_healed_whole,
+    configurations_differ,
+    drift_verdict,
+    reference_group,
+)
 from lightning_mics.fault_tolerance.config import LIGHTHOUSE_ENV, FaultTolerance
-from lightning_mics.fault_tolerance.errors import LighthouseUnavailable, ReplicaGroupRefused
+from lightning_mics.fault_tolerance.errors import (
+    LighthouseUnavailable,
+    ReplicaGroupRankLost,
+    ReplicaGroupRefused,
+    ReplicaGroupsDiverged,
+    TooFewReplicaGroups,
+)
+
+#: Seconds between two quorums while fewer than ``min_replica_groups`` groups are live.
+BELOW_MINIMUM_POLL_S = 1.0
 
 log = logging.getLogger("lightning_mics.fault_tolerance")
 
@@ -32,6 +49,7 @@ class ReplicaGroup:
         state_fn: Callable[[], dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
         configuration: Optional[GroupConfiguration] = None,
+        parameter_digest: Optional[Callable[[], list[int]]] = None,
     ) -> None:
         try:
             from torchft import Manager
@@ -44,6 +62,9 @@ class ReplicaGroup:
         self.options = options
         self.device = device
         self.configuration = configuration or GroupConfiguration(())
+        #: this rank's parameter shards as digest chunks (:func:`~.agreement.parameter_digest_chunks`), compared
+        #: across groups every ``check_parameters_every`` steps; ``None``: not compared
+        self.parameter_digest = parameter_digest
         _forget_earlier_manager()
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -83,9 +104,40 @@ class ReplicaGroup:
 
     def start_step(self) -> None:
         """The quorum for the next optimizer step (a group that joins heals here, before its forward), then the
-        two checks torchft does not make: every rank of this group healed (or none did), and every group in
-        the quorum was started alike. A failed check ends this group with :class:`ReplicaGroupRefused`."""
+        checks torchft does not make: every rank of this group is there (a lost one ends the group at once, not
+        after ``quorum_timeout``), at least ``min_replica_groups`` groups are live (else wait, without
+        training, at most ``quorum_timeout``), every rank of this group healed (or none did), every group in the
+        quorum was started alike, and -- every ``check_parameters_every`` steps -- the groups' parameters are
+        still bit-identical. A failed check ends this group (or, for diverged parameters, the run) with an error
+        that says which."""
         self._watchdog.kick()
+        self._check_ranks_present()
+        self._quorum()
+        waited_since = time.monotonic()
+        rounds = max(1, int(self.options.quorum_timeout / BELOW_MINIMUM_POLL_S))
+        for _ in range(rounds):  # counted, not timed: every rank of the group takes the same decision
+            if self.manager.num_participants() >= self.options.min_replica_groups:
+                break
+            time.sleep(BELOW_MINIMUM_POLL_S)
+            self._watchdog.kick()
+            self._quorum()
+        else:
+            if self.manager.num_participants() < self.options.min_replica_groups:
+                raise TooFewReplicaGroups(
+                    f"fault tolerance: {self.manager.num_participants()} replica group(s) live, min_replica_groups="
+                    f"{self.options.min_replica_groups} required; waited {time.monotonic() - waited_since:.0f} s "
+                    f"(quorum_timeout={self.options.quorum_timeout:g}) without training. This group stops at "
+                    f"torchft step {self.manager.current_step()}: relaunch the missing groups (they heal from the "
+                    "live ones), or lower min_replica_groups."
+                )
+        check_healed_whole(self.manager.current_step(), self.device)
+        self._check_agreement()
+        participants = self.manager.num_participants()
+        if participants != self._participants:
+            self._log_membership(participants)
+        self._participants = participants
+
+    def _quorum(self) -> None:
         try:
             self.manager.start_quorum()
         except ReplicaGroupRefused:
@@ -98,12 +150,19 @@ class ReplicaGroup:
                 f"step {self.manager.current_step()}; its last checkpoint is what survives: restart the Lighthouse, "
                 "then relaunch every group with ckpt_path='last' (docs/fault-tolerance.md)."
             ) from error
-        check_healed_whole(self.manager.current_step(), self.device)
-        self._check_agreement()
-        participants = self.manager.num_participants()
-        if participants != self._participants:
-            self._log_membership(participants)
-        self._participants = participants
+
+    def _check_ranks_present(self) -> None:
+        """One tiny all-reduce of this group's own world before the quorum: a rank that died fails it at once
+        (its connections are reset), where the quorum would wait ``quorum_timeout`` for it and then blame the
+        Lighthouse."""
+        try:
+            dist.all_reduce(torch.zeros(1, device=self.device))
+        except RuntimeError as error:  # DistBackendError included
+            raise ReplicaGroupRankLost(
+                f"fault tolerance: a rank of replica group {self.options.replica_group} was lost ({error}); this "
+                "group ends (its shards are incomplete) while the other groups train on. Relaunch the whole group's "
+                "job: it heals from a live group."
+            ) from error
 
     def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
         """Refuse a peer started differently before touching any state; else load its state."""
@@ -119,18 +178,52 @@ class ReplicaGroup:
         log.warning("fault tolerance: healed from a live replica group at step %d", self.manager.current_step())
 
     def _check_agreement(self) -> None:
-        """Every group of the quorum publishes its index and configuration digest (one tiny all-reduce);
-        a group claiming a taken index, or started unlike the others, is refused before any step commits."""
+        """Every group of the quorum publishes its index, configuration digest and, on a checking step, its
+        parameter digest (one small all-reduce). A group claiming a taken index, or started unlike the others,
+        is refused before any step commits, told which settings differ; parameters that differ end the run."""
         group = self.options.replica_group
         assert group is not None
-        message = agreement_message(group, self.configuration.digest_chunks()).to(self.device)
+        step = self.manager.current_step()
+        checks_parameters = (
+            self.parameter_digest is not None and step > 0 and step % self.options.check_parameters_every == 0
+        )
+        parameters = self.parameter_digest() if checks_parameters else None  # type: ignore[misc]
+        message = agreement_message(group, self.configuration.digest_chunks(), parameters).to(self.device)
         self.manager.allreduce(message).wait()
         if self.manager.errored() is not None:
             return  # the step is discarded anyway; the next one checks again
         summed = message.cpu() * self.manager.num_participants()  # torchft averaged
         verdict = agreement_verdict(summed, group)
+        if configurations_differ(summed):  # every group runs this exchange, or none
+            theirs = self._exchange_configurations().get(reference_group(summed))
+            if verdict is not None and theirs is not None and self.configuration.differences(theirs):
+                verdict += " Differences (this group's vs theirs): " + "; ".join(self.configuration.differences(theirs))
         if verdict is not None:
             raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
+        if checks_parameters:
+            drift = drift_verdict(summed, step)
+            flag = torch.tensor([0.0 if drift is None else 1.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank of the group: the whole group ends
+            if drift is not None or flag.item() > 0:
+                raise ReplicaGroupsDiverged(
+                    f"fault tolerance: {drift or f'another rank of this group found the replica groups parameters differ after committed step {step} (its log names the groups)'}"
+                )
+
+    def _exchange_configurations(self) -> dict[int, GroupConfiguration]:
+        """Every group's configuration as text, by group index (an all-gather through torchft; only on a
+        mismatch): what lets a refused group name the settings that differ."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        message = self.configuration.encoded(self.options.replica_group or 0).to(self.device)
+        gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
+        try:
+            work = self.pg.allgather([gathered], [message], AllgatherOptions())
+            self.manager.wrap_future(work.get_future(), None).wait()
+        except RuntimeError as error:
+            self.manager.report_error(error)
+        if self.manager.errored() is not None:
+            return {}
+        return dict(GroupConfiguration.decoded(m) for m in gathered)
 
     def _log_membership(self, participants: int) -> None:
         if self._participants is not None and participants < self._participants:
