@@ -361,7 +361,7 @@ def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output:
         if measured is not None:  # what the planner measured and why it chose the layout (the layout log's words)
             summary["planner_cluster"] = live.describe_cluster(measured)
             summary["planner_cluster_spec"] = dataclasses.asdict(measured)
-            summary["planner_reason"] = trainer.strategy.layout.planner_reason
+            summary["planner_reason"] = trainer.strategy.layout.settings.planner_reason
         output.write_text(json.dumps(summary, indent=2))
     dist.barrier()
 

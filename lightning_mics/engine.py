@@ -236,9 +236,9 @@ class MiCSEngine:
         transport: Transport
         if hop2.managed:
             assert self.replica_group is not None, "join_fault_domain() runs before the optimizers are attached"
-            transport = ManagedTransport(self.replica_group, layout.cross_replica_wire)
+            transport = ManagedTransport(self.replica_group, layout.settings.cross_replica_wire)
         else:
-            transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.cross_replica_wire)
+            transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
         return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped)
 
     # ------------------------------------------------------------------ fault tolerance (torchft)

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_mics import _compat as compat
 from lightning_mics import process_groups
 from lightning_mics.engine import MiCSEngine
-from lightning_mics.grad_sync import GradAccumulation
+from lightning_mics.accumulation import GradAccumulation
 from lightning_mics.layout import MiCSLayout, register_strategy_names
 from lightning_mics.offload import check_offload_before_launch
 from lightning_mics.options import MiCSOptions, ShardingOption
@@ -174,7 +174,7 @@ class MiCSFrontEnd:
 
     @property
     def topology(self) -> MiCSTopology:
-        return self._engine.layout().topology
+        return self._engine.layout().settings.topology
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -209,18 +209,18 @@ class MiCSFrontEnd:
     def partition_size_spec(self) -> PartitionSizeSpec:
         o, layout = self._engine.options, self._engine.layout_or_none
         if layout is not None and (o.sharding is not None or "auto" in (o.partition_size, o.grad_accumulation)):
-            return layout.topology.partition_size
+            return layout.settings.topology.partition_size
         return o.partition_size
 
     @property
     def sharding(self) -> ShardingOption:
         o, layout = self._engine.options, self._engine.layout_or_none
-        return layout.sharding if layout is not None and o.sharding == "auto" else o.sharding
+        return layout.settings.sharding if layout is not None and o.sharding == "auto" else o.sharding
 
     @property
     def reshard_after_forward(self) -> Union[bool, int]:
         layout = self._engine.layout_or_none
-        return self._engine.options.reshard_after_forward if layout is None else layout.reshard_after_forward
+        return self._engine.options.reshard_after_forward if layout is None else layout.settings.reshard_after_forward
 
     @property
     def grad_accumulation_spec(self) -> str:
@@ -231,7 +231,7 @@ class MiCSFrontEnd:
         """The mode in use: the layout's once it exists, else the option (``None`` while it is ``"auto"``)."""
         layout, spec = self._engine.layout_or_none, self._engine.options.grad_accumulation
         if layout is not None:
-            return layout.grad_accumulation
+            return layout.settings.grad_accumulation
         return None if spec == "auto" else spec  # type: ignore[return-value]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,23 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics import _compat as compat
-
-#: How gradients accumulate between optimizer steps (module docstring).
-GradAccumulation = Literal["sharded", "unsharded"]
-GRAD_ACCUMULATION_MODES: tuple[str, ...] = get_args(GradAccumulation)
-
-
-def check_grad_accumulation(mode: object, allow_auto: bool = False) -> None:
-    """One clear error for an unknown accumulation mode, naming the valid ones and what they cost."""
-    valid = GRAD_ACCUMULATION_MODES + (("auto",) if allow_auto else ())
-    if mode not in valid:
-        raise ValueError(
-            f"grad_accumulation={mode!r} is not one of {list(valid)}: 'sharded' reduce-scatters every micro-step "
-            "and keeps 1/partition of the gradients (least memory), 'unsharded' keeps full gradients until the "
-            "accumulation boundary and reduce-scatters once per optimizer step (least communication)"
-            + (", 'auto' lets the planner choose." if allow_auto else ".")
-        )
-
+from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 
 def local_shard(t: Tensor) -> Tensor:
     """The tensor holding this rank's elements: a DTensor's local shard (its storage, so in-place

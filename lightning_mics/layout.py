@@ -44,7 +44,8 @@ from lightning_mics.collectives import (
     install_hierarchical_collectives,
     install_ring_reduce_scatter,
 )
-from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation, defer_gradient_sync
+from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
+from lightning_mics.grad_sync import defer_gradient_sync
 from lightning_mics.hop2 import Hop2, decide_hop2, hop2_can_overlap
 from lightning_mics.offload import (
     CPUOffloadOption,
@@ -161,50 +162,6 @@ class MiCSLayout:
     #: hpZ's post-forward meshes, one per group size, shared by every unit sharded onto this layout
     post_forward_meshes: PostForwardMeshes = field(default_factory=PostForwardMeshes, compare=False)
 
-    # The settings, read through: what the groups were created for.
-    @property
-    def topology(self) -> MiCSTopology:
-        return self.settings.topology
-
-    @property
-    def sharding(self) -> Optional[ShardingSpec]:
-        """The per-state degrees in use: the user's spec, the planner's for ``sharding="auto"``, or ``None``."""
-        return self.settings.sharding
-
-    @property
-    def reshard_after_forward(self) -> Union[bool, int]:
-        """What FSDP2 gets: the user's, or what a ShardingSpec's params degree means."""
-        return self.settings.reshard_after_forward
-
-    @property
-    def backend(self) -> str:
-        return self.settings.backend
-
-    @property
-    def grad_accumulation(self) -> GradAccumulation:
-        """How gradients accumulate between optimizer steps (the user's mode, or the planner's for "auto")."""
-        return self.settings.grad_accumulation
-
-    @property
-    def planner_reason(self) -> Optional[str]:
-        """Why the planner chose the layout (``"auto"`` settings only), for the layout log."""
-        return self.settings.planner_reason
-
-    @property
-    def optim_degree(self) -> Optional[int]:
-        """AMSP optimizer-state degree (``None``: no ShardingSpec, i.e. the partition size)."""
-        return self.settings.optim_degree
-
-    @property
-    def keep_params_within_step(self) -> bool:
-        """AMSP ``params=1``: keep gathered parameters through the micro-steps of one optimizer step."""
-        return self.settings.keep_params_within_step
-
-    @property
-    def cross_replica_wire(self) -> Optional[WireFormat]:
-        """Hop 2 in this compressed format (``cross_replica_dtype``), or ``None``."""
-        return self.settings.cross_replica_wire
-
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards on: the 2-D one where FSDP2 runs hop 2 itself; the partition alone where the
@@ -223,16 +180,16 @@ class MiCSLayout:
     @property
     def checkpoint_layout(self) -> ckpt.CheckpointLayout:
         """What a checkpoint records about the layout that wrote it (informational)."""
-        t = self.topology
+        t = self.settings.topology
         return ckpt.CheckpointLayout(t.world_size, t.partition_size, t.ranks_per_node)
 
     def describe(self, module: nn.Module, num_units: int, wrapping: Optional[WrapPlan] = None) -> str:
         """Log lines: the groups, and what each rank holds of ``module`` -- in ``num_units`` FSDP
         units, chosen as ``wrapping`` (the plan they were sharded with, when known) says."""
-        topology = self.topology
+        topology = self.settings.topology
         total = sum(p.numel() for p in module.parameters())
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        optim_degree = self.optim_degree or topology.partition_size
+        optim_degree = self.settings.optim_degree or topology.partition_size
         units = f"{num_units} FSDP units" + (f" ({wrapping.summary()})" if wrapping is not None else "")
         return "\n".join(
             [
@@ -242,12 +199,12 @@ class MiCSLayout:
                 f"~{trainable // optim_degree:,} (1/{optim_degree}); {units}",
                 *([describe_offload(self.settings.cpu_offload)] if self.settings.cpu_offload is not None else []),
                 f"  hierarchical collectives: {'on' if self.hierarchical_groups is not None else 'off'}; "
-                f"reshard after forward: {self.reshard_after_forward}"
-                + ("; params kept gathered within a step" if self.keep_params_within_step else ""),
-                f"  grad accumulation: {self.grad_accumulation}"
-                + (f" -- {self.planner_reason}" if self.planner_reason else ""),
+                f"reshard after forward: {self.settings.reshard_after_forward}"
+                + ("; params kept gathered within a step" if self.settings.keep_params_within_step else ""),
+                f"  grad accumulation: {self.settings.grad_accumulation}"
+                + (f" -- {self.settings.planner_reason}" if self.settings.planner_reason else ""),
                 "  cross-replica all-reduce in "
-                + ("the gradients' dtype" if self.cross_replica_wire is None else str(self.cross_replica_wire))
+                + ("the gradients' dtype" if self.settings.cross_replica_wire is None else str(self.settings.cross_replica_wire))
                 + f"; hop 2: {self.settings.hop2.describe()}",
                 (
                     f"  {self.process_groups} process groups created by this layout "
@@ -259,7 +216,7 @@ class MiCSLayout:
     def single_unit_warning(self, num_units: int) -> Optional[str]:
         """What to do when the whole model is one FSDP unit in a partition of several ranks, or
         ``None``: then every rank gathers the whole model at once, with nothing to overlap."""
-        if num_units != 1 or self.topology.partition_size == 1:
+        if num_units != 1 or self.settings.topology.partition_size == 1:
             return None
         return (
             "wrapping: the whole model is one FSDP unit, so it is gathered at once with nothing to overlap "
@@ -589,14 +546,14 @@ def shard_module(
         )
     on_meta = has_meta_tensors(root)
     if sync_module_states and not on_meta:
-        broadcast_module_states(root, src=0, device=device if layout.backend == "nccl" else None)
+        broadcast_module_states(root, src=0, device=device if layout.settings.backend == "nccl" else None)
     units = shard_model(
         root,
         layout.fsdp_mesh,
         policy=auto_wrap_policy,
-        reshard_after_forward=layout.reshard_after_forward,
+        reshard_after_forward=layout.settings.reshard_after_forward,
         mp_policy=mp_policy,
-        force_sum_reduction=layout.backend == "gloo",
+        force_sum_reduction=layout.settings.backend == "gloo",
         activation_checkpointing=activation_checkpointing,
         compile_blocks=compile_blocks,
         prefetch_depth=prefetch_depth,
@@ -623,7 +580,7 @@ def _place_states(
         root.to(device)  # buffers and anything FSDP did not own
     if on_meta and sync:
         mesh = layout.device_mesh
-        staging = device if layout.backend == "nccl" else None  # NCCL takes device tensors only
+        staging = device if layout.settings.backend == "nccl" else None  # NCCL takes device tensors only
         broadcast_shards_across_replicas(root, mesh.get_group(0) if mesh.ndim == 2 else None, device=staging)
 
 
@@ -633,9 +590,9 @@ def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout) 
     node, a direct-exchange all-gather."""
     if layout.hierarchical_groups is not None:
         install_hierarchical_collectives(units, layout.hierarchical_groups)
-    elif layout.backend == "gloo":
+    elif layout.settings.backend == "gloo":
         install_ring_reduce_scatter(units)
-        if not layout.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
+        if not layout.settings.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
             install_direct_all_gather(units)
 
 
@@ -656,7 +613,7 @@ def shard_optimizer_states(
     partition_pg = layout.fsdp_mesh.get_group()  # 1-D in this mode: the partition
     return {
         id(optimizer): ReplicaShardedOptimizerStates(
-            optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=layout.topology.replication_degree
+            optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=layout.settings.topology.replication_degree
         )
         for optimizer in optimizers
     }
@@ -698,8 +655,8 @@ def accumulation_context(units: Sequence[FSDPModule], layout: MiCSLayout) -> Gen
     """The backward of a non-boundary micro-step: ``grad_accumulation="sharded"`` reduce-scatters
     inside the partition only, ``"unsharded"`` keeps full gradients; either way the cross-replica
     all-reduce runs once, on the boundary backward (outside this context)."""
-    with defer_gradient_sync(units, layout.grad_accumulation), params_kept_gathered(
-        units, layout.keep_params_within_step
+    with defer_gradient_sync(units, layout.settings.grad_accumulation), params_kept_gathered(
+        units, layout.settings.keep_params_within_step
     ):
         yield
 

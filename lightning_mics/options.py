@@ -32,7 +32,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
 from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
 from lightning_mics.fault_tolerance.config import FaultTolerance
-from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
+from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 from lightning_mics.offload import CPUOffloadOption, check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
 from lightning_mics.sharding_spec import ShardingSpec

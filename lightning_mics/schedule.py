@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Optional, Union, get_args
 
-from lightning_mics.grad_sync import GradAccumulation, check_grad_accumulation
+from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 
 CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
 Phase = Literal["forward", "backward", "boundary", "post_step"]

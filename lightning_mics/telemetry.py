@@ -44,7 +44,8 @@ from lightning_mics._compat import logging_step
 from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
 from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
-from lightning_mics.grad_sync import GradAccumulation, local_shard
+from lightning_mics.accumulation import GradAccumulation
+from lightning_mics.grad_sync import local_shard
 from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
 from lightning_mics.strategy import MiCSStrategy
 from lightning_mics.topology import MiCSTopology

@@ -157,7 +157,7 @@ def _scenarios(rank: int, world: int, tmp: str) -> dict[str, Any]:
     # 1d. sharding="auto": the planner picks the degrees when the model is set up
     planned = launch(sharding="auto")
     model, optimizer = set_up(planned, ACCUMULATING)
-    out["auto_layout"] = (planned.strategy.layout.sharding, planned.strategy.layout.planner_reason)
+    out["auto_layout"] = (planned.strategy.layout.settings.sharding, planned.strategy.layout.settings.planner_reason)
     train(planned, model, optimizer, ACCUMULATING, range(6))
     out["auto"] = full_parameters(model.module)
 

@@ -98,7 +98,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, Optional, Union
 
-from lightning_mics.grad_sync import GradAccumulation
+from lightning_mics.accumulation import GradAccumulation
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 from lightning_mics.schedule import CollectiveKind, StepLayout, UnitSize, step_schedule
 from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec

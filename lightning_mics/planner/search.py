@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
 
-from lightning_mics.grad_sync import GRAD_ACCUMULATION_MODES, GradAccumulation, check_grad_accumulation
+from lightning_mics.accumulation import GRAD_ACCUMULATION_MODES, GradAccumulation, check_grad_accumulation
 from lightning_mics.planner.cost_model import LayoutEstimate, estimate
 from lightning_mics.planner.report import Plan, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
