@@ -9,7 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mics.checkpoint import load_from_checkpoint
-from lightning_mics.collectives import CollectiveRecorder
+from lightning_mics.collective_recorder import CollectiveRecorder
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.fault_tolerance import FaultTolerance
 from lightning_mics.grad_sync import clip_grad_norm_, defer_cross_replica_sync

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as l
 # ``set_custom_reduce_scatter`` are public, the classes they take are not). torch >= 2.8.
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # noqa: E402
 
-# Counting collectives without patching torch.distributed (``collectives.CollectiveRecorder``):
+# Counting collectives without patching torch.distributed (``collective_recorder.CollectiveRecorder``):
 # ``TorchDispatchMode`` sees every dispatcher op a thread issues while the mode is on its stack, the
 # c10d collectives (``c10d::allreduce_``, ``c10d::_allgather_base_``, ...) included; it lives in a
 # private module but is torch's own mechanism for this (``CommDebugMode`` uses it). Since torch 2.0.

@@ -1,6 +1,6 @@
 """Which optimizer steps telemetry records collectives on, and what the other steps report.
 
-Recording sees collectives through a dispatch mode (:class:`~lightning_mics.collectives.CollectiveRecorder`),
+Recording sees collectives through a dispatch mode (:class:`~lightning_mics.collective_recorder.CollectiveRecorder`),
 which costs a Python call for *every* aten op while it is on -- thousands per step on a GPU, enough to
 skew the step time and MFU telemetry reports. It does not need to be on every step: a layout's
 communication pattern is fixed (:func:`lightning_mics.schedule.step_schedule`), so every full optimizer

@@ -30,7 +30,7 @@ A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
 an intra-node stage on the whole buffer (reduce-scatter mirrors it: intra-node first).
 
-Payload convention (the one :class:`~lightning_mics.collectives.CollectiveRecorder` records): the
+Payload convention (the one :class:`~lightning_mics.collective_recorder.CollectiveRecorder` records): the
 gathered output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an
 all-reduce -- bytes on the rank that issues it, per call.
 """

@@ -6,7 +6,7 @@ schedule repeats: ``accumulate_grad_batches`` rounds of all-gather + reduce-scat
 partition group, then one all-reduce across the replication group.
 
 Communication is counted from the collectives this rank actually issues (through
-:class:`~lightning_mics.collectives.CollectiveRecorder`), and split by the group each ran on:
+:class:`~lightning_mics.collective_recorder.CollectiveRecorder`), and split by the group each ran on:
 
 * **intra-partition** -- the rank's partition group (all-gathers of parameters, reduce-scatters of
   gradients; also the scalar all-reduce of sharded gradient clipping),
@@ -41,13 +41,12 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics._compat import logging_step
-from lightning_mics.collectives import CollectiveCall, CollectiveRecorder
-from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
-from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.accumulation import GradAccumulation
+from lightning_mics.collective_recorder import CollectiveCall, CollectiveRecorder
+from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
+from lightning_mics.front_end import MiCSFrontEnd
 from lightning_mics.grad_sync import local_shard
 from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
-from lightning_mics.strategy import MiCSStrategy
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -364,7 +363,7 @@ def _window_may_be_short(trainer: pl.Trainer, batch_idx: int) -> bool:
 def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
     """The MiCS layout to classify traffic against: a set-up MiCS strategy's (Trainer or Fabric)
     public ``topology``; ``None`` for any other strategy (traffic is then reported by kind only)."""
-    if not isinstance(strategy, (MiCSStrategy, MiCSFabricStrategy)):
+    if not isinstance(strategy, MiCSFrontEnd):  # the Trainer's and Fabric's MiCS strategies
         return None
     try:
         return strategy.topology

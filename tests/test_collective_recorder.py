@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from lightning_mics._compat import dispatch_mode_stack
-from lightning_mics.collectives import CollectiveRecorder, _recorded_as_one
+from lightning_mics.collective_recorder import CollectiveRecorder, recorded_as_one
 
 PUBLIC_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "isend", "irecv")
 
@@ -51,7 +51,7 @@ def _nested_and_composite(rank: int, world_size: int) -> dict[str, Any]:
         outer.step = 7
         with CollectiveRecorder() as inner:
             payload = torch.ones(world_size * 3)
-            with _recorded_as_one("reduce_scatter", None, payload):
+            with recorded_as_one("reduce_scatter", None, payload):
                 dist.all_reduce(torch.ones(2))  # a part of the composite: hidden
             dist.all_reduce(torch.ones(5))
             if rank == 1:

@@ -26,7 +26,8 @@ from distributed import run_ranks
 
 from lightning_mics import collectives, wire
 from lightning_mics._compat import TorchDispatchMode
-from lightning_mics.collectives import CollectiveRecorder, compressed_all_reduce_
+from lightning_mics.collective_recorder import CollectiveRecorder
+from lightning_mics.collectives import compressed_all_reduce_
 from lightning_mics.wire import WIRE_FORMATS, WireFormat
 
 pytestmark = pytest.mark.distributed

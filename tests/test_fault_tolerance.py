@@ -202,7 +202,7 @@ def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_i
 
 
 def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
-    from lightning_mics.collectives import CollectiveCall
+    from lightning_mics.collective_recorder import CollectiveCall
     from lightning_mics.telemetry import CROSS_REPLICA, INTRA_PARTITION, OTHER, classify_calls
     from lightning_mics.topology import MiCSTopology
 

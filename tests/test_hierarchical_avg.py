@@ -26,7 +26,8 @@ from distributed import run_ranks
 from toy import RunConfig, ToyModule, assert_matches_reference, fit_with_mics, full_parameters
 
 from lightning_mics import layout as layout_module
-from lightning_mics.collectives import CollectiveRecorder, HierarchicalReduceScatter, create_hierarchical_groups
+from lightning_mics.collective_recorder import CollectiveRecorder
+from lightning_mics.collectives import HierarchicalReduceScatter, create_hierarchical_groups
 from lightning_mics.topology import MiCSTopology
 
 pytestmark = pytest.mark.distributed

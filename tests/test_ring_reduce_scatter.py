@@ -13,8 +13,8 @@ import torch.distributed as dist
 from distributed import run_ranks
 from toy import RunConfig, ToyModule, fit_with_mics
 
+from lightning_mics.collective_recorder import CollectiveRecorder
 from lightning_mics.collectives import (
-    CollectiveRecorder,
     DirectAllGather,
     RingReduceScatter,
     all_gather_flat,

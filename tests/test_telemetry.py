@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lm_jobs import MICRO_BATCH, SMALL_GPT, fit_small_gpt, quick_trainer
 
 from lightning_mics import MiCSStrategy, MiCSTopology
-from lightning_mics.collectives import CollectiveCall
+from lightning_mics.collective_recorder import CollectiveCall
 from lightning_mics.telemetry import (
     CROSS_REPLICA,
     INTRA_PARTITION,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_mics._compat import dispatch_mode_stack
-from lightning_mics.collectives import CollectiveCall, _RecordingMode
+from lightning_mics.collective_recorder import CollectiveCall, _RecordingMode
 from lightning_mics.comm_sampling import CommSampler
 from lightning_mics.telemetry import TrainingTelemetry, _window_may_be_short
 

@@ -153,7 +153,7 @@ def collective_cost(
 ) -> CollectiveCost:
     """Time and node egress of one collective on ``group`` (formulas in the module docstring).
 
-    ``payload_bytes`` follows :class:`~lightning_mics.collectives.CollectiveRecorder`: the gathered
+    ``payload_bytes`` follows :class:`~lightning_mics.collective_recorder.CollectiveRecorder`: the gathered
     output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an all-reduce.
     """
     passes = (
