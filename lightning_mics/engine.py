@@ -44,16 +44,14 @@ from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
 from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
+from lightning_mics.launch import check_layout, limit_intra_op_threads, resolve_ranks_per_node
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
     build_layout,
-    check_layout,
     layout_planner,
-    limit_intra_op_threads,
     optimizers_in_partition_form,
     resolve_layout,
-    resolve_ranks_per_node,
     shard_module,
     shard_optimizer_states,
 )

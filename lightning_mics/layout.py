@@ -4,8 +4,6 @@ The Trainer strategy (:mod:`lightning_mics.strategy`) and the Fabric strategy
 (:mod:`lightning_mics.fabric`) differ only in *when* Lightning calls them; *what* they do is here,
 once, so that the two cannot drift apart:
 
-* :func:`check_layout` -- the pre-launch check (the options themselves are checked when
-  :class:`~lightning_mics.options.MiCSOptions` is created), one clear error each;
 * :func:`resolve_layout` -> :class:`LayoutSettings` -> :func:`build_layout` -> :class:`MiCSLayout` --
   the layout resolved from the options (no groups yet, comparable with an earlier strategy's), then
   the (replicate, shard) device mesh, AMSP's optimizer-state groups and the hierarchical sub-groups,
@@ -14,14 +12,15 @@ once, so that the two cannot drift apart:
   FSDP2 units on the mesh, the collectives gloo or multi-node partitions need, meta-device models
   materialised shard by shard;
 * :func:`shard_optimizer_states`, :func:`accumulation_context`, :func:`optimizers_in_partition_form`
-  -- the optimizer and gradient-accumulation pieces that depend on the layout;
-* :func:`limit_intra_op_threads` -- CPU ranks started by Lightning's launchers share the cores.
+  -- the optimizer and gradient-accumulation pieces that depend on the layout.
+
+What happens before the ranks start (the pre-launch layout check, ranks per node, threads) is in
+:mod:`lightning_mics.launch`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields
@@ -60,7 +59,7 @@ from lightning_mics.planner.live import PlannerCluster, describe_cluster, planne
 from lightning_mics.post_forward_mesh import PostForwardMeshes
 from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
-from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wire import WireFormat
 from lightning_mics.wrapping import (
     AutoWrapPolicy,
@@ -110,24 +109,6 @@ def register_strategy_names(strategy_registry: Any, strategy_class: type, knows_
         if not knows_accumulation and options.get("grad_accumulation") == "auto":
             options = {key: value for key, value in options.items() if key != "grad_accumulation"}
         strategy_registry.register(name, strategy_class, description=description, **options)
-
-
-def check_layout(
-    world_size: int,
-    ranks_per_node: int,
-    partition_size: PartitionSizeSpec,
-    sharding: ShardingOption,
-    reshard_after_forward: Union[bool, int],
-) -> None:
-    """Pure layout math, run when a launcher is about to start the processes (the world size is known):
-    an invalid layout is refused once, in the launching process, instead of in every rank."""
-    if world_size < 1 or partition_size == "auto" or sharding == "auto":
-        return  # "auto" needs the model; resolved at setup
-    if isinstance(sharding, ShardingSpec):
-        sharding.resolve(world_size, ranks_per_node)
-    else:
-        topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
-        check_reshard_group(reshard_after_forward, topology.partition_size)
 
 
 def uses_hierarchical_collectives(topology: MiCSTopology, hierarchical: Hierarchical) -> bool:
@@ -659,33 +640,3 @@ def accumulation_context(units: Sequence[FSDPModule], layout: MiCSLayout) -> Gen
         units, layout.settings.keep_params_within_step
     ):
         yield
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_ranks_per_node(override: Optional[int], num_processes: int, world_size: int) -> int:
-    """The user's ``ranks_per_node``, else the launcher's announcement, else the devices per node."""
-    if override is not None:
-        return override
-    return detect_ranks_per_node() or num_processes or world_size
-
-
-def limit_intra_op_threads(local_ranks: int) -> None:
-    """Give each rank of this machine an equal share of its cores, before the ranks start.
-
-    Lightning sets ``OMP_NUM_THREADS`` in its launchers only *after* starting the other ranks, so
-    they start with OpenMP's default (every core each): several ranks on few cores then thrash --
-    measured on the main job with partition size 1 (4 ranks, 2 cores): 2,258 ms per step instead of
-    614 ms. A value the user set is kept."""
-    if "OMP_NUM_THREADS" in os.environ or local_ranks < 1:
-        return
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # platforms without affinity masks
-        cores = os.cpu_count() or 1
-    threads = max(1, cores // local_ranks)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)

@@ -11,7 +11,7 @@ another.
 
 A malformed value is refused when the options are created -- when the strategy is built, not in every
 rank after launch; layout rules that need the world size are checked by
-:func:`lightning_mics.layout.check_layout` once the launcher knows it.
+:func:`lightning_mics.launch.check_layout` once the launcher knows it.
 """
 
 from __future__ import annotations
