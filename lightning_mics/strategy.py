@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import fault_tolerance as ft
+from lightning_mics import process_groups
 from lightning_mics.engine import SHARDED_MODELS, ShardedModel, sharded_before, unwrap_optimizer
 from lightning_mics.front_end import MiCSFrontEnd
 from lightning_mics.grad_sync import fsdp_units
@@ -96,6 +97,12 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                 "only; on CPU ranks remove sync_batchnorm=True (each rank then keeps its own BatchNorm statistics)."
             )
         super()._configure_launcher()
+
+    def set_world_ranks(self) -> None:
+        """Lightning's accelerator connector calls this when the Trainer is built: the ranks and the world size
+        are right from construction on, as with DDP and FSDP (scripts size data or guard downloads by
+        ``trainer.world_size`` / ``trainer.is_global_zero`` before ``fit``)."""
+        process_groups.assign_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
