@@ -213,8 +213,16 @@ class NetworkSettings:
     mtu: int
 
 
-def set_up_network(cluster: EmulatedCluster, shape: ClusterShape, args: argparse.Namespace) -> NetworkSettings:
+def set_up_network(
+    cluster: EmulatedCluster,
+    shape: ClusterShape,
+    args: argparse.Namespace,
+    fixed_rate_bytes_per_s: Optional[float] = None,
+) -> NetworkSettings:
     """Measure loopback (raw TCP and gloo), shape the links, measure the shaped link; print as it goes.
+    ``args``: what every benchmark's command line has (``probe_seconds``, ``setup``, ``calibrate``,
+    ``bandwidth_ratio``, ``inter_node_mbps``, ``mtu``); ``fixed_rate_bytes_per_s``: a link rate kept from an
+    earlier run (``--scaling``'s later points) instead of the one these settings give.
 
     The inter-node rate is ``1 / --bandwidth-ratio`` of the *gloo* loopback throughput by default:
     that is the intra-node bandwidth the ranks' collectives actually get on this host (all nodes
@@ -234,8 +242,8 @@ def set_up_network(cluster: EmulatedCluster, shape: ClusterShape, args: argparse
     rate = args.inter_node_mbps * 1e6 if args.inter_node_mbps else reference / args.bandwidth_ratio
     how = ("set by --inter-node-mbps" if args.inter_node_mbps
            else f"1/{args.bandwidth_ratio:g} of the per-node {args.calibrate} loopback throughput")
-    if args.fixed_rate_bytes_per_s is not None:  # --scaling: every node count gets the first point's link
-        rate, how = args.fixed_rate_bytes_per_s, "the rate of the scaling run's first point, kept for every node count"
+    if fixed_rate_bytes_per_s is not None:  # --scaling: every node count gets the first point's link
+        rate, how = fixed_rate_bytes_per_s, "the rate of the scaling run's first point, kept for every node count"
     cluster.shape(LinkShape(rate))
     measured = cluster.measure_throughput([(1, 0)], seconds)[0]
     print(f"inter-node link: tbf {_gbit(rate)} per direction ({how}); one TCP stream measures {_gbit(measured)}")
@@ -543,7 +551,7 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
-        network = set_up_network(cluster, args.cluster, args)
+        network = set_up_network(cluster, args.cluster, args, args.fixed_rate_bytes_per_s)
         for index, spec in enumerate(args.specs):
             print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
             reason = skip_reason(spec)
