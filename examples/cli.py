@@ -111,7 +111,8 @@ def _resolve_class(dotted: str) -> Any:
 
 
 def keep_configured_strategy_options(argv: list[str]) -> list[str]:
-    """Drop ``--trainer.strategy=<class>`` when a ``--config`` file already configures that class.
+    """Drop ``--trainer.strategy=<class>`` when a ``--config`` file already configures that class, and apply a
+    registered name to the config's MiCS options (:func:`_apply_registered_name`).
 
     jsonargparse starts a class named on the command line from its defaults, so repeating the
     config's class (``--trainer.strategy=lightning_mics.MiCSStrategy --trainer.strategy.partition_size=2``)
@@ -130,8 +131,10 @@ def keep_configured_strategy_options(argv: list[str]) -> list[str]:
             if isinstance(strategy, dict) and "class_path" in strategy:
                 configured = strategy["class_path"]
     given = named[-1].split("=", 1)[1]
-    if configured is None or "." not in given:
+    if configured is None:
         return argv
+    if "." not in given:
+        return _apply_registered_name(argv, named, given, configured)
     if _resolve_class(given) is not None and _resolve_class(given) is _resolve_class(configured):
         return [arg for arg in argv if arg not in named]
     print(
@@ -141,16 +144,48 @@ def keep_configured_strategy_options(argv: list[str]) -> list[str]:
     return argv
 
 
+def _apply_registered_name(argv: list[str], named: list[str], name: str, configured: str) -> list[str]:
+    """``--trainer.strategy=<registered name>`` over a config that configures a strategy class with options.
+
+    jsonargparse would replace the config's whole strategy entry with the bare name, dropping its options
+    without a word (``ranks_per_node: 2`` lost turns 2 nodes x 2 ranks into one node of 4: ZeRO-3). When the
+    config's class is MiCS's, the name's own settings are applied on top of the config's options instead (the
+    name becomes ``--trainer.strategy.<option>=<value>`` arguments); another class's options cannot apply to
+    MiCS, so that is refused with the spelling that says what to keep."""
+    from lightning_mics.layout import REGISTERED_STRATEGIES
+
+    if name not in REGISTERED_STRATEGIES:
+        return argv  # another library's name: jsonargparse decides
+    if _resolve_class(configured) is not MiCSStrategy:
+        raise ValueError(
+            f"--trainer.strategy={name} would replace the config's {configured} and drop its init_args. Either remove "
+            "the strategy from the config, or configure MiCS by its class: --trainer.strategy=lightning_mics."
+            "MiCSStrategy --trainer.strategy.<option>=<value>."
+        )
+    _, options = REGISTERED_STRATEGIES[name]
+    settings = [f"--trainer.strategy.{option}={value}" for option, value in options.items()]
+    print(
+        f"note: --trainer.strategy={name} applied to the config's MiCSStrategy options"
+        + (f" ({', '.join(arg.split('.', 2)[2] for arg in settings)})" if settings else "")
+        + ".",
+        file=sys.stderr,
+    )
+    return [arg for arg in argv if arg not in named] + settings
+
+
 def main(args: Optional[list[str]] = None, run: bool = True) -> MiCSCLI:
     """Run LightningCLI on the demo model; ``args`` replaces ``sys.argv[1:]`` (tests)."""
     configure_console()
+    from_command_line = args is None
     argv = list(sys.argv[1:] if args is None else args)
     check_strategy_arguments(argv)
-    args = keep_configured_strategy_options(argv)
+    resolved = keep_configured_strategy_options(argv)
+    if from_command_line:  # LightningCLI warns when given args while sys.argv has some: hand it sys.argv itself
+        sys.argv[1:] = resolved
     return MiCSCLI(
         GPTLightningModule,
         ByteCorpusDataModule,
-        args=args,
+        args=None if from_command_line else resolved,
         run=run,
         save_config_kwargs={"overwrite": True},
     )

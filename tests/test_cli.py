@@ -86,6 +86,33 @@ def test_cli_runs_both_strategy_spellings_and_every_stage(tmp_path: Path) -> Non
     assert list((tmp_path / "class_path").rglob("config.yaml"))
 
 
+@pytest.mark.parametrize(
+    ("name", "applied"),
+    [("mics", {}), ("mics_auto", {"sharding": "auto", "grad_accumulation_spec": "auto"}),
+     ("mics_zero3", {"partition_size_spec": "world"})],
+)
+def test_a_registered_name_over_the_config_applies_its_settings_to_the_configs_options(name, applied, capsys) -> None:
+    """The README's `--trainer.strategy=mics` with the example config: the config's ranks_per_node=2 is kept (it
+    was silently dropped, which made 2 nodes x 2 ranks one node of 4: ZeRO-3), the name's own settings on top."""
+    cli = main([f"--config={CLI_CONFIG}", f"--trainer.strategy={name}"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, MiCSStrategy) and strategy.ranks_per_node_override == 2
+    for attribute, value in applied.items():
+        assert getattr(strategy, attribute) == value, attribute
+    assert f"--trainer.strategy={name} applied to the config's MiCSStrategy options" in capsys.readouterr().err
+
+
+def test_a_registered_name_over_another_strategy_class_in_the_config_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "ddp.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: lightning.pytorch.strategies.DDPStrategy\n"
+        "    init_args:\n      find_unused_parameters: true\n"
+    )
+    with pytest.raises(ValueError, match=r"replace the config's lightning.pytorch.strategies.DDPStrategy.*"
+                       r"--trainer.strategy=lightning_mics.MiCSStrategy"):
+        main([f"--config={config}", "--trainer.strategy=mics"], run=False)
+
+
 def test_naming_the_configs_strategy_class_keeps_the_configs_options() -> None:
     # the config's class with one option changed: ranks_per_node=2 from the YAML must survive
     cli = main(
