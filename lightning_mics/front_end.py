@@ -21,6 +21,7 @@ from lightning_mics import _compat as compat
 from lightning_mics import process_groups
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.accumulation import GradAccumulation
+from lightning_mics.console import show_start_up_lines
 from lightning_mics.layout import MiCSLayout, register_strategy_names
 from lightning_mics.offload import check_offload_before_launch
 from lightning_mics.options import MiCSOptions, ShardingOption
@@ -108,6 +109,7 @@ class MiCSFrontEnd:
         if not self._trainer_front_end:
             given.refuse_trainer_only()
         self._engine = MiCSEngine(given)
+        show_start_up_lines()  # the layout line shows like Lightning's own, without logging set up
         self._num_nodes = 1
         self._fsdp_units: list[FSDPModule] = []  # of every model set up (per model: blocks, then its root)
         self._init_front_end_state()

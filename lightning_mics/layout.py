@@ -86,8 +86,8 @@ LayoutPlanner = Callable[[int, Optional[int], str, bool], Any]
 #: The strategy names importing the package registers, with the Trainer and with Fabric alike:
 #: name -> (description, MiCSStrategy keyword arguments). ``"mics_auto"`` is the fastest layout the
 #: planner finds for the cluster the job runs on (measured at set-up); on the emulated cloud
-#: cluster it ran 1.08-1.10x Lightning's DDP and ~1.7x HYBRID_SHARD, where ``"mics"`` (MiCS's
-#: least-memory schedule) ran 0.87-0.90x HYBRID_SHARD (docs/benchmarks.md).
+#: cluster (2 x 4 ranks, ratio 24) it ran 1.31x Lightning's DDP and 1.83x HYBRID_SHARD, where ``"mics"`` (MiCS's
+#: least-memory schedule) ran 0.95x HYBRID_SHARD (README, docs/benchmarks.md).
 REGISTERED_STRATEGIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mics": ("MiCS: shard inside one node, replicate across nodes, 2-hop gradient sync", {}),
     "mics_auto": (
@@ -468,9 +468,8 @@ def layout_planner(
         if log is not None:
             chosen = choice.estimate
             log.info(
-                "planner chose %s, grad_accumulation=%s (%s), for %s%s",
+                "planner chose %s, %s, for %s%s",  # the reason starts with "grad_accumulation=<mode>"
                 chosen.layout.label,
-                choice.grad_accumulation,
                 choice.reason,
                 describe_cluster(cluster),
                 f"; cpu offload on: {chosen.host_copy_s:.3g} s of PCIe copies and a {chosen.optimizer_step_s:.3g} s "
