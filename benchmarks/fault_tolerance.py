@@ -90,6 +90,9 @@ FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every
               probe_seconds=3.0, run_timeout=900.0)
 QUICK = Preset(no_failure_steps=40, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
                probe_seconds=1.0, run_timeout=400.0)
+#: The main path in about two minutes (what the test suite runs): every run, the kill and the rejoin, few steps.
+SMOKE = Preset(no_failure_steps=6, steps=100, kill_at_step=8, checkpoint_every=5, restart_delay=2.0,
+               probe_seconds=0.5, run_timeout=240.0)
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
@@ -97,6 +100,8 @@ MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in < 10 minutes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the main path with few steps, about 2 minutes: checks that it runs, measures nothing")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
     parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 200, default 300)")
     parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 40, default 100)")
@@ -117,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
         parser.error(f"--work-dir {args.work_dir} is not empty: give a new or empty directory.")
-    preset = QUICK if args.quick else FULL
+    preset = SMOKE if args.smoke else QUICK if args.quick else FULL
     for name, value in asdict(preset).items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
