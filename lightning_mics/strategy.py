@@ -29,9 +29,8 @@ from lightning_mics import process_groups
 from lightning_mics.engine import SHARDED_MODELS, ShardedModel, sharded_before, unwrap_optimizer
 from lightning_mics.front_end import MiCSFrontEnd
 from lightning_mics.grad_sync import fsdp_units
-from lightning_mics.layout import accumulation_context, uses_hierarchical_collectives
+from lightning_mics.layout import accumulation_context
 from lightning_mics.precision import MiCSPrecision, precision_property
-from lightning_mics.topology import MiCSTopology
 from lightning_mics.wrapping import RootUnit, WrapPlan
 
 __all__ = ["MiCSStrategy"]
@@ -124,9 +123,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         settings = self._engine.resolve_layout(self, module, self.precision_plugin.precision, accumulation)
         earlier = sharded_before(module, settings, self.precision_plugin.precision, self._converts_batchnorm())
         self._engine.use_layout(settings, earlier.layout if earlier is not None else None)
-
-    def _uses_hierarchical_collectives(self, topology: MiCSTopology) -> bool:
-        return uses_hierarchical_collectives(topology, self.hierarchical)
 
     def _converts_batchnorm(self) -> bool:
         trainer = getattr(self.lightning_module, "_trainer", None)

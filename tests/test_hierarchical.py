@@ -82,8 +82,14 @@ def test_hierarchical_runs_two_stages_on_node_subgroups(runs, partition):
 def test_hierarchical_true_without_multi_node_partition_is_refused():
     from lightning_mics import MiCSStrategy
 
-    strategy = MiCSStrategy(partition_size=2, ranks_per_node=2, hierarchical=True)
-    with pytest.raises(ValueError, match="spans nodes"):
-        strategy._uses_hierarchical_collectives(MiCSTopology.create(8, 2, 2))
+    from lightning_mics.layout import resolve_layout
+
+    options = MiCSStrategy(partition_size=2, ranks_per_node=2, hierarchical=True).options
+    with pytest.raises(ValueError, match="spans nodes"):  # resolved the way every rank resolves its layout
+        resolve_layout(
+            world_size=8, rank=0, ranks_per_node=options.ranks_per_node, partition_size=options.partition_size,
+            reshard_after_forward=True, sharding=None, hierarchical=options.hierarchical, device_type="cpu",
+            backend="gloo",
+        )
     with pytest.raises(ValueError, match="hierarchical must be"):
         MiCSStrategy(hierarchical="yes")
