@@ -294,9 +294,17 @@ class MiCSEngine:
             if counters is not None:
                 counters.undo_if_discarded(self.replica_group)
             self.replica_group.start_step()
+            self._log_from_first_live_group()
             if counters is not None:
                 counters.remember()
             self._step_open = True
+
+    def _log_from_first_live_group(self) -> None:
+        """With fault tolerance one group logs for all: the first of the current quorum -- group 0 while it is
+        live, else the next -- so that a lost group 0 does not silence the run's loggers and progress."""
+        assert self.replica_group is not None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        process_groups.set_logging_rank(rank if self.replica_group.leads else world + rank)
 
     def detach_optimizers(self) -> None:
         """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit)."""

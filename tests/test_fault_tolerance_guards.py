@@ -173,3 +173,47 @@ def test_losing_one_rank_of_a_group_ends_that_group_promptly_saying_so() -> None
     assert rank0["error"].startswith("ReplicaGroupRankLost") and "a rank of replica group 1 was lost" in rank0["error"]
     assert rank0["ended"] - killed < 15, rank0  # well under quorum_timeout (60 s)
     assert all(result["error"] is None and result["global_step"] == 12 for result in others), others
+
+
+def _lose_group_zero(rank: int, group: int, address: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    class Record(pl.Callback):
+        """Per step: live groups and the rank Lightning's logging sees. Group 0 dies mid-step once the two groups
+        trained 2 steps together (whichever started first may have trained alone before)."""
+
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        def on_before_backward(self, trainer: Any, *args: Any) -> None:
+            if group == 0 and sum(1 for live, _ in self.seen if live == 2) >= 2:
+                os._exit(1)  # the whole of group 0 lost mid-step
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.seen.append((trainer.strategy.engine.replica_group.manager.num_participants(), rank_zero_only.rank))
+            time.sleep(0.1)
+
+    cfg = replace(RUN, steps=12)
+    record = Record()
+    trainer = fault_tolerant_trainer(cfg, FaultTolerance(address, group, 2, timeout=10, quorum_timeout=60), [record])
+    trainer.fit(ToyModule(cfg))
+    return {"seen": record.seen}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_while_group_zero_is_down_the_first_live_group_logs() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        lost, survivor = (start_group(g, out_dir, _lose_group_zero, address) for g in range(2))
+        wait(survivor, timeout=150)
+        with pytest.raises(Exception):  # noqa: B017 -- group 0's os._exit
+            wait(lost, timeout=30)
+        results = read(out_dir, 1)
+    for rank, result in enumerate(results):
+        seen = result["seen"]
+        last_together = max(i for i, (live, _) in enumerate(seen) if live == 2)
+        together = {logging_rank for live, logging_rank in seen if live == 2}
+        after_the_loss = {logging_rank for live, logging_rank in seen[last_together + 1 :] if live == 1}
+        assert together == {GROUP_WORLD + rank}, seen  # group 0 logged while it was live
+        assert after_the_loss == {rank}, seen  # then group 1's rank 0 became Lightning's rank 0

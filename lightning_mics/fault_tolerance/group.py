@@ -260,10 +260,16 @@ class ReplicaGroup:
         return committed
 
     @property
-    def writes_checkpoints(self) -> bool:
-        """One group writes checkpoints for all (the others' would be copies): the first group of the
-        current quorum -- the same answer on every rank of a group, and on one group of the quorum."""
+    def leads(self) -> bool:
+        """Whether this group is the first of the current quorum: it logs and writes checkpoints for all (group 0
+        while it is live, else the next) -- the same answer on every rank of a group, and on one group of the
+        quorum."""
         return self.manager.participating_rank() == 0
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """One group writes checkpoints for all (the others' would be copies): the leading one."""
+        return self.leads
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of fault tolerance: torchft's step count (a group resumed from the checkpoint
