@@ -28,7 +28,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -113,15 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default 8: little compute per byte moved)")
     parser.add_argument("--warmup-steps", type=int, help="optimizer steps run but not measured (default 1)")
     parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2)")
-    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
-                        help="inter-node rate = measured per-node loopback throughput / this (default 15)")
-    parser.add_argument("--calibrate", choices=("gloo", "tcp"), default="gloo",
-                        help="loopback throughput to divide: what gloo all-reduces achieve with all ranks of all "
-                             "nodes at once (default), or raw TCP streams (an upper bound gloo ranks never reach)")
-    parser.add_argument("--inter-node-mbps", type=float,
-                        help="inter-node rate in MB/s (10^6 bytes/s per direction), instead of the ratio")
-    parser.add_argument("--mtu", type=int, default=9000,
-                        help="MTU of the node links (default 9000, cloud jumbo frames)")
+    add_link_arguments(parser)
     parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
     parser.add_argument("--output-dir", type=Path, help="where the JSON and PNG go (default: benchmarks/results, "
                                                         "with --scaling benchmarks/results/scaling)")
@@ -152,12 +144,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                           ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
         if getattr(args, name) is None:
             setattr(args, name, default)
-    args.probe_seconds = preset.probe_seconds
     args.fixed_rate_bytes_per_s = None  # set between the points of a --scaling run
-    if args.bandwidth_ratio <= 0:
-        parser.error(f"--bandwidth-ratio must be positive, got {args.bandwidth_ratio}.")
-    if args.inter_node_mbps is not None and args.inter_node_mbps <= 0:
-        parser.error(f"--inter-node-mbps must be positive, got {args.inter_node_mbps}.")
     try:
         _resolve_mode(args)
         args.setup = TrainingSetup(
@@ -167,6 +154,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             warmup_steps=args.warmup_steps,
             measured_steps=args.steps,
         )
+        args.link = link_request(args, args.setup, preset.probe_seconds)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
         if args.scaling and names is None:
             names = list(SCALING_STRATEGIES)
@@ -213,16 +201,65 @@ class NetworkSettings:
     mtu: int
 
 
-def set_up_network(
-    cluster: EmulatedCluster,
-    shape: ClusterShape,
-    args: argparse.Namespace,
+CALIBRATIONS = ("gloo", "tcp")
+
+
+@dataclass(frozen=True)
+class LinkRequest:
+    """Everything :func:`set_up_network` needs, and nothing else: built by :func:`link_request` from a command
+    line that :func:`add_link_arguments` extended. Both benchmarks on the emulated network
+    (``emulated_cluster.py``, ``fault_tolerance.py``) go through these two functions, so a setting added for one
+    cannot be missing from the other (``fault_tolerance.py`` once crashed on an attribute only this parser set).
+    """
+
+    setup: TrainingSetup  #: the model whose largest unit is the gloo loopback probe's payload
+    probe_seconds: float  #: how long each throughput probe runs
+    calibrate: str  #: which loopback throughput the inter-node rate is derived from: "gloo" or "tcp"
+    bandwidth_ratio: float  #: inter-node rate = that loopback throughput / this
+    inter_node_mbps: Optional[float]  #: an explicit inter-node rate in MB/s instead of the ratio
+    mtu: int  #: MTU of the node links
+    #: a link rate kept from an earlier run (``--scaling``'s later points) instead of the one the settings give
+    fixed_rate_bytes_per_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.calibrate not in CALIBRATIONS:
+            raise ValueError(f"--calibrate must be one of {', '.join(CALIBRATIONS)}, got {self.calibrate!r}.")
+        if self.bandwidth_ratio <= 0:
+            raise ValueError(f"--bandwidth-ratio must be positive, got {self.bandwidth_ratio}.")
+        if self.inter_node_mbps is not None and self.inter_node_mbps <= 0:
+            raise ValueError(f"--inter-node-mbps must be positive, got {self.inter_node_mbps}.")
+        if self.probe_seconds <= 0:
+            raise ValueError(f"the throughput probes need a positive duration, got {self.probe_seconds} s.")
+        if self.mtu < 68:  # the kernel's IPv4 minimum: `ip link set mtu` would fail with a bare "Invalid argument"
+            raise ValueError(f"--mtu must be at least 68, got {self.mtu}.")
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options of the emulated network's links, for every benchmark that builds one."""
+    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
+                        help="inter-node rate = measured per-node loopback throughput / this (default 15)")
+    parser.add_argument("--calibrate", choices=CALIBRATIONS, default="gloo",
+                        help="loopback throughput to divide: what gloo all-reduces achieve with all ranks of all "
+                             "nodes at once (default), or raw TCP streams (an upper bound gloo ranks never reach)")
+    parser.add_argument("--inter-node-mbps", type=float,
+                        help="inter-node rate in MB/s (10^6 bytes/s per direction), instead of the ratio")
+    parser.add_argument("--mtu", type=int, default=9000,
+                        help="MTU of the node links (default 9000, cloud jumbo frames)")
+
+
+def link_request(
+    args: argparse.Namespace, setup: TrainingSetup, probe_seconds: float,
     fixed_rate_bytes_per_s: Optional[float] = None,
-) -> NetworkSettings:
+) -> LinkRequest:
+    """The :class:`LinkRequest` of a command line parsed with :func:`add_link_arguments`'s options; a bad value
+    raises ``ValueError`` naming the option (parsers turn it into their usage error)."""
+    return LinkRequest(setup=setup, probe_seconds=probe_seconds, calibrate=args.calibrate,
+                       bandwidth_ratio=args.bandwidth_ratio, inter_node_mbps=args.inter_node_mbps, mtu=args.mtu,
+                       fixed_rate_bytes_per_s=fixed_rate_bytes_per_s)
+
+
+def set_up_network(cluster: EmulatedCluster, shape: ClusterShape, link: LinkRequest) -> NetworkSettings:
     """Measure loopback (raw TCP and gloo), shape the links, measure the shaped link; print as it goes.
-    ``args``: what every benchmark's command line has (``probe_seconds``, ``setup``, ``calibrate``,
-    ``bandwidth_ratio``, ``inter_node_mbps``, ``mtu``); ``fixed_rate_bytes_per_s``: a link rate kept from an
-    earlier run (``--scaling``'s later points) instead of the one these settings give.
 
     The inter-node rate is ``1 / --bandwidth-ratio`` of the *gloo* loopback throughput by default:
     that is the intra-node bandwidth the ranks' collectives actually get on this host (all nodes
@@ -230,24 +267,25 @@ def set_up_network(
     nodes. Raw TCP streams move several times more, so a rate derived from them would make the
     emulated network far flatter than the cloud it stands for.
     """
-    seconds = args.probe_seconds
+    seconds = link.probe_seconds
     single = cluster.measure_throughput([(0, 0)], seconds)[0]
     flows = [(node, node) for node in range(shape.num_nodes) for _ in range(shape.ranks_per_node)]
     tcp_per_node = sum(cluster.measure_throughput(flows, seconds)) / shape.num_nodes
-    gloo_per_node = measure_gloo_loopback(cluster, shape, args.setup, seconds)
+    gloo_per_node = measure_gloo_loopback(cluster, shape, link.setup, seconds)
     print(f"intra-node loopback: raw TCP {_gbit(single)} one stream alone, {_gbit(tcp_per_node)} per node with "
           f"{shape.ranks_per_node} streams on each of the {shape.num_nodes} nodes at once; gloo all-reduce "
           f"{_gbit(gloo_per_node)} per node with {shape.ranks_per_node} ranks on every node at once")
-    reference = gloo_per_node if args.calibrate == "gloo" else tcp_per_node
-    rate = args.inter_node_mbps * 1e6 if args.inter_node_mbps else reference / args.bandwidth_ratio
-    how = ("set by --inter-node-mbps" if args.inter_node_mbps
-           else f"1/{args.bandwidth_ratio:g} of the per-node {args.calibrate} loopback throughput")
-    if fixed_rate_bytes_per_s is not None:  # --scaling: every node count gets the first point's link
-        rate, how = fixed_rate_bytes_per_s, "the rate of the scaling run's first point, kept for every node count"
+    reference = gloo_per_node if link.calibrate == "gloo" else tcp_per_node
+    rate = link.inter_node_mbps * 1e6 if link.inter_node_mbps else reference / link.bandwidth_ratio
+    how = ("set by --inter-node-mbps" if link.inter_node_mbps
+           else f"1/{link.bandwidth_ratio:g} of the per-node {link.calibrate} loopback throughput")
+    if link.fixed_rate_bytes_per_s is not None:  # --scaling: every node count gets the first point's link
+        rate = link.fixed_rate_bytes_per_s
+        how = "the rate of the scaling run's first point, kept for every node count"
     cluster.shape(LinkShape(rate))
     measured = cluster.measure_throughput([(1, 0)], seconds)[0]
     print(f"inter-node link: tbf {_gbit(rate)} per direction ({how}); one TCP stream measures {_gbit(measured)}")
-    return NetworkSettings(single, tcp_per_node, gloo_per_node, args.calibrate, reference, rate, measured, args.mtu)
+    return NetworkSettings(single, tcp_per_node, gloo_per_node, link.calibrate, reference, rate, measured, link.mtu)
 
 
 def measure_gloo_loopback(cluster: EmulatedCluster, shape: ClusterShape, setup: TrainingSetup, seconds: float) -> float:
@@ -551,7 +589,8 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
-        network = set_up_network(cluster, args.cluster, args, args.fixed_rate_bytes_per_s)
+        network = set_up_network(cluster, args.cluster,
+                                 replace(args.link, fixed_rate_bytes_per_s=args.fixed_rate_bytes_per_s))
         for index, spec in enumerate(args.specs):
             print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
             reason = skip_reason(spec)

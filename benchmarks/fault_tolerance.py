@@ -50,7 +50,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks`, `examples` and `lightning_mics` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.emulated_cluster import _last_error, set_up_network
+from benchmarks.emulated_cluster import _last_error, add_link_arguments, link_request, set_up_network
 from benchmarks.fault_tolerance_worker import Job
 from benchmarks.netns import (
     REPO_ROOT,
@@ -113,10 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ft-timeout", type=float, default=5.0,
                         help="FaultTolerance(timeout=...): how long a survivor's hop 2 waits for a dead peer (5 s)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
-    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
-                        help="inter-node rate = per-node gloo loopback throughput / this (default 15)")
-    parser.add_argument("--inter-node-mbps", type=float, help="inter-node rate in MB/s instead of the ratio")
-    parser.add_argument("--mtu", type=int, default=9000, help="MTU of the node links (default 9000)")
+    add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
     args = parser.parse_args(argv)
@@ -130,9 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--kill-at-step must lie between 0 and --steps ({args.steps}), got {args.kill_at_step}.")
     if min(args.checkpoint_every, args.no_failure_steps, args.batch_size) < 1 or args.restart_delay < 0:
         parser.error("--checkpoint-every, --no-failure-steps and --batch-size must be positive, --restart-delay >= 0.")
-    args.calibrate = "gloo"  # what set_up_network (emulated_cluster.py) reads
-    args.setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
-                               measured_steps=args.steps)
+    setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
+                          measured_steps=args.steps)
+    try:
+        args.link = link_request(args, setup, args.probe_seconds)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -627,7 +627,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.monotonic()
     with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
-        network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args)
+        network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args.link)
         bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())
         results, ft, baseline = measure(bench)
         title = (f"{NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), one replica group per node; GPT "
@@ -637,7 +637,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                  f"{args.checkpoint_every} steps")
         args.output_dir.mkdir(parents=True, exist_ok=True)
         chart = draw_timeline(ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "setup"}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "link"}
     report = {
         **results,
         "command": command,

@@ -26,6 +26,32 @@ def test_quick_fills_every_run_length_and_bad_lengths_are_refused(tmp_path: Path
         bench.parse_args(["--quick", "--work-dir", str(tmp_path)])
 
 
+def test_the_network_request_is_built_as_emulated_cluster_builds_it() -> None:
+    """The links come from emulated_cluster's own options and builder, so the two benchmarks cannot drift:
+    this benchmark once crashed in set_up_network on an attribute only emulated_cluster's parser set."""
+    from benchmarks import emulated_cluster
+
+    args = bench.parse_args(["--smoke", "--calibrate", "tcp", "--inter-node-mbps", "50", "--mtu", "1500"])
+    link = args.link
+    assert isinstance(link, emulated_cluster.LinkRequest)
+    assert (link.calibrate, link.inter_node_mbps, link.mtu, link.fixed_rate_bytes_per_s) == ("tcp", 50.0, 1500, None)
+    assert link.probe_seconds == bench.SMOKE.probe_seconds and link.setup.model == bench.MODEL
+    ours = {k: v for k, v in vars(bench.parse_args(["--quick"]).link).items() if k not in ("setup", "probe_seconds")}
+    theirs = {k: v for k, v in vars(emulated_cluster.parse_args(["--quick"]).link).items()
+              if k not in ("setup", "probe_seconds")}
+    assert ours == theirs  # the same defaults
+
+
+@pytest.mark.parametrize("argv, message", [(["--bandwidth-ratio", "-1"], "--bandwidth-ratio must be positive"),
+                                           (["--inter-node-mbps", "0"], "--inter-node-mbps must be positive"),
+                                           (["--mtu", "10"], "--mtu must be at least 68")])
+def test_bad_link_settings_get_one_clear_error(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", *argv])
+    assert message in capsys.readouterr().err
+
+
 def _write_run(directory: Path, healed_digest: str = "same") -> bench.RunLog:
     """3 nodes x 2 ranks, one line per rank and step: node 2 is killed after step 4 (t=4.5); the survivors
     discard the step it hit (t=5.2), commit steps 5-6 alone, and node 2, restarted at t=7.5, heals and
