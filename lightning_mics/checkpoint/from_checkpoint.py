@@ -7,6 +7,12 @@ sharded directory is read through :func:`~lightning_mics.checkpoint.read_full_st
 check, safe unpickling) and handed to the class's own ``load_from_checkpoint`` as an in-memory
 checkpoint, so hyper-parameters, ``on_load_checkpoint`` and ``strict`` behave exactly as Lightning's.
 A single-file checkpoint goes to the classmethod unchanged.
+
+Why a strategy cannot do it: ``Model.load_from_checkpoint(path)`` runs without a Trainer or a strategy, and
+Lightning's ``_load_from_checkpoint`` opens ``path`` (``fsspec`` then ``torch.load``) before anything of the
+model runs -- ``on_load_checkpoint`` receives the dictionary already read. The only place that sees the path
+first, short of replacing Lightning's function for every class, is the user's class: :class:`LoadsShardedCheckpoints`
+is that, opt-in.
 """
 
 from __future__ import annotations
@@ -55,3 +61,41 @@ def load_from_checkpoint(
     del model_state
     buffer.seek(0)
     return loader(buffer, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs)
+
+
+class LoadsShardedCheckpoints:
+    """Mix into a LightningModule (first: ``class Model(LoadsShardedCheckpoints, L.LightningModule)``) so that
+    ``Model.load_from_checkpoint(path)`` reads a sharded checkpoint directory too, by :func:`load_from_checkpoint`.
+
+    Code that only knows Lightning's spelling (a serving script, another library) then loads MiCS checkpoints
+    unchanged. Opt-in per class, not a patch of Lightning: other classes keep Lightning's classmethod, which
+    fails on a directory with ``IsADirectoryError``. Files and in-memory checkpoints go to Lightning's as before.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse the base order in which Lightning's classmethod would win and the mixin do nothing."""
+        super().__init_subclass__(**kwargs)
+        owner = next(klass for klass in cls.__mro__ if "load_from_checkpoint" in vars(klass))
+        if owner.__module__.startswith(("lightning.", "pytorch_lightning.")):
+            raise TypeError(
+                f"{cls.__name__}: LoadsShardedCheckpoints must come before {owner.__name__} in the bases, or "
+                f"{owner.__name__}.load_from_checkpoint is the one called: class {cls.__name__}"
+                f"(LoadsShardedCheckpoints, {owner.__name__})."
+            )
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, map_location: Any = None, hparams_file: Optional[PathLike] = None,
+        strict: Optional[bool] = None, **kwargs: Any,
+    ) -> Any:
+        """Lightning's ``load_from_checkpoint``; a directory is read as a sharded MiCS checkpoint."""
+        if isinstance(checkpoint_path, (str, Path)) and Path(checkpoint_path).is_dir():
+            return load_from_checkpoint(
+                cls, checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, **kwargs
+            )
+        lightnings = getattr(super(), "load_from_checkpoint", None)  # the LightningModule's, next in the MRO
+        if lightnings is None:
+            raise TypeError("LoadsShardedCheckpoints is a mixin for a LightningModule: "
+                            "class Model(LoadsShardedCheckpoints, L.LightningModule).")
+        return lightnings(checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                          **kwargs)
