@@ -493,3 +493,41 @@ def test_a_one_rank_partition_accumulates_gradients_in_place(partition_size, sha
     assert (settings.planner_reason is not None) == (expected == "unsharded")
     if expected == "unsharded":
         assert "partition of 1" in settings.planner_reason
+
+
+_CONSOLE_PROBE = """
+import logging, sys
+import lightning_mics
+from lightning_mics import MiCSFabricStrategy, MiCSStrategy
+
+def say(text):
+    logging.getLogger("lightning_mics.layout").info(text)  # where the layout line comes from: a child logger
+
+if sys.argv[1] == "plain":
+    say("probe at import")  # importing the package alone changes no logging
+    MiCSStrategy()
+    say("probe after the strategy")
+    logging.basicConfig(level=logging.INFO, format="user: %(message)s")  # the application configures it late
+    say("probe after basicConfig")
+else:
+    logging.basicConfig(level=logging.INFO, format="user: %(message)s")
+    MiCSFabricStrategy()
+    say("probe configured first")
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "configured"])
+def test_start_up_lines_reach_the_console_once_with_or_without_logging_set_up(mode: str) -> None:
+    """Like Lightning's own start-up lines: shown with no logging set up (from the strategy's construction on,
+    not at import), once -- never twice once the application has a root handler, configured before or after."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CONSOLE_PROBE, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if mode == "plain":
+        assert "probe at import" not in done.stderr
+        assert done.stderr.count("probe after the strategy") == 1
+        assert done.stderr.count("probe after basicConfig") == 1, done.stderr
+    else:
+        assert done.stderr.count("probe configured first") == 1 and "user: probe configured first" in done.stderr
