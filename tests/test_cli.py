@@ -15,6 +15,8 @@ from examples.cli import main
 from lightning_mics import MiCSStrategy
 
 WORLD = 2
+#: LightningCLI's warning when it is given ``args`` while ``sys.argv`` has arguments too (every script run, once)
+NO_ARGS_WARNING = "LightningCLI's args parameter is intended"
 SMALL_MODEL_JSON = (
     f'{{"seq_len": {SMALL_GPT.seq_len}, "d_model": {SMALL_GPT.d_model}, '
     f'"n_layers": {SMALL_GPT.n_layers}, "n_heads": {SMALL_GPT.n_heads}}}'
@@ -140,6 +142,7 @@ def test_cli_command_succeeds_with_one_voice_and_a_summary(tmp_path: Path) -> No
     assert output.count("Seed set") == 1
     assert output.count("MiCS main job summary") == 1 and "tokens/s" in done.stdout
     assert output.count("MiCS layout") == 2  # the layout line when sharding, and in the summary
+    assert NO_ARGS_WARNING not in output
 
 
 def test_cli_layout_error_is_one_line_with_the_fix() -> None:
@@ -154,3 +157,4 @@ def test_cli_layout_error_is_one_line_with_the_fix() -> None:
     assert done.returncode != 0
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "partition_size" in done.stderr.strip().splitlines()[-1]
+    assert NO_ARGS_WARNING not in done.stderr  # run as a script, LightningCLI gets sys.argv itself: no warning
