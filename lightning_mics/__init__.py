@@ -8,7 +8,7 @@ Importing the package registers the strategy names ``"mics"``, ``"mics_auto"``, 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mics.checkpoint import load_from_checkpoint
+from lightning_mics.checkpoint import LoadsShardedCheckpoints, load_from_checkpoint
 from lightning_mics.collective_recorder import CollectiveRecorder
 from lightning_mics.fabric import MiCSStrategy as MiCSFabricStrategy
 from lightning_mics.fault_tolerance import FaultTolerance
@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveRecorder",
     "FaultTolerance",
+    "LoadsShardedCheckpoints",
     "MiCSFabricStrategy",
     "MiCSOptions",
     "MiCSPrecision",

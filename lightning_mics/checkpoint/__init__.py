@@ -55,7 +55,7 @@ from lightning_mics.checkpoint.format import (
     PathLike,
     read_record,
 )
-from lightning_mics.checkpoint.from_checkpoint import load_from_checkpoint
+from lightning_mics.checkpoint.from_checkpoint import LoadsShardedCheckpoints, load_from_checkpoint
 from lightning_mics.checkpoint.integrity import VERIFY_MODES, VerifyMode
 from lightning_mics.checkpoint.loading import inspect_checkpoint, load, read_full_state
 from lightning_mics.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -63,6 +63,7 @@ from lightning_mics.checkpoint.saving import AsyncCheckpointSaver, save
 from lightning_mics.checkpoint.state_dicts import model_state_dict, optimizer_state_dict, outside_inference_mode
 
 __all__ = [
+    "LoadsShardedCheckpoints",
     "FORMAT_VERSION",
     "FULL_FORMAT",
     "FULL_META_KEY",
