@@ -4,6 +4,7 @@ shaped "nodes" made of network namespaces.
     sudo "$(command -v python)" benchmarks/emulated_cluster.py            # default: 2 nodes x 4 ranks
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --scaling  # 2, 3, 4 nodes x 2 ranks (weak scaling)
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --smoke [--scaling]  # the main path, ~1 min
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
 throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
@@ -88,12 +89,28 @@ FULL = Preset(d_model=512, n_layers=4, n_heads=8, seq_len=8, warmup_steps=1, mea
               probe_seconds=3.0, run_timeout_s=600)
 QUICK = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=1, measured_steps=2,
                probe_seconds=1.0, run_timeout_s=150)
+#: The main path in about a minute (what tests/test_entry_points.py runs): quick's model, one measured step, short
+#: probes, 2 ranks per node and one strategy per family (SMOKE_STRATEGIES). It checks that everything runs and
+#: that the bytes match the model; its step times mean nothing (rank start-up dominates).
+SMOKE = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=1,
+               probe_seconds=0.3, run_timeout_s=150)
+SMOKE_RANKS_PER_NODE = 2
+#: --smoke's strategies: one per worker family (FSDP2 with the live planner, Lightning's FSDP1, Lightning's DDP);
+#: with --scaling only the planner's, at SMOKE_SCALING_NODES.
+SMOKE_STRATEGIES = ("mics-auto", "fsdp-hybrid", "ddp")
+SMOKE_SCALING_STRATEGIES = ("mics-auto",)
+SMOKE_SCALING_NODES = (2, 3)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line (its defaults that depend on --quick / --scaling are resolved in :func:`parse_args`)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps: finishes in < 5 minutes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the main path in about a minute: quick's model, 1 step, 2 ranks per node, one strategy "
+                             f"per family ({','.join(SMOKE_STRATEGIES)}; with --scaling "
+                             f"{','.join(SMOKE_SCALING_STRATEGIES)} at {','.join(map(str, SMOKE_SCALING_NODES))} "
+                             "nodes); checks that it runs, measures nothing")
     parser.add_argument("--nodes", type=int, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int,
                         help=f"ranks per node (default 4; with --scaling {SCALING_RANKS_PER_NODE})")
@@ -138,7 +155,9 @@ def _node_list_arg(text: str) -> tuple[int, ...]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    preset = QUICK if args.quick else FULL
+    if args.smoke and args.quick:
+        parser.error("--smoke and --quick exclude each other: --smoke is the shorter of the two.")
+    preset = SMOKE if args.smoke else QUICK if args.quick else FULL
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
                           ("seq_len", preset.seq_len), ("warmup_steps", preset.warmup_steps),
                           ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
@@ -156,7 +175,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         )
         args.link = link_request(args, args.setup, preset.probe_seconds)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
-        if args.scaling and names is None:
+        if names is None and args.smoke:
+            names = list(SMOKE_SCALING_STRATEGIES if args.scaling else SMOKE_STRATEGIES)
+        elif args.scaling and names is None:
             names = list(SCALING_STRATEGIES)
         args.points = []
         for nodes in args.node_counts:  # every node count must run every named strategy
@@ -176,13 +197,14 @@ def _resolve_mode(args: argparse.Namespace) -> None:
             raise ValueError("--scaling-nodes only applies with --scaling: add --scaling, "
                              "or use --nodes N for one run.")
         args.node_counts = (2 if args.nodes is None else args.nodes,)
-        args.ranks_per_node = 4 if args.ranks_per_node is None else args.ranks_per_node
+        if args.ranks_per_node is None:
+            args.ranks_per_node = SMOKE_RANKS_PER_NODE if args.smoke else 4
         args.output_dir = RESULTS_DIR if args.output_dir is None else args.output_dir
         return
     if args.nodes is not None:
         raise ValueError("--nodes and --scaling exclude each other: give the node counts with --scaling-nodes, "
                          f"e.g. --scaling-nodes {','.join(map(str, DEFAULT_SCALING_NODES))}.")
-    args.node_counts = args.scaling_nodes or DEFAULT_SCALING_NODES
+    args.node_counts = args.scaling_nodes or (SMOKE_SCALING_NODES if args.smoke else DEFAULT_SCALING_NODES)
     args.ranks_per_node = SCALING_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node
     args.output_dir = RESULTS_DIR / "scaling" if args.output_dir is None else args.output_dir
 

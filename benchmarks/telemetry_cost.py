@@ -1,6 +1,7 @@
 """What TrainingTelemetry costs the job it measures: step time with and without it, in the same run.
 
     python benchmarks/telemetry_cost.py                       # 2 gloo ranks on CPU
+    python benchmarks/telemetry_cost.py --smoke               # the same path in seconds (measures nothing)
     python benchmarks/telemetry_cost.py --accelerator gpu --world 8 --preset small
 
 Each rank trains the example GPT with ``MiCSStrategy`` several times in a row, alternating the variants
@@ -150,7 +151,22 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of each run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the table here")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the same path in seconds (what the tests run): 1 round of 3 steps, 1 left out, "
+                             "micro-batch 2; explicit options still win")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for name, value in SMOKE.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
+    if min(args.world, args.micro_batch, args.rounds) < 1 or not 0 <= args.skip < args.steps - 1:
+        parser.error("--world, --micro-batch and --rounds must be positive, and --skip leave at least 2 steps "
+                     f"of --steps to time (got --steps {args.steps}, --skip {args.skip}).")
+    return args
+
+
+#: --smoke's settings: every variant's fit runs and is timed, on too few steps for the numbers to mean anything
+SMOKE: dict[str, Any] = {"steps": 3, "skip": 1, "rounds": 1, "micro_batch": 2}
 
 
 if __name__ == "__main__":

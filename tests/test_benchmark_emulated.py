@@ -109,9 +109,25 @@ def test_quick_defaults_and_overrides() -> None:
     assert args.setup.measured_steps == emulated_cluster.QUICK.measured_steps
 
 
+def test_smoke_runs_one_strategy_per_family_and_one_step() -> None:
+    """--smoke is what tests/test_entry_points.py runs: every worker family once, on a 2 x 2 cluster."""
+    args = emulated_cluster.parse_args(["--smoke"])
+    assert [spec.name for spec in args.specs] == list(emulated_cluster.SMOKE_STRATEGIES)
+    assert {spec.family for spec in args.specs} == {"mics", "fsdp1", "ddp"}
+    assert (args.cluster.num_nodes, args.cluster.ranks_per_node) == (2, emulated_cluster.SMOKE_RANKS_PER_NODE)
+    assert (args.setup.warmup_steps, args.setup.measured_steps) == (0, 1)
+    assert args.link.probe_seconds == emulated_cluster.SMOKE.probe_seconds
+    scaling = emulated_cluster.parse_args(["--smoke", "--scaling"])
+    assert [shape.num_nodes for shape, _ in scaling.points] == list(emulated_cluster.SMOKE_SCALING_NODES)
+    assert all([s.name for s in specs] == list(emulated_cluster.SMOKE_SCALING_STRATEGIES) for _, specs in scaling.points)
+    assert [s.name for s in emulated_cluster.parse_args(["--smoke", "--strategies", "zero3"]).specs] == ["zero3"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
+        (["--smoke", "--quick"], "--smoke and --quick exclude each other"),
+        (["--mtu", "0"], "--mtu must be at least 68"),
         (["--nodes", "1"], "--nodes must be an int >= 2"),
         (["--accumulate", "0"], "accumulate must be a positive int"),
         (["--strategies", "mics,horovod"], "Unknown strategy name"),

@@ -1,20 +1,31 @@
 """Every benchmark and example a user runs, through its real main path, as a user starts it (a subprocess).
 
-What other files already run end to end is not repeated here: the main job (``test_main_job.py``), the
-LightningCLI (``test_cli.py``), the minimal script (``test_minimal_example.py``), the Hugging Face and litgpt
-examples, ``gpu_throughput.py`` on CPU (``test_benchmark_gpu.py``), the plots and the memory check. Here: the
-emulated-cluster and fault-tolerance benchmarks (root: network namespaces), the telemetry-cost benchmark and
-the fault-tolerance demo, each in its smoke mode (seconds to two minutes), each checked on what it wrote.
-
 A benchmark that crashes on main is a defect even when the library's tests pass: ``fault_tolerance.py`` did,
-for a day, with nothing noticing. Marked ``entry_point`` (and ``distributed``): the fast loop skips them.
-Every run is bounded; on a timeout its whole process group is killed.
+for a day, with nothing noticing. Each script here runs in its smoke mode (``--smoke``: the whole main path,
+few steps, tiny settings) and is checked on what it printed or wrote, not only on its exit code.
+
+Already run end to end elsewhere, so not repeated here:
+
+* ``examples/train.py`` (the main job) -- ``test_main_job.py``; its memory refusal (``examples/memory_check.py``,
+  a module of the main job, no script of its own) -- ``test_memory_check.py``;
+* ``examples/cli.py`` -- ``test_cli.py``; ``examples/minimal.py`` -- ``test_minimal_example.py``;
+* ``examples/hf_finetune.py`` -- ``test_hf_example.py``; ``examples/litgpt_fabric.py`` (the Fabric example) --
+  ``test_litgpt_example.py`` (skipped without litgpt);
+* ``benchmarks/gpu_throughput.py`` on CPU (both loops) and ``multi_gpu_summary.py`` -- ``test_benchmark_gpu.py``.
+
+``benchmarks/netprobe.py`` and ``gloo_probe.py`` are the emulated cluster's own probes, started by it in every
+node (its link rate is their measurement), so its smoke runs cover them; ``scaling.py`` is the ``--scaling``
+mode's module. Marked ``entry_point`` (and ``distributed`` where ranks are started): the fast loop skips
+them. Every run is bounded; on a timeout its whole process group (it and every rank it started) is killed.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,15 +35,17 @@ import pytest
 from distributed import free_port
 from lm_jobs import REPO
 
-pytestmark = [pytest.mark.entry_point, pytest.mark.distributed]
+pytestmark = pytest.mark.entry_point
 
 needs_root = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root (CI runs as root)"
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="the emulated cluster's network namespaces, veths and tc need root (CI runs as root)",
 )
 
 
 def _run(*args: str, timeout: float) -> str:
-    """``python <args>`` from the repository root; its output. The whole process group goes on a timeout."""
+    """``python <args>`` from the repository root, in a session of its own; its output (stdout and stderr).
+    On a timeout the whole session goes (the script and every rank it started), and the test fails."""
     process = subprocess.Popen(
         [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -47,52 +60,163 @@ def _run(*args: str, timeout: float) -> str:
     return output
 
 
+# ------------------------------------------------------------------------------------ emulated cluster
 @needs_root
-@pytest.mark.timeout(400)
+@pytest.mark.distributed
+@pytest.mark.timeout(330)
 def test_fault_tolerance_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     """Every run (plain, fault-tolerant, a node killed and restarted, restart from checkpoint), and the JSON
     keys the docs quote; the groups bit-identical and the rejoin healed bit-identically."""
-    _run("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=360)
+    output = _run("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=300)
     results = json.loads((tmp_path / "fault_tolerance.json").read_text())
     assert results["no_failure"]["max_abs_diff_between_groups"] == 0
     assert results["no_failure"]["overhead"] > 0
     assert results["failure"]["steps_discarded"] <= 1
     assert results["rejoin"]["bit_identical"] is True and results["rejoin"]["digests_compared"] > 0
     assert results["ft"]["seconds"] > 0 and results["restart_baseline"]["seconds"] > 0
+    assert results["network"]["inter_node_rate_bytes_per_s"] > 0  # the links came from set_up_network
     assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
+    assert "| rejoin: bit-identical to the survivors | True (" in output
 
 
 @needs_root
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
-def test_emulated_cluster_benchmark_runs_its_main_path(tmp_path: Path) -> None:
-    """Namespaces, shaped links, the planner's layout trained for a step, bytes against the byte model."""
-    output = _run(
-        "benchmarks/emulated_cluster.py", "--quick", "--strategies", "mics-auto", "--steps", "1", "--warmup-steps",
-        "0", "--output-dir", str(tmp_path), timeout=240,
-    )
-    (row,) = json.loads((tmp_path / "emulated_cluster.json").read_text())["results"]
-    assert row["strategy"] == "mics-auto" and row["status"] == "ok", row.get("status")
-    assert row["step_time_s"] > 0 and row["wire_floor_s"] > 0
-    assert abs(row["inter_node_error"]) < 0.05  # measured inter-node bytes within 5 % of the byte model
-    assert "| mics-auto |" in output
+def test_emulated_cluster_smoke_and_compare_planner_on_its_results(tmp_path: Path) -> None:
+    """One run covers every worker family (the live planner's FSDP2 layout, Lightning's FSDP1 and DDP): each
+    trains on the shaped links with its measured inter-node bytes within 5 % of the byte model; then
+    ``compare_planner.py`` reads the JSON the run wrote (the planner's inputs and predictions for each row),
+    and ``profile_breakdown.py`` reads the run's py-spy profiles where py-spy is installed."""
+    from benchmarks.emulated_cluster import SMOKE_STRATEGIES
+
+    profiles = tmp_path / "profiles" if shutil.which("py-spy") else None
+    output = _run("benchmarks/emulated_cluster.py", "--smoke", "--output-dir", str(tmp_path),
+                  *(["--profile-dir", str(profiles)] if profiles else []), timeout=270)
+    report = json.loads((tmp_path / "emulated_cluster.json").read_text())
+    rows = {row["strategy"]: row for row in report["results"]}
+    assert list(rows) == list(SMOKE_STRATEGIES)
+    for name, row in rows.items():
+        assert row["status"] == "ok", (name, row.get("status"))
+        assert row["step_time_s"] > 0 and row["wire_floor_s"] > 0
+        assert abs(row["inter_node_error"]) < 0.05, (name, row["inter_node_error"])  # bytes as the model says
+        assert f"| {name} |" in output  # the Markdown table
+    assert report["network"]["inter_node_measured_bytes_per_s"] > 0
+    assert (tmp_path / "emulated_cluster.png").stat().st_size > 0
+
+    results = str(tmp_path / "emulated_cluster.json")
+    compared = json.loads(_run("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute",
+                               "--json", timeout=60))
+    assert [row["strategy"] for row in compared["rows"]] == list(SMOKE_STRATEGIES)
+    for row in compared["rows"]:
+        assert row["predicted_step_time_s"] > 0
+        assert row["predicted_inter_node_bytes"] == pytest.approx(row["measured_inter_node_bytes"], rel=0.05)
+    text = _run("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute", timeout=60)
+    assert "planner's choice" in text and "(live calibration)" in text
+
+    if profiles is not None:
+        files = sorted(profiles.glob("*.txt"))
+        assert [f.stem for f in files] == sorted(SMOKE_STRATEGIES)
+        table = _run("benchmarks/profile_breakdown.py", *map(str, files), timeout=60)
+        assert table.startswith("| where the time goes |") and "forward compute" in table
 
 
+@needs_root
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_emulated_cluster_scaling_smoke_and_compare_planner_per_point(tmp_path: Path) -> None:
+    """``--scaling``: two node counts on one link rate (the first point's), scaling.json and its chart; then
+    ``compare_planner.py`` fits a compute rate per point and predicts every (nodes, strategy)."""
+    from benchmarks.emulated_cluster import SMOKE_SCALING_NODES, SMOKE_SCALING_STRATEGIES
+
+    output = _run("benchmarks/emulated_cluster.py", "--smoke", "--scaling", "--output-dir", str(tmp_path),
+                  timeout=270)
+    report = json.loads((tmp_path / "scaling.json").read_text())
+    assert report["nodes"] == list(SMOKE_SCALING_NODES)
+    rates = {point["network"]["inter_node_rate_bytes_per_s"] for point in report["points"]}
+    assert len(rates) == 1, rates  # every node count on the first point's link
+    for point in report["points"]:
+        for row in point["results"]:
+            assert row["strategy"] in SMOKE_SCALING_STRATEGIES and row["status"] == "ok", row.get("status")
+            assert abs(row["inter_node_error"]) < 0.05
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    assert "kept for every node count" in output
+
+    points = len(SMOKE_SCALING_NODES) * len(SMOKE_SCALING_STRATEGIES)
+    text = _run("benchmarks/compare_planner.py", "--results", str(tmp_path / "scaling.json"), "--fit-compute",
+                timeout=60)
+    assert re.search(rf"\d+/{points} \(nodes, strategy\) points within \+-20%", text), text
+    assert text.count("(fitted)") == len(SMOKE_SCALING_NODES)
+
+
+# ------------------------------------------------------------------------------------ other benchmarks
+@pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_telemetry_cost_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     table = tmp_path / "cost.json"
-    _run("benchmarks/telemetry_cost.py", "--steps", "4", "--skip", "1", "--rounds", "1", "--json", str(table),
-         timeout=150)
+    output = _run("benchmarks/telemetry_cost.py", "--smoke", "--json", str(table), timeout=150)
     rows = json.loads(table.read_text())["rows"]
     assert set(rows) == {"none", "sampled (default)", "every step"}
     assert all(row["steps"] > 0 and row["median_ms"] > 0 for row in rows.values())
+    assert "every step" in output.splitlines()[-1]  # the printed table ends with the last variant
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ring_reduce_scatter_benchmark_checks_and_times_both(tmp_path: Path) -> None:
+    output = _run("benchmarks/ring_reduce_scatter.py", "--ranks", "2", "--sizes-kb", "16", "--repeats", "2",
+                  timeout=100)
+    row = re.search(r"^\s*2\s+16\s+(\S+)\s+(\S+)\s+(\S+)x$", output, re.MULTILINE)
+    assert row is not None, output[-2000:]
+    assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+
+
+def test_profile_breakdown_reads_py_spy_profiles_from_the_command_line(tmp_path: Path) -> None:
+    """The script as the docs run it, on two raw py-spy files (the emulated smoke feeds it real ones where
+    py-spy is installed): one column per file, named by its stem; a file without samples is one clear error."""
+    loop = "run (lightning/pytorch/loops/training_epoch_loop.py:140)"
+    samples = {
+        "mics": [(f"{loop};forward (examples/models/gpt.py:80)", 30),
+                 (f"{loop};step (torch/distributed/_ring.py:1);ring_reduce_scatter (lightning_mics/x.py:2)", 10)],
+        "ddp": [(f"{loop};forward (examples/models/gpt.py:80)", 20), (f"{loop};all_reduce (torch/c10d.py:3)", 20)],
+    }
+    for name, lines in samples.items():
+        (tmp_path / f"{name}.txt").write_text("".join(f"{stack} {count}\n" for stack, count in lines))
+    table = _run("benchmarks/profile_breakdown.py", str(tmp_path / "mics.txt"), str(tmp_path / "ddp.txt"),
+                 timeout=60)
+    assert table.splitlines()[0] == "| where the time goes | mics | ddp |"
+    assert "| forward compute | 75% | 50% |" in table
+    assert "| ring reduce-scatter (ours, gloo send/recv) | 25% | 0% |" in table
+    assert "| all-reduce | 0% | 50% |" in table
+    (tmp_path / "empty.txt").write_text("")
+    done = subprocess.run([sys.executable, "benchmarks/profile_breakdown.py", str(tmp_path / "empty.txt")],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "holds no py-spy samples" in done.stderr
+
+
+# ------------------------------------------------------------------------------------ examples
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_fault_tolerance_demo_kills_and_restarts_a_group(tmp_path: Path) -> None:
-    output = _run(
-        "examples/fault_tolerance_demo.py", "--steps", "30", "--kill-after", "6", "--restart-after", "1",
-        "--port", str(free_port()), "--out", str(tmp_path), "--timeout", "200", timeout=220,
-    )
+def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
+    output = _run("examples/fault_tolerance_demo.py", "--smoke", "--port", str(free_port()), "--out",
+                  str(tmp_path), "--timeout", "180", timeout=220)
     assert "killed group 1" in output and "restarted group 1" in output
-    assert "healed from a live group" in output, output[-2000:]
+    healed = re.search(r"the restarted group's first step: (\d+) \(healed from a live group\)", output)
+    assert healed is not None, output[-2000:]
+    assert int(healed.group(1)) > 3  # it took the survivor's step, not a fresh start
+    assert re.search(r"group 0 trained alone for [1-9]\d* steps", output), output[-2000:]
+    assert (tmp_path / "summary.txt").read_text() in output
     assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(120)
+def test_plots_script_draws_a_run_log(tmp_path: Path) -> None:
+    """``python examples/plots.py metrics.csv``, as the main job's docs redraw a finished run's plot."""
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "metrics.csv"
+    with metrics.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["step", "train/loss", "perf/tokens_per_s"])
+        writer.writeheader()
+        writer.writerows({"step": s, "train/loss": 5.0 - s / 10, "perf/tokens_per_s": 1000 + s} for s in range(6))
+    output = _run("examples/plots.py", str(metrics), timeout=100)
+    assert output.strip().splitlines()[-1] == str(tmp_path / "training.png")
+    assert (tmp_path / "training.png").read_bytes().startswith(b"\x89PNG")
