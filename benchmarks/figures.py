@@ -1,0 +1,121 @@
+"""Published figures rendered from their results files: one source for every number the README and docs quote.
+
+    python benchmarks/figures.py            # rewrite every figure block from its results file
+    python benchmarks/figures.py --check    # exit 1 naming each block that no longer matches (tests/test_docs.py)
+
+A figure block in a Markdown file is the text between ``<!-- figures:NAME -->`` and ``<!-- /figures -->``;
+:data:`FIGURES` says which results file and which renderer make block ``NAME``. Editing a number by hand, or
+a results file without re-rendering, makes ``--check`` (and the docs test) fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+#: Markdown files that may hold figure blocks
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.DOTALL)
+
+
+def _rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["strategy"]: row for row in results["results"]}
+
+
+def speed_table(results: dict[str, Any]) -> str:
+    """The README's emulated-cluster table: step time, wire floor and their ratio per strategy."""
+    rows = _rows(results)
+    auto = rows["mics-auto"]
+    label = f"P={auto['params_degree']} G={auto['partition_size']} OS={auto['optim_degree']}"
+    named = [
+        (f"`mics_auto` (planner: {label})", "mics-auto", True),
+        ("`mics`", "mics", False),
+        ("Lightning DDP", "ddp", False),
+        ("Lightning FSDP `HYBRID_SHARD`", "fsdp-hybrid", False),
+        ("`mics_zero3`", "zero3", False),
+    ]
+    lines = ["| strategy | step (s) | wire floor (s) | step / floor |", "|---|---:|---:|---:|"]
+    for title, key, bold in named:
+        row = rows[key]
+        step = f"{row['step_time_s']:.2f}"
+        lines.append(
+            f"| {title} | {f'**{step}**' if bold else step} | {row['wire_floor_s']:.2f} | {row['step_over_floor']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def fault_tolerance_table(results: dict[str, Any]) -> str:
+    """docs/fault-tolerance.md's table of one ``benchmarks/fault_tolerance.py`` run."""
+    n, f, r = results["no_failure"], results["failure"], results["rejoin"]
+    ft, baseline = results["ft"], results["restart_baseline"]
+    identical = f"{n['identical_steps']} of {n['identical_steps'] + n.get('differing_steps', 0)}"
+    lines = [
+        "| measure | value |",
+        "|---|---:|",
+        f"| no failure: step time, fault-tolerant / plain (`no_failure.overhead`) | **{n['overhead']:.3f}** "
+        f"({n['ft_step_seconds']:.3f} s / {n['plain_step_seconds']:.3f} s) |",
+        f"| no failure: max abs diff of the parameters to plain `mics`, and between groups | {n['max_abs_diff']:g} and "
+        f"{n['max_abs_diff_between_groups']:g} ({identical} steps identical) |",
+        f"| node lost: seconds from the kill to the survivors' next committed step | {f['seconds_to_next_commit']:.1f} |",
+        f"| node lost: steps discarded | {f['steps_discarded']} |",
+        f"| rejoin: seconds from the restart to its first committed step | {r['seconds']:.1f} "
+        f"({'bit-identical' if r['bit_identical'] else 'NOT bit-identical'}, {r['digests_compared']} digests) |",
+        f"| seconds to the final step ({f['final_step']}): restart from checkpoint / fault tolerance | "
+        f"{baseline['seconds']:.1f} / {ft['seconds']:.1f} ({baseline['seconds'] / ft['seconds']:.2f}x) |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+#: block name -> (results file, renderer)
+FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
+    "fault-tolerance-hop2": ("benchmarks/results/fault_tolerance_hop2/fault_tolerance.json", fault_tolerance_table),
+}
+
+
+def render(name: str, results: Optional[dict[str, Any]] = None) -> str:
+    """Block ``name``'s text from its results file (or from ``results`` given here)."""
+    path, renderer = FIGURES[name]
+    return renderer(results if results is not None else json.loads((REPO / path).read_text()))
+
+
+def stale_blocks(document: str, text: str) -> list[str]:
+    """``document:NAME`` for every block in ``text`` that differs from its rendering (or names no figure)."""
+    stale = []
+    for match in BLOCK.finditer(text):
+        name = match["name"]
+        if name not in FIGURES or match["body"] != render(name):
+            stale.append(f"{document}:{name}")
+    return stale
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + render(m["name"]) + m.group(4), text)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    stale: list[str] = []
+    for document in DOCUMENTS:
+        path = REPO / document
+        text = path.read_text()
+        if args.check:
+            stale += stale_blocks(document, text)
+        elif BLOCK.search(text):
+            path.write_text(rewrite(text))
+    if stale:
+        print("stale figure blocks (run python benchmarks/figures.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
