@@ -169,14 +169,18 @@ def reference_group(summed: Tensor) -> int:
 def parameter_digest_chunks(modules: Sequence[nn.Module]) -> list[int]:
     """A digest of this rank's parameter shards: exact integer sums of their bits (order-independent, so equal
     shards give equal digests whatever the thread count), hashed. Two groups' same-index ranks match exactly
-    when their shards are bit-identical -- the invariant fault tolerance keeps."""
-    from lightning_mics.grad_sync import local_shard
+    when their shards are bit-identical -- the invariant fault tolerance keeps. Read from each FSDP unit's
+    sharded parameters, never from what the module holds at the moment (an evaluation leaves the root unit's
+    parameters gathered in the groups that ran it, not in one that just joined)."""
+    from lightning_mics import _compat as compat
+    from lightning_mics.grad_sync import fsdp_units, local_shard
 
     integer = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
                torch.float16: torch.int16}
+    shards = [p for module in modules for unit in fsdp_units(module) for p in compat.fsdp_unit_parameters(unit)]
     sums = []
     with torch.no_grad():
-        for param in (p for module in modules for p in module.parameters()):
+        for param in shards:
             local = local_shard(param.detach())
             bits = local.view(integer[local.dtype]) if local.dtype in integer else local
             sums.append(bits.sum(dtype=torch.int64).cpu())
