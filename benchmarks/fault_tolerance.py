@@ -505,7 +505,21 @@ def rejoin_results(run: RunLog) -> dict[str, Any]:
             compared += len(common)
             equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)
     return {"seconds": mine[0]["t"] - restart if mine else None, "bit_identical": equal and compared > 0,
-            "first_step": mine[0]["step"] if mine else None, "digests_compared": compared}
+            "first_step": mine[0]["step"] if mine else None, "digests_compared": compared,
+            "survivor_stall_steps": survivor_stall_steps(run, restart, mine[0]["t"] if mine else None)}
+
+
+def survivor_stall_steps(run: RunLog, restart: float, healed_at: float | None) -> float | None:
+    """How long the survivors stood still while the restarted group healed: node 0's longest gap between two
+    commits that spans any of [restart, the restarted group's first commit], in its median step time during the
+    outage, minus one (0: no step lost to the heal). ``None`` when the group never rejoined."""
+    if healed_at is None:
+        return None
+    times = [row["t"] for row in commits(read_rows(run), 0)]
+    outage = [t for t in times if run.events["kill"] < t < restart]
+    step = median_interval(outage) if len(outage) > 2 else median_interval(times)
+    gaps = [b - a for a, b in itertools.pairwise(times) if b >= restart and a <= healed_at]
+    return max(gaps) / step - 1 if gaps and step > 0 else None
 
 
 def seconds_to_final_step(run: RunLog, steps: int) -> float:
@@ -570,6 +584,8 @@ def markdown_table(results: dict[str, Any]) -> str:
          f"{f['outage_seconds']:.1f} s")),
         ("rejoin: seconds from the restart to its first committed step", _num(r["seconds"])),
         ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
+        ("rejoin: survivors' longest stall while it healed, in steps (`rejoin.survivor_stall_steps`)",
+         _num(r.get("survivor_stall_steps"))),
         ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
         ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
     ]
