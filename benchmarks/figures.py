@@ -45,7 +45,8 @@ def speed_table(results: dict[str, Any]) -> str:
         row = rows[key]
         step = f"{row['step_time_s']:.2f}"
         lines.append(
-            f"| {title} | {f'**{step}**' if bold else step} | {row['wire_floor_s']:.2f} | {row['step_over_floor']:.2f}× |"
+            f"| {title} | {f'**{step}**' if bold else step} | {row['wire_floor_s']:.2f} | "
+            f"{row['step_over_floor']:.2f}× |"
         )
     return "\n".join(lines) + "\n"
 
@@ -62,7 +63,8 @@ def fault_tolerance_table(results: dict[str, Any]) -> str:
         f"({n['ft_step_seconds']:.3f} s / {n['plain_step_seconds']:.3f} s) |",
         f"| no failure: max abs diff of the parameters to plain `mics`, and between groups | {n['max_abs_diff']:g} and "
         f"{n['max_abs_diff_between_groups']:g} ({identical} steps identical) |",
-        f"| node lost: seconds from the kill to the survivors' next committed step | {f['seconds_to_next_commit']:.1f} |",
+        "| node lost: seconds from the kill to the survivors' next committed step | "
+        f"{f['seconds_to_next_commit']:.1f} |",
         f"| node lost: steps discarded | {f['steps_discarded']} |",
         f"| rejoin: seconds from the restart to its first committed step | {r['seconds']:.1f} "
         f"({'bit-identical' if r['bit_identical'] else 'NOT bit-identical'}, {r['digests_compared']} digests) |",

@@ -3,7 +3,8 @@
 Private APIs change without deprecation, so each entry says what it is for and the versions it was
 checked on (torch 2.11 and 2.13, lightning 2.6; the declared floor, lightning 2.5.3, passed
 ``scripts/version_matrix.sh`` with torch 2.13 on 2026-11-26, and 2.5.2 failed its resume tests). When an
-upgrade breaks one, this file is the only one to change. Nothing here patches torch or Lightning: these are plain imports and accessors.
+upgrade breaks one, this file is the only one to change. Nothing here patches torch or Lightning: these are
+plain imports and accessors.
 """
 
 from __future__ import annotations

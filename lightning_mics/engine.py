@@ -169,7 +169,8 @@ class MiCSEngine:
             managed=o.fault_tolerance is not None,
         )
         if o.fault_tolerance is not None:
-            check_fault_tolerant_layout(settings.topology.replication_degree, settings.shards_optimizer_beyond_partition)
+            replicas = settings.topology.replication_degree
+            check_fault_tolerant_layout(replicas, settings.shards_optimizer_beyond_partition)
         return settings
 
     def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:

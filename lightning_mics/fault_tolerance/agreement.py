@@ -133,9 +133,14 @@ def agreement_message(group: int, chunks: Sequence[int], parameter_chunks: Optio
     return message
 
 
+def _counts(summed: Tensor) -> list[int]:
+    """How many groups sent a message under each index."""
+    return summed[_COUNTS:_PARAMETERS].round().long().tolist()
+
+
 def _present(summed: Tensor) -> list[int]:
     """The groups that sent exactly one message (a duplicated index is refused on its own)."""
-    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
+    counts = _counts(summed)
     return [group for group in range(MAX_REPLICA_GROUPS) if counts[group] == 1]
 
 
@@ -156,8 +161,7 @@ def _majority(digests: Mapping[int, tuple[int, ...]]) -> tuple[tuple[int, ...], 
 def configurations_differ(summed: Tensor) -> bool:
     """Whether any group of the quorum was refused by the configuration check (every group reads the same sum,
     so every group answers alike: the exchange of configurations that names the settings runs in all or none)."""
-    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
-    return any(count > 1 for count in counts) or len({_slot(summed, 0, g) for g in _present(summed)}) > 1
+    return any(count > 1 for count in _counts(summed)) or len({_slot(summed, 0, g) for g in _present(summed)}) > 1
 
 
 def reference_group(summed: Tensor) -> int:
@@ -208,7 +212,7 @@ def agreement_verdict(summed: Tensor, group: int) -> Optional[str]:
     """Why ``group`` may not train in this quorum (``summed``: every group's :func:`agreement_message`
     added), or ``None``. Two groups with one index are both refused; a group whose configuration differs
     from the most common one (ties: the one of the lowest index) is refused and the others go on."""
-    counts = summed[_COUNTS:_PARAMETERS].round().long().tolist()
+    counts = _counts(summed)
     if counts[group] > 1:
         return (
             f"{counts[group]} groups claim replica_group={group}: give each group's job its own index "

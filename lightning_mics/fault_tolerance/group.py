@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_mics.fault_tolerance.agreement import (
     GroupConfiguration,
@@ -196,8 +197,9 @@ class ReplicaGroup:
         verdict = agreement_verdict(summed, group)
         if configurations_differ(summed):  # every group runs this exchange, or none
             theirs = self._exchange_configurations().get(reference_group(summed))
-            if verdict is not None and theirs is not None and self.configuration.differences(theirs):
-                verdict += " Differences (this group's vs theirs): " + "; ".join(self.configuration.differences(theirs))
+            differences = self.configuration.differences(theirs) if theirs is not None else []
+            if verdict is not None and differences:
+                verdict += " Differences (this group's vs theirs): " + "; ".join(differences)
         if verdict is not None:
             raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
         if checks_parameters:
@@ -205,22 +207,36 @@ class ReplicaGroup:
             flag = torch.tensor([0.0 if drift is None else 1.0], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank of the group: the whole group ends
             if drift is not None or flag.item() > 0:
-                raise ReplicaGroupsDiverged(
-                    f"fault tolerance: {drift or f'another rank of this group found the replica groups parameters differ after committed step {step} (its log names the groups)'}"
+                drift = drift or (
+                    f"another rank of this group found the replica groups' parameters differ after committed step "
+                    f"{step} (its error names the groups)"
                 )
+                raise ReplicaGroupsDiverged(f"fault tolerance: {drift}")
+
+    def start_all_gather(self, message: Tensor) -> Optional[tuple[list[Tensor], Any]]:
+        """Start gathering every quorum group's ``message`` (same shape in each, quorum order) over torchft's
+        process group: ``(gathered, future)``, or ``None`` when the step already failed or the transport
+        refused at once. A failure never raises: torchft records it and :meth:`commit` refuses the step."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        if self.manager.errored() is not None:
+            return None
+        gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
+        try:
+            work = self.pg.allgather([gathered], [message], AllgatherOptions())
+            return gathered, self.manager.wrap_future(work.get_future(), None)
+        except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
+            self.manager.report_error(error)
+            return None
 
     def _exchange_configurations(self) -> dict[int, GroupConfiguration]:
         """Every group's configuration as text, by group index (an all-gather through torchft; only on a
         mismatch): what lets a refused group name the settings that differ."""
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        message = self.configuration.encoded(self.options.replica_group or 0).to(self.device)
-        gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
-        try:
-            work = self.pg.allgather([gathered], [message], AllgatherOptions())
-            self.manager.wrap_future(work.get_future(), None).wait()
-        except RuntimeError as error:
-            self.manager.report_error(error)
+        started = self.start_all_gather(self.configuration.encoded(self.options.replica_group or 0).to(self.device))
+        if started is None:
+            return {}
+        gathered, future = started
+        future.wait()
         if self.manager.errored() is not None:
             return {}
         return dict(GroupConfiguration.decoded(m) for m in gathered)

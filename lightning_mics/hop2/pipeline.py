@@ -43,8 +43,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mics import _compat as compat
-from lightning_mics.hop2.transport import InFlight, Transport
 from lightning_mics.grad_sync import fsdp_units, local_shard
+from lightning_mics.hop2.transport import InFlight, Transport
 
 
 class StepHook(Protocol):

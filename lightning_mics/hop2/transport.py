@@ -175,17 +175,10 @@ class ManagedTransport:
         return _ManagedAverage(flat, message, manager.allreduce(message))
 
     def _start_gather(self, flat: Tensor) -> InFlight:
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
-        manager = self.group.manager
-        message = wire_codec.encode(flat)
-        gathered = [torch.empty_like(message) for _ in range(manager.num_participants())]
-        try:
-            work = self.group.pg.allgather([gathered], [message], AllgatherOptions())
-            future = manager.wrap_future(work.get_future(), None)
-        except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
-            manager.report_error(error)
+        started = self.group.start_all_gather(wire_codec.encode(flat))
+        if started is None:
             return _Nothing()
+        gathered, future = started
         return _ManagedGatherAverage(flat, gathered, future, self.group)
 
     def commit(self) -> bool:
