@@ -41,6 +41,7 @@ from lightning_mics.fault_tolerance import (
     check_fault_tolerant_layout,
 )
 from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks
+from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
 from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
@@ -89,6 +90,8 @@ class MiCSEngine:
         #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
         self.replica_group: Optional[ReplicaGroup] = None
         self._step_open = False
+        #: with ``fault_tolerance``: the training data on the global sample order (:meth:`training_data`)
+        self._training_data: Optional[TrajectoryDataLoader] = None
         #: optimizers whose gradients already crossed replicas this step (clipping came first)
         self._synced_before_step: set[int] = set()
         #: the background checkpoint writer with ``async_save``, else ``None``
@@ -288,9 +291,9 @@ class MiCSEngine:
         assert ft.num_replica_groups is not None and ft.replica_group is not None
         return world_size * ft.num_replica_groups, ft.replica_group * world_size + rank
 
-    def begin_step(self, counters: Optional[CommittedStepCounters] = None) -> None:
+    def begin_step(self, counters: Optional[CommittedStepCounters] = None) -> bool:
         """Before the first micro-step of an optimizer step: the quorum (a joining group heals here), and the
-        front end's step counters kept to committed steps."""
+        front end's step counters kept to committed steps. Whether this call opened the step."""
         if self.replica_group is not None and not self._step_open:
             if counters is not None:
                 counters.undo_if_discarded(self.replica_group)
@@ -299,6 +302,46 @@ class MiCSEngine:
             if counters is not None:
                 counters.remember()
             self._step_open = True
+            return True
+        return False
+
+    def training_data(self, loader: Any, world_size: int, rank: int, accumulate: int, first_step: int) -> Any:
+        """The training DataLoader as the run reads it: with ``fault_tolerance`` (and ``keep_trajectory``),
+        rebuilt on the global sample order that every committed step reads from, whichever groups are live
+        (:mod:`~lightning_mics.fault_tolerance.trajectory`); else ``loader`` itself."""
+        self._training_data = None
+        ft = self.options.fault_tolerance
+        if ft is None or ft.keep_trajectory is False:
+            return loader
+        ft = ft.resolved()
+        assert ft.num_replica_groups is not None and ft.replica_group is not None
+        order = sample_order_of(loader, ft.num_replica_groups, world_size, accumulate)
+        self._training_data = TrajectoryDataLoader(loader, DataCursor(order, ft.replica_group, rank, first_step))
+        return self._training_data
+
+    def micro_batch_to_load(self, step_opened: bool) -> Optional[Any]:
+        """At each training micro-step, after :meth:`begin_step`: ``None`` when the loader delivered the samples
+        this group must read in this step (the usual case), else those samples, loaded here -- the quorum
+        changed, a step was discarded or this group healed since the loader predicted them."""
+        data = self._training_data
+        if data is None or self.replica_group is None:
+            return None
+        if step_opened:
+            data.cursor.start_step(*self.replica_group.participation())
+        delivered, needed = data.cursor.take()
+        return None if delivered == needed else data.load(needed)
+
+    @property
+    def data_cursor(self) -> Optional[DataCursor]:
+        """With ``fault_tolerance``: where the training data stands (``.current``: the micro-batch being trained
+        on; ``.order.samples(key, rank)``: its sample indices); ``None`` without it."""
+        return self._training_data.cursor if self._training_data is not None else None
+
+    @property
+    def gradient_weight(self) -> float:
+        """What this group's loss is multiplied by before backward so that hop 2's average over the live groups
+        is the mean over the global batch (1 unless the live groups read unequal numbers of shares)."""
+        return self._training_data.cursor.weight if self._training_data is not None else 1.0
 
     def _log_from_first_live_group(self) -> None:
         """With fault tolerance one group logs for all: the first of the current quorum -- group 0 while it is

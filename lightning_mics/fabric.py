@@ -137,6 +137,12 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         if self.options.fault_tolerance is not None:
             if self._modules:
                 raise ValueError(_FT_ONE_MODEL)
+            if self.options.fault_tolerance.keep_trajectory:
+                raise ValueError(
+                    "FaultTolerance(keep_trajectory=True) is built for the Trainer only: with Fabric each replica "
+                    "group reads its own share of the data. Leave keep_trajectory unset (or False) with Fabric, or "
+                    "train with the Trainer (docs/fault-tolerance.md)."
+                )
             # the step's quorum (and a heal) before the first forward of each step, ahead of FSDP's all-gather
             module.register_forward_pre_hook(self._begin_step, prepend=True)
         originals = self._shards.originals(module)
@@ -174,7 +180,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise ValueError(_FT_ONE_MODEL)
         (module,) = list(self._modules)
         state_fn, load_fn = ft.state_hooks(module, [optimizer])
-        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer])
+        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer]) | {"keep_trajectory": False}
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 
     def _begin_step(self, module: nn.Module, args: Any) -> None:

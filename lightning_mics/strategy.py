@@ -172,13 +172,42 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         state_fn, load_fn, self._step_counters = ft.trainer_state_hooks(trainer, module, optimizers, schedulers)
         run = ft.run_configuration(
             self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers, schedulers
-        )
+        ) | {"keep_trajectory": self.options.fault_tolerance.keep_trajectory is not False}
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """With fault tolerance, the training data on the global sample order (every committed step reads the
+        next global batch, split among the live groups); evaluation data as it is."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training or self.options.fault_tolerance is None:
+            return dataloader
+        world = self.num_nodes * self.num_processes
+        accumulate = trainer.accumulate_grad_batches
+        return self._engine.training_data(dataloader, world, self.global_rank, accumulate, trainer.global_step)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._engine.begin_step(self._step_counters)  # fault tolerance: this optimizer step's quorum, before forward
+        opened = self._engine.begin_step(self._step_counters)  # fault tolerance: the step's quorum, before forward
+        replacement = self._engine.micro_batch_to_load(opened)
+        if replacement is not None and args:  # the loader predicted other samples than the quorum decided
+            args = (self._to_device(replacement), *args[1:])
         return super().training_step(*args, **kwargs)
+
+    def _to_device(self, batch: Any) -> Any:
+        """A batch loaded outside the loader, through the same hooks the Trainer runs on every batch."""
+        module = self.lightning_module
+        assert module is not None
+        batch = module.trainer.precision_plugin.convert_input(batch)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+        return self.batch_to_device(batch, dataloader_idx=0)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Any:
+        weight = self._engine.gradient_weight  # fault tolerance: a group reading more or fewer shares than others
+        if weight != 1.0:
+            closure_loss = closure_loss * weight
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _adopt(self, module: LightningModule) -> Optional[RootUnit]:
         """The root unit an earlier MiCSStrategy made of ``module``, taken over with its units and layout (refused

@@ -105,6 +105,12 @@ class ValidatedToyModule(ToyModule):
 WIRES = (None, "bf16", "int8")
 
 
+def _agreement_bytes(step: int) -> int:
+    """The agreement crosses groups when the quorum forms and every ``check_parameters_every`` (10) steps; in
+    between, with the quorum unchanged, it is skipped."""
+    return AGREEMENT_BYTES if step == 0 or step % 10 == 0 else 0
+
+
 def _fit_in_group(rank: int, group: int, address: str) -> dict[Any, dict[str, Any]]:
     """One fit per hop-2 wire format, one after the other in the same processes (each fit its own torchft
     Manager: a second Manager in a world must not find the first one's address)."""
@@ -171,8 +177,9 @@ def test_two_fault_tolerant_groups_train_like_one_process(wire_runs) -> None:
     assert all(result["discarded"] == 0 for result in results)
     assert [result["logging_rank"] for result in results] == [0, 1, 2, 3]  # only group 0's rank 0 logs
     assert len({result["val_loss"] for result in results}) == 1  # every group evaluated the same data
-    for result in results:  # cross-replica traffic: the packed fp32 shards and the groups' agreement, once a step
-        assert set(result["cross_replica_bytes"]) == {4 * result["packed_numel"] + AGREEMENT_BYTES}
+    for result in results:  # cross-replica traffic: the packed fp32 shards every step, and the groups' agreement
+        hop2 = 4 * result["packed_numel"]  # when the quorum forms (step 0) and on parameter-check steps only
+        assert result["cross_replica_bytes"] == [hop2 + _agreement_bytes(step) for step in range(EQUIVALENCE.steps)]
 
 
 @pytest.mark.distributed
@@ -198,7 +205,8 @@ def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_i
         numel = result["packed_numel"]  # int8: the all-gathers' payload, both groups' messages, one per FSDP unit
         assert sum(result["unit_numels"]) == numel  # behind backward: every shard goes in its unit's message
         message = 2 * numel if wire == "bf16" else sum(2 * message_bytes(n) for n in result["unit_numels"] if n)
-        assert set(result["cross_replica_bytes"]) == {message + AGREEMENT_BYTES}, (wire, numel)
+        expected = [message + _agreement_bytes(step) for step in range(EQUIVALENCE.steps)]
+        assert result["cross_replica_bytes"] == expected, (wire, numel)
 
 
 def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:

@@ -52,12 +52,20 @@ class FaultTolerance:
     #: the groups and the step, instead of training on silently diverged. The digest is exact integer
     #: arithmetic over the shards' bits, one read of them per check.
     check_parameters_every: int = 10
+    #: every committed step reads the next global batch of one fixed sample order, split among the live groups
+    #: (a lost group's samples are read by the others, a discarded step is re-done on the same samples, a
+    #: restarted group continues at the committed step): the run with failures trains what the run without
+    #: them does (:mod:`~.trajectory`). ``False``: each group reads its own fixed share of the data. ``None``
+    #: (default): on with the Trainer; with Fabric, where it is not built yet, each group reads its own share.
+    keep_trajectory: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog", "check_parameters_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
+        if self.keep_trajectory is not None and not isinstance(self.keep_trajectory, bool):
+            raise ValueError(f"FaultTolerance(keep_trajectory={self.keep_trajectory!r}) must be true, false or None.")
         if not isinstance(self.check_parameters_every, int):
             raise ValueError(
                 f"FaultTolerance(check_parameters_every={self.check_parameters_every!r}) must be a whole number of "

@@ -100,6 +100,8 @@ class ReplicaGroup:
         self.last_step_discarded = False
         self.closed = False
         self._participants: Optional[int] = None
+        #: (torchft's quorum number, committed step) of the last step's quorum
+        self._last_quorum: Optional[tuple[Any, int]] = None
         self._outage_started: Optional[float] = None
         self._watchdog = Watchdog(options.watchdog)
 
@@ -131,12 +133,29 @@ class ReplicaGroup:
                     f"torchft step {self.manager.current_step()}: relaunch the missing groups (they heal from the "
                     "live ones), or lower min_replica_groups."
                 )
-        check_healed_whole(self.manager.current_step(), self.device)
-        self._check_agreement()
+        step = self.manager.current_step()
+        same_quorum = self._same_quorum_as_last_step(step)
+        if not same_quorum:  # a heal (and a group started unlike the others) can only come with a new quorum
+            check_healed_whole(step, self.device)
+        if not same_quorum or self._checks_parameters(step):
+            self._check_agreement()
         participants = self.manager.num_participants()
         if participants != self._participants:
             self._log_membership(participants)
         self._participants = participants
+
+    def _same_quorum_as_last_step(self, step: int) -> bool:
+        """Whether this step's quorum is the one the last step ran in, with no heal in between: then the groups
+        were checked alike when it formed, and the agreement's round trip is skipped (it still runs on
+        parameter-check steps). The Lighthouse numbers every new membership; every member of a quorum saw
+        the same earlier ones, so all groups decide alike. Without torchft's quorum number: never."""
+        quorum_id = getattr(self.manager, "_quorum_id", None)
+        last, self._last_quorum = self._last_quorum, (quorum_id, step)
+        return quorum_id is not None and last is not None and last[0] == quorum_id and step - last[1] in (0, 1)
+
+    def _checks_parameters(self, step: int) -> bool:
+        every = self.options.check_parameters_every
+        return self.parameter_digest is not None and step > 0 and step % every == 0
 
     def _quorum(self) -> None:
         try:
@@ -185,9 +204,7 @@ class ReplicaGroup:
         group = self.options.replica_group
         assert group is not None
         step = self.manager.current_step()
-        checks_parameters = (
-            self.parameter_digest is not None and step > 0 and step % self.options.check_parameters_every == 0
-        )
+        checks_parameters = self._checks_parameters(step)
         parameters = self.parameter_digest() if checks_parameters else None  # type: ignore[misc]
         message = agreement_message(group, self.configuration.digest_chunks(), parameters).to(self.device)
         self.manager.allreduce(message).wait()
@@ -274,6 +291,12 @@ class ReplicaGroup:
                 self.discarded_steps,
             )
         return committed
+
+    def participation(self) -> tuple[int, Optional[int], int]:
+        """After the quorum: (the committed step the groups are at, this group's index among the step's
+        participants or ``None``, how many participate) -- what decides the step's data
+        (:mod:`~.trajectory`)."""
+        return self.manager.current_step(), self.manager.participating_rank(), self.manager.num_participants()
 
     @property
     def leads(self) -> bool:

@@ -1,0 +1,278 @@
+"""Fault tolerance that keeps the training trajectory (``FaultTolerance(keep_trajectory=True)``, the default).
+
+* the global sample order: every committed step's global batch is the next slice of one seeded permutation per
+  epoch, its micro-steps' shares and ranks cut it without overlap, and the live groups' shares cover every
+  share of a micro-step exactly once, their gradient weights making the hop-2 average a mean over samples;
+* the cursor's predictions: after a discarded step, a heal or a changed quorum, the few micro-batches in flight
+  are reloaded and later predictions are right again;
+* the rebuilt DataLoader keeps its workers and delivers exactly the predicted samples;
+* loaders it cannot reorder are refused naming the fix;
+* and the proof: in fp64 with SGD, two groups of two ranks where one group is killed mid-step, the survivor
+  trains alone reading both shares, and the restarted group heals and trains on, end where single-process
+  training on the same global batches does (within 1e-10).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from lightning_mics.fault_tolerance.trajectory import (
+    DataCursor,
+    GlobalSampleOrder,
+    MicroBatchKey,
+    TrajectoryDataLoader,
+    gradient_weight,
+    sample_order_of,
+    shares_of,
+)
+
+ORDER = GlobalSampleOrder(num_samples=100, num_shares=3, ranks_per_group=2, micro_batch=2, accumulate=2, seed=7)
+
+
+def _epoch_permutation(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_each_step_reads_the_next_slice_of_one_seeded_permutation_per_epoch() -> None:
+    assert ORDER.global_batch == 24 and ORDER.steps_per_epoch == 4  # 100 // 24; 4 samples left out per epoch
+    for epoch in range(2):
+        permutation = _epoch_permutation(100, 7 + epoch)
+        for step_in_epoch in range(4):
+            step = epoch * 4 + step_in_epoch
+            assert ORDER.global_batch_samples(step) == permutation[step_in_epoch * 24 : (step_in_epoch + 1) * 24]
+
+
+def test_micro_steps_shares_and_ranks_cut_a_global_batch_without_overlap() -> None:
+    for step in (0, 5):
+        read = []
+        for micro in range(ORDER.accumulate):
+            for share in range(ORDER.num_shares):
+                for rank in range(ORDER.ranks_per_group):
+                    read += ORDER.samples(MicroBatchKey(step, micro, (share,)), rank)
+        assert sorted(read) == sorted(ORDER.global_batch_samples(step))
+        assert len(set(read)) == len(read)
+
+
+@pytest.mark.parametrize("num_shares", [1, 2, 3, 4, 8])
+def test_the_live_groups_take_every_share_once_and_their_weights_average_over_samples(num_shares: int) -> None:
+    for participants in range(1, num_shares + 1):
+        taken = [shares_of(p, participants, num_shares, own_share=p) for p in range(participants)]
+        assert sorted(s for shares in taken for s in shares) == list(range(num_shares))
+        weights = [gradient_weight(shares, participants, num_shares) for shares in taken]
+        # hop 2 averages over the participants: sum_g (w_g / k) * mean_g must be sum_g (n_g / G) * mean_g
+        for shares, weight in zip(taken, weights):
+            assert weight / participants == pytest.approx(len(shares) / num_shares)
+        if participants == num_shares:
+            assert taken == [(p,) for p in range(num_shares)] and weights == [1.0] * num_shares
+    assert shares_of(None, 2, 4, own_share=3) == (3,)  # outside the step: its own share, gradient not summed
+    with pytest.raises(RuntimeError, match="num_replica_groups"):
+        shares_of(0, 5, 4, own_share=0)
+
+
+def test_after_a_discard_or_a_heal_the_in_flight_micro_batches_are_reloaded_then_predictions_are_right() -> None:
+    order = replace(ORDER, num_shares=2, accumulate=2)
+    cursor = DataCursor(order, own_share=1, rank=0)
+    in_flight = 3
+
+    def run_step(step: int, participant: int, participants: int) -> int:
+        """One optimizer step as the Trainer takes it: the loader keeps ``in_flight`` micro-batches ahead."""
+        cursor.start_step(step, participant, participants)
+        wrong = 0
+        for _ in range(order.accumulate):
+            while cursor._dispatched - cursor._consumed < in_flight:
+                cursor.delivered(cursor.predict())
+            delivered, needed = cursor.take()
+            wrong += delivered != needed
+        return wrong
+
+    # between steps the loader holds in_flight - 1 micro-batches: those are what a surprise costs
+    assert run_step(0, 1, 2) == 0 and run_step(1, 1, 2) == 0  # both groups live, own share: all predicted
+    assert run_step(2, 1, 2) == 0  # this step is discarded: step 2 again
+    assert run_step(2, 1, 2) == 2  # the two in flight were predicted as step 3's: reloaded
+    assert run_step(3, 1, 2) == 0  # predicted after the discard was known: right again
+    assert run_step(4, 0, 1) == 2  # the other group is lost: this one reads both shares
+    assert cursor.current == MicroBatchKey(4, 1, (0, 1))
+    assert run_step(5, 0, 1) == 0
+    assert run_step(12, 0, 2) == 2  # a heal jumped ahead
+    assert run_step(13, 0, 2) == 0
+    assert cursor.reloaded == 0  # the cursor alone counts nothing: the loader's load() does
+
+
+def test_the_rebuilt_loader_keeps_its_workers_and_delivers_the_predicted_samples() -> None:
+    dataset = TensorDataset(torch.arange(100).unsqueeze(1))
+    source = DataLoader(dataset, batch_size=2, sampler=DistributedSampler(dataset, 4, 0, shuffle=True, seed=7),
+                        num_workers=2, prefetch_factor=3)
+    order = sample_order_of(source, num_shares=2, ranks_per_group=2, accumulate=3)
+    assert (order.micro_batch, order.seed, order.shuffle, order.num_samples) == (2, 7, True, 100)
+    cursor = DataCursor(order, own_share=1, rank=1)
+    loader = TrajectoryDataLoader(source, cursor)
+    assert loader.num_workers == 2 and loader.prefetch_factor == 3 and len(loader) == order.steps_per_epoch * 3
+    cursor.start_step(0, 1, 2)
+    for batch in loader:
+        delivered, needed = cursor.take()
+        assert delivered == needed
+        assert batch[0].squeeze(1).tolist() == order.samples(needed, 1)
+        if needed.micro == order.accumulate - 1:
+            cursor.start_step(needed.step + 1, 1, 2)
+    assert loader.load(MicroBatchKey(3, 0, (0, 1)))[0].squeeze(1).tolist() == order.samples(
+        MicroBatchKey(3, 0, (0, 1)), 1
+    )
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+
+
+def test_loaders_it_cannot_reorder_are_refused_naming_the_fix() -> None:
+    dataset = TensorDataset(torch.arange(40))
+    with pytest.raises(ValueError, match="map-style dataset.*keep_trajectory=False"):
+        sample_order_of(DataLoader(_Stream(), batch_size=2), 2, 2, 1)
+    with pytest.raises(ValueError, match="batch_size instead of a batch_sampler"):
+        sample_order_of(DataLoader(dataset, batch_sampler=[[0, 1]]), 2, 2, 1)
+    with pytest.raises(ValueError, match="use_distributed_sampler=True"):
+        sample_order_of(DataLoader(dataset, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler(
+            [1.0] * 40, 40)), 2, 2, 1)
+    with pytest.raises(ValueError, match="smaller batch_size or accumulate_grad_batches"):
+        sample_order_of(DataLoader(dataset, batch_size=8), 2, 2, 2)
+
+
+# ------------------------------------------------------------------------------------------------ the proof
+pytest.importorskip("torchft")
+
+from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, start_group, wait, wait_for_step  # noqa: E402
+from toy import RunConfig, ToyLM, ToyModule, lm_loss, make_dataset  # noqa: E402
+
+from lightning_mics import FaultTolerance  # noqa: E402
+
+RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=14, lr=0.5, momentum=0.0)
+STEPS_TOGETHER_BEFORE_THE_KILL = 2
+
+
+class _Fp64Module(ToyModule):
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.model = self.model.double()
+
+
+def _fp64_plugin() -> Any:
+    """MiCS's fp32 plugin that leaves the module in fp64 (MiCS has no "64-true" flag; FSDP2 keeps the
+    parameters' own dtype for compute, reduction and hop 2)."""
+    from lightning_mics.precision import MiCSPrecision
+
+    class KeepFp64(MiCSPrecision):
+        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+            return module
+
+    return KeepFp64("32-true")
+
+
+def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    class Record(pl.Callback):
+        """Told to fail, the group dies in the last micro-step's backward of its third step with the other group
+        (whichever group started first may have trained alone before); the survivor notes that it trains alone
+        after the loss and slows down so that the restarted group heals before the end."""
+
+        def __init__(self) -> None:
+            self.keys: list[tuple[int, int, tuple[int, ...], int]] = []
+            self.was_together = False
+
+        def on_before_backward(self, trainer, module, loss) -> None:
+            key = trainer.strategy.engine._training_data.cursor.current
+            manager = trainer.strategy.engine.replica_group.manager
+            self.keys.append((key.step, key.micro, key.shares, manager.num_participants()))
+            self.was_together |= manager.num_participants() == 2
+            together = {step for step, _, _, live in self.keys if live == 2}
+            last_micro = key.micro == RUN.accumulate - 1
+            if fail and rank == 1 and len(together) > STEPS_TOGETHER_BEFORE_THE_KILL and last_micro:
+                os._exit(1)  # a node lost mid-step, after the other group's shares are on the wire
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            manager = trainer.strategy.engine.replica_group.manager
+            if not fail and manager.num_participants() == 1 and self.was_together:
+                Path(marks, f"group{group}_rank{rank}.alone").write_text(str(manager.current_step()))
+                time.sleep(1.5)
+
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
+    record = Record()
+    module = _Fp64Module(RUN)
+    module.train_dataloader = lambda: DataLoader(make_dataset(RUN.num_samples), batch_size=RUN.micro_batch)
+    trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=[_fp64_plugin()])
+    trainer.fit(module)
+    from toy import full_parameters
+
+    cursor = trainer.strategy.engine._training_data.cursor
+    return {
+        "params": full_parameters(module.model),
+        "keys": record.keys,
+        "reloaded": cursor.reloaded,
+        "discarded": trainer.strategy.engine.replica_group.discarded_steps,
+        "global_step": trainer.global_step,
+    }
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Single-process fp64 SGD, step ``d`` on slice ``d`` of the seeded permutation (global batch 16)."""
+    torch.manual_seed(RUN.seed)
+    model = ToyLM().double()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=RUN.lr)
+    tokens, targets = make_dataset(RUN.num_samples).tensors
+    batch = RUN.world_size * RUN.micro_batch * RUN.accumulate
+    order = _epoch_permutation(RUN.num_samples, 0)  # Lightning's DistributedSampler seed, epoch 0
+    for step in range(RUN.steps):
+        chosen = order[step * batch : (step + 1) * batch]
+        optimizer.zero_grad()
+        lm_loss(model, (tokens[chosen], targets[chosen])).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        survivor = start_group(0, out_dir, _run_group, address, False, out_dir)
+        doomed = start_group(1, out_dir, _run_group, address, True, out_dir)
+        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
+            wait(doomed, timeout=180)
+        for rank in range(GROUP_WORLD):
+            wait_for_step(Path(out_dir, f"group0_rank{rank}.alone"), 1, timeout=120)
+        restarted = start_group(1, out_dir, _run_group, address, False, out_dir)
+        wait(survivor, timeout=300)
+        wait(restarted, timeout=120)
+        alone, healed = read(out_dir, 0), read(out_dir, 1)
+    reference = _reference()
+    for rank in range(GROUP_WORLD):
+        assert alone[rank]["global_step"] == healed[rank]["global_step"] == RUN.steps
+        assert 1 <= alone[rank]["discarded"] <= 2
+        shares_while_alone = {shares for _, _, shares, live in alone[rank]["keys"] if live == 1}
+        assert shares_while_alone == {(0, 1)}, alone[rank]["keys"]  # the survivor read the lost group's share
+        started = [step for step, micro, _, _ in alone[rank]["keys"] if micro == 0]
+        redone = sorted({step for step in started if started.count(step) > 1})
+        assert redone, started  # the discarded step was re-done on its own samples
+        assert started == sorted(started)  # and no step was skipped or read out of order
+        assert set(started) == set(range(started[0], RUN.steps))  # from its first step (or heal) to the end
+        assert alone[rank]["reloaded"] > 0  # the predictions in flight were corrected, not trained on
+        assert min(step for step, *_ in healed[rank]["keys"]) > redone[-1]  # healed: it re-read no step
+        for result in (alone[rank], healed[rank]):
+            for name, expected in reference.items():
+                got = result["params"][name]
+                assert got.dtype == torch.float64
+                assert (got - expected).abs().max().item() < 1e-10, name
+
+
+def test_keep_trajectory_is_true_false_or_unset() -> None:
+    assert FaultTolerance().keep_trajectory is None  # on with the Trainer, fixed shares with Fabric
+    with pytest.raises(ValueError, match="keep_trajectory='yes'"):
+        FaultTolerance(keep_trajectory="yes")  # type: ignore[arg-type]
