@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -182,9 +183,30 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.options.fault_tolerance is None:
             return dataloader
+        if self.options.fault_tolerance.keep_trajectory is not False and is_param_in_hook_signature(
+            self.lightning_module.training_step, "dataloader_iter", explicit=True
+        ):
+            raise ValueError(
+                "fault tolerance keeps the training trajectory by choosing each micro-step's samples after the "
+                "step's quorum; a training_step that takes `dataloader_iter` fetches its own batches. Take `batch` "
+                "instead, or set FaultTolerance(keep_trajectory=False) to give each group a fixed share of the data."
+            )
         world = self.num_nodes * self.num_processes
         accumulate = trainer.accumulate_grad_batches
         return self._engine.training_data(dataloader, world, self.global_rank, accumulate, trainer.global_step)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        if self._engine.data_cursor is not None and module is not None:
+            loaders = module.trainer.train_dataloader
+            if isinstance(loaders, (list, tuple, dict)) and len(loaders) > 1:
+                raise ValueError(
+                    f"fault tolerance keeps the training trajectory of one training DataLoader; got {len(loaders)}. "
+                    "Combine them into one dataset, or set FaultTolerance(keep_trajectory=False) to give each group "
+                    "a fixed share of each."
+                )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

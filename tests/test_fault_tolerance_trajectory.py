@@ -276,3 +276,46 @@ def test_keep_trajectory_is_true_false_or_unset() -> None:
     assert FaultTolerance().keep_trajectory is None  # on with the Trainer, fixed shares with Fabric
     with pytest.raises(ValueError, match="keep_trajectory='yes'"):
         FaultTolerance(keep_trajectory="yes")  # type: ignore[arg-type]
+
+
+def _refusals(rank: int, group: int, address: str) -> dict[str, str]:
+    """Two fits the trajectory cannot serve, in one group: a training_step taking ``dataloader_iter``, and two
+    training DataLoaders. Each must end with its error before any step."""
+
+    class IterStep(ToyModule):
+        def training_step(self, dataloader_iter):  # type: ignore[override]
+            batch, _, _ = next(dataloader_iter)
+            return lm_loss(self, batch)
+
+    class TwoLoaders(ToyModule):
+        def train_dataloader(self):
+            return [super().train_dataloader(), super().train_dataloader()]
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self, batch[0])
+
+    errors = {}
+    for name, module_class in (("dataloader_iter", IterStep), ("two_loaders", TwoLoaders)):
+        ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=20)
+        trainer = fault_tolerant_trainer(RUN, ft, [])
+        try:
+            trainer.fit(module_class(RUN))
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+        finally:
+            if trainer.strategy.engine.replica_group is not None:
+                trainer.strategy.engine.replica_group.shutdown()
+    return errors
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+def test_a_dataloader_iter_step_and_two_training_loaders_are_refused_naming_the_fix() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        wait(start_group(0, out_dir, _refusals, address), timeout=150)
+        results = read(out_dir, 0)
+    for errors in results:
+        assert "takes `dataloader_iter`" in errors["dataloader_iter"], errors
+        assert "keep_trajectory=False" in errors["dataloader_iter"]
+        assert "one training DataLoader; got 2" in errors["two_loaders"], errors
