@@ -23,8 +23,11 @@ from typing import Any
 
 import pytest
 import torch
+from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, start_group, wait, wait_for_step
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset
 
+from lightning_mics import FaultTolerance
 from lightning_mics.fault_tolerance.trajectory import (
     DataCursor,
     GlobalSampleOrder,
@@ -34,6 +37,8 @@ from lightning_mics.fault_tolerance.trajectory import (
     sample_order_of,
     shares_of,
 )
+
+pytest.importorskip("torchft")
 
 ORDER = GlobalSampleOrder(num_samples=100, num_shares=3, ranks_per_group=2, micro_batch=2, accumulate=2, seed=7)
 
@@ -147,13 +152,6 @@ def test_loaders_it_cannot_reorder_are_refused_naming_the_fix() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the proof
-pytest.importorskip("torchft")
-
-from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, start_group, wait, wait_for_step  # noqa: E402
-from toy import RunConfig, ToyLM, ToyModule, lm_loss, make_dataset  # noqa: E402
-
-from lightning_mics import FaultTolerance  # noqa: E402
-
 RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=14, lr=0.5, momentum=0.0)
 STEPS_TOGETHER_BEFORE_THE_KILL = 2
 
@@ -210,8 +208,6 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
     module.train_dataloader = lambda: DataLoader(make_dataset(RUN.num_samples), batch_size=RUN.micro_batch)
     trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=[_fp64_plugin()])
     trainer.fit(module)
-    from toy import full_parameters
-
     cursor = trainer.strategy.engine._training_data.cursor
     return {
         "params": full_parameters(module.model),
