@@ -1,13 +1,13 @@
 """Fault tolerance on the emulated cluster: what losing a node costs with ``MiCSStrategy(fault_tolerance=...)``
 and without it.
 
-    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # < 10 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # ~11 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/fault_tolerance.py --output-dir /tmp/ft
 
 3 emulated nodes x 2 CPU ranks (:mod:`benchmarks.netns`; links shaped as in ``emulated_cluster.py``: 1/15 of
 the measured gloo loopback throughput), the Lighthouse on the switch (a host no node's failure takes down).
-With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Four
-runs of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
+With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Runs
+of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
 
 1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant: the parameters'
    largest difference, and the step-time ratio (fault-tolerant / plain);
@@ -19,7 +19,19 @@ runs of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
    equal the survivors' at every step both committed after the heal (a SHA-256 per rank and step);
 4. the same failure without fault tolerance: plain ``mics``, ``ModelCheckpoint`` every ``--checkpoint-every``
    steps, the job killed at the same step and started again from its last checkpoint by a loop (as a job
-   scheduler would) -- wall time to the final step, against run 2's (which checkpoints alike).
+   scheduler would) -- wall time to the final step, against run 2's (which checkpoints alike);
+5. the trajectory (``trajectory.*``): fault-tolerant, no failure, as many steps as run 2 and otherwise alike
+   (same seed and data); every rank of runs 2-3 and 5 logs, per micro-step, the sample indices it trained on,
+   the loss and whether the step committed. From those: whether every committed step of run 2 read the same
+   global batch as run 5 (``samples_skipped``, ``samples_repeated``, ``steps_differing``,
+   ``global_batch_constant``) and its largest per-step training-loss difference (``max_loss_diff``; the loss of
+   a step: the mean over its committed samples, from each rank's mean loss);
+6. goodput (``goodput.*``) under a failure schedule: a group killed every ``--goodput-period`` seconds (the
+   groups in turn, ``--goodput-failures`` kills, mid-period) and started again ``--restart-delay`` s later,
+   for a window of ``failures x period`` seconds from the 4th committed step -- once fault-tolerant, once
+   plain ``mics`` restarted whole from its last checkpoint. Goodput: committed samples per second in the
+   window over the failure-free rate (run 5's for fault tolerance, run 1's plain one for the restarts).
+   ``--smoke`` skips it (``{"skipped": "..."}``): the kills need minutes.
 
 Writes ``<output-dir>/fault_tolerance.json`` (nested objects: ``{"no_failure": {"max_abs_diff": ...}, ...}``)
 and ``fault_tolerance.png`` (committed step over time, both failure runs, kill and restart marked). Every
@@ -84,24 +96,31 @@ class Preset:
     restart_delay: float
     probe_seconds: float
     run_timeout: float
+    goodput_period: float  #: seconds between two kills of the goodput runs
+    goodput_failures: int  #: kills in the goodput window (0: no goodput runs)
+    #: the reference run (5) is stopped once it committed this many steps (0: it runs all ``steps``); its
+    #: learning-rate schedule is still that of ``steps``, so the steps it did compare
+    reference_steps: int = 0
 
 
 FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=20.0,
-              probe_seconds=3.0, run_timeout=900.0)
+              probe_seconds=3.0, run_timeout=900.0, goodput_period=90.0, goodput_failures=4)
 QUICK = Preset(no_failure_steps=40, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
-               probe_seconds=1.0, run_timeout=400.0)
-#: The main path in about two minutes (what the test suite runs): every run, the kill and the rejoin, few steps.
+               probe_seconds=1.0, run_timeout=400.0, goodput_period=40.0, goodput_failures=3)
+#: The main path in about three minutes (what the test suite runs): every run, the kill and the rejoin, few steps.
+#: No goodput runs (a kill schedule needs minutes), and the trajectory compared over the first 30 steps only (the
+#: kill and the outage, not the rejoin): the test suite's smoke run has 300 s.
 SMOKE = Preset(no_failure_steps=6, steps=100, kill_at_step=8, checkpoint_every=5, restart_delay=2.0,
-               probe_seconds=0.5, run_timeout=240.0)
+               probe_seconds=0.5, run_timeout=240.0, goodput_period=0.0, goodput_failures=0, reference_steps=30)
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in < 10 minutes")
+    parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in about 11 minutes")
     parser.add_argument("--smoke", action="store_true",
-                        help="the main path with few steps, about 2 minutes: checks that it runs, measures nothing")
+                        help="the main path with few steps, about 3 minutes: checks that it runs, measures nothing")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
     parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 200, default 300)")
     parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 40, default 100)")
@@ -110,6 +129,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, help="ModelCheckpoint interval in steps (quick: 10, 25)")
     parser.add_argument("--restart-delay", type=float,
                         help="seconds from the kill to the node's restart (quick: 10, default 20)")
+    parser.add_argument("--goodput-period", type=float,
+                        help="goodput runs: seconds between two kills (quick: 40, default 90)")
+    parser.add_argument("--goodput-failures", type=int,
+                        help="goodput runs: kills in the window of failures x period seconds (quick: 3, default "
+                        "4, smoke: 0); 0 skips the goodput runs")
     parser.add_argument("--ft-timeout", type=float, default=5.0,
                         help="FaultTolerance(timeout=...): how long a survivor's hop 2 waits for a dead peer (5 s)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
@@ -127,6 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--kill-at-step must lie between 0 and --steps ({args.steps}), got {args.kill_at_step}.")
     if min(args.checkpoint_every, args.no_failure_steps, args.batch_size) < 1 or args.restart_delay < 0:
         parser.error("--checkpoint-every, --no-failure-steps and --batch-size must be positive, --restart-delay >= 0.")
+    if args.goodput_failures < 0 or (args.goodput_failures > 0 and args.goodput_period <= args.restart_delay):
+        parser.error("--goodput-failures must be >= 0, and --goodput-period longer than --restart-delay.")
     setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
                           measured_steps=args.steps)
     try:
@@ -329,7 +355,8 @@ def run_ft_failure(bench: Bench) -> RunLog:
     barrier = bench.work / "ft-failure-barrier"
     barrier.mkdir()
     job = bench.job("ft-failure", "ft", args.steps, lighthouse=address, digests=True, start_barrier=str(barrier),
-                    checkpoint_dir=str(bench.work / "ft-checkpoints"), checkpoint_every=args.checkpoint_every)
+                    checkpoint_dir=str(bench.work / "ft-checkpoints"), checkpoint_every=args.checkpoint_every,
+                    record_samples=True)
     run = RunLog("ft-failure", job.log_dir, time.time())
     nodes = launch_all(bench, job)
     deadline = time.monotonic() + args.run_timeout
@@ -396,6 +423,190 @@ def run_restart_baseline(bench: Bench, max_attempts: int = 4) -> RunLog:
             stop_all(bench, nodes)
         run.events[f"restart{attempt + 1}" if attempt else "restart"] = time.time()
     raise RunFailed(f"plain MiCS with restarts did not finish in {max_attempts} attempts: {job.log_dir}")
+
+
+def run_ft_reference(bench: Bench) -> RunLog:
+    """Run (5): run 2 without its failure -- fault tolerance, as many steps, the same seed, data, checkpoints
+    and Lighthouse; every rank logs its micro-steps' samples (the trajectory run 2 is held to). No digests:
+    its step rate is also the goodput runs' failure-free rate, and they log none."""
+    args = bench.args
+    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + 2)
+    barrier = bench.work / "ft-reference-barrier"
+    barrier.mkdir()
+    job = bench.job("ft-reference", "ft", args.steps, lighthouse=address, start_barrier=str(barrier),
+                    checkpoint_dir=str(bench.work / "ft-reference-checkpoints"),
+                    checkpoint_every=args.checkpoint_every, record_samples=True)
+    run = RunLog("ft-reference", job.log_dir, time.time())
+    nodes = launch_all(bench, job)
+    # two steps past: every group's records of the steps compared are written before it is stopped
+    enough = (lambda: logged_step(job.log_dir, 0, "step") >= args.reference_steps + 2) if args.reference_steps else None
+    try:
+        outcome = watch(nodes, time.monotonic() + args.run_timeout, enough)
+        if outcome != "trigger":
+            expect_done(outcome, job, "fault tolerance, the reference run")
+    finally:
+        stop_all(bench, nodes)
+        bench.cluster.stop(lighthouse)
+    return run
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The goodput runs' failures: ``failures`` kills, one every ``period`` seconds (mid-period) of a window of
+    ``failures x period`` seconds that starts at the ``warmup``-th committed step; the victims in turn
+    (``victims``), each started again ``restart_delay`` seconds after its kill."""
+
+    period: float
+    failures: int
+    restart_delay: float
+    victims: tuple[int, ...] = tuple(range(NODES - 1, -1, -1))
+    warmup: int = 3
+
+    @property
+    def window(self) -> float:
+        return self.period * self.failures
+
+    def kills(self) -> list[tuple[float, int]]:
+        """(seconds from the window's start, node) of every kill."""
+        return [((k + 0.5) * self.period, self.victims[k % len(self.victims)]) for k in range(self.failures)]
+
+
+def schedule_of(args: argparse.Namespace) -> Schedule:
+    return Schedule(args.goodput_period, args.goodput_failures, args.restart_delay)
+
+
+def wait_for_window(run: RunLog, job: Job, nodes: dict[int, list[subprocess.Popen[bytes]]], warmup: int,
+                    deadline: float) -> float:
+    """Block until node 0 logged its ``warmup + 1``-th step line; that line's time (the window's start)."""
+    def started() -> bool:
+        path = Path(job.log_dir) / "node0.rank0.jsonl"
+        return path.exists() and sum(line.endswith("}") for line in path.read_text().splitlines()) > warmup
+
+    expect_done_or(watch(nodes, deadline, started), "trigger", job, f"{run.name}, before the window")
+    rows = [r for r in read_rows(run) if r["node"] == 0]
+    run.events["window_start"] = rows[warmup]["t"]
+    return rows[warmup]["t"]
+
+
+def expect_done_or(outcome: str, wanted: str, job: Job, what: str) -> None:
+    if outcome != wanted:
+        expect_done(outcome if outcome != "done" else "ended early", job, what)
+
+
+def sigkill(bench: Bench, procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        sigkill_session(proc)
+        bench.cluster.forget(proc)
+
+
+def run_ft_goodput(bench: Bench, schedule: Schedule) -> RunLog:
+    """Run (6), fault tolerance: the groups in turn SIGKILLed on ``schedule`` and each started again (as the
+    first time, ``ckpt_path="last"``: it heals from the live groups) ``restart_delay`` s later; checkpoints as
+    in run 2. A restarted group that fails by itself is started again at once (``run.failures``). Every rank
+    is stopped at the window's end; ``max_steps`` is out of reach."""
+    args = bench.args
+    address, lighthouse = start_lighthouse(bench, 1, LIGHTHOUSE_PORT + 3)
+    barrier = bench.work / "ft-goodput-barrier"
+    barrier.mkdir()
+    job = bench.job("ft-goodput", "ft", 100_000, lighthouse=address, start_barrier=str(barrier),
+                    checkpoint_dir=str(bench.work / "ft-goodput-checkpoints"),
+                    checkpoint_every=args.checkpoint_every, record_samples=True)
+    rejoin = replace(job, start_barrier=None)
+    run = RunLog("ft-goodput", job.log_dir, time.time())
+    nodes = launch_all(bench, job)
+    deadline = time.monotonic() + args.run_timeout + schedule.window
+    try:
+        start = wait_for_window(run, job, nodes, schedule.warmup, deadline)
+        pending: list[tuple[float, str, int]] = sorted(
+            [(start + at, "kill", node) for at, node in schedule.kills()]
+            + [(start + at + schedule.restart_delay, "restart", node) for at, node in schedule.kills()]
+        )
+        end = start + schedule.window
+        while True:
+            due = [event for event in pending if event[0] <= time.time()]
+            for event in due:
+                pending.remove(event)
+                _, action, node = event
+                count = sum(name.startswith(action) for name in run.events)
+                if action == "kill":
+                    sigkill(bench, nodes.pop(node, []))
+                else:
+                    nodes[node] = launch_node(bench, rejoin, node, bench.next_port())
+                run.events[f"{action}{count + 1}.node{node}"] = time.time()
+            if time.time() >= end:
+                break
+            for node, procs in list(nodes.items()):
+                codes = [proc.poll() for proc in procs]
+                if any(code is not None for code in codes):  # a group failed (or ended) by itself: again
+                    reason = _last_error(max(Path(job.log_dir).glob(f"node{node}.rank0.port*.log"),
+                                             key=lambda path: path.stat().st_mtime))
+                    run.failures.append(f"node {node} exited ({codes}) at {time.time() - start:.1f} s: {reason}")
+                    print(f"    {run.failures[-1]}", flush=True)
+                    stop_group(bench, procs)
+                    nodes[node] = launch_node(bench, rejoin, node, bench.next_port())
+            if time.monotonic() > deadline:
+                raise RunFailed(f"fault tolerance under the goodput schedule ran past its deadline: {job.log_dir}")
+            time.sleep(0.05)
+        run.events["window_end"] = end
+    finally:
+        stop_all(bench, nodes)
+        bench.cluster.stop(lighthouse)
+    return run
+
+
+def stop_group(bench: Bench, procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        bench.cluster.stop(proc)
+
+
+def run_restart_goodput(bench: Bench, schedule: Schedule) -> RunLog:
+    """Run (6) without fault tolerance: plain MiCS with checkpoints every ``--checkpoint-every`` steps, a node
+    SIGKILLed on ``schedule`` (whatever the job is doing then: training or starting again); the others are
+    given 30 s to notice, then stopped, and the whole job is started again from its last checkpoint
+    ``restart_delay`` s after the kill (or once it is down, if later). A failure by itself also restarts it.
+    After the window the job runs on until the attempt then current logged a step (what its progress at the
+    window's end was: the checkpoint it resumed from), then everything is stopped."""
+    args = bench.args
+    job = bench.job("restart-goodput", "plain", 100_000, checkpoint_dir=str(bench.work / "plain-goodput-checkpoints"),
+                    checkpoint_every=args.checkpoint_every)
+    run = RunLog("restart-goodput", job.log_dir, time.time())
+    deadline = time.monotonic() + args.run_timeout + schedule.window
+    nodes = launch_all(bench, job)
+    run.events["launch1"] = run.started
+    try:
+        start = wait_for_window(run, job, nodes, schedule.warmup, deadline)
+        kills = [(start + at, node) for at, node in schedule.kills()]
+        end = start + schedule.window
+        while True:
+            if kills and time.time() >= kills[0][0]:
+                _, node = kills.pop(0)
+                sigkill(bench, nodes.pop(node))
+                killed = time.time()
+                run.events[f"kill{schedule.failures - len(kills)}.node{node}"] = killed
+                watch(nodes, time.monotonic() + 30)
+                stop_all(bench, nodes)
+                time.sleep(max(0.0, killed + schedule.restart_delay - time.time()))
+                nodes = launch_all(bench, job)
+                run.events[f"launch{sum(name.startswith('launch') for name in run.events) + 1}"] = time.time()
+                continue
+            outcome = watch(nodes, time.monotonic() + 0.2)
+            if outcome.startswith("failed") or outcome == "done":
+                run.failures.append(f"the job {outcome} at {time.time() - start:.1f} s")
+                stop_all(bench, nodes)
+                nodes = launch_all(bench, job)
+                run.events[f"launch{sum(name.startswith('launch') for name in run.events) + 1}"] = time.time()
+            if time.time() >= end:
+                break
+            if time.monotonic() > deadline:
+                raise RunFailed(f"plain MiCS under the goodput schedule ran past its deadline: {job.log_dir}")
+        run.events["window_end"] = end
+        launched = max(t for name, t in run.events.items() if name.startswith("launch"))
+        logged = lambda: any(r["t"] > launched and r["node"] == 0 for r in read_rows(run))  # noqa: E731
+        if not logged():
+            watch(nodes, min(deadline, time.monotonic() + 120), logged)
+    finally:
+        stop_all(bench, nodes)
+    return run
 
 
 # ---------------------------------------------------------------------------------- analysis
@@ -530,6 +741,184 @@ def seconds_to_final_step(run: RunLog, steps: int) -> float:
     return max(finals) - run.started
 
 
+# ---------------------------------------------------------------------------------- trajectory
+def read_sample_records(log_dir: str | Path) -> list[dict[str, Any]]:
+    """Every rank's micro-step records (``samples.node<n>.rank<r>.jsonl``, see the worker), each file in the
+    order it was written; a last line cut by a SIGKILL is left out."""
+    return [json.loads(line) for path in sorted(Path(log_dir).glob("samples.node*.rank*.jsonl"))
+            for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def committed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of committed attempts of steps, with this group in the step's quorum (a group outside it --
+    ``participant`` ``None`` -- trains nothing: its gradient is not summed). An attempt is one process's
+    consecutive micro-steps of one step (micro 0 onwards); it committed when its last record says so."""
+    out: list[dict[str, Any]] = []
+    attempt: list[dict[str, Any]] = []
+
+    def close() -> None:
+        if attempt and attempt[-1].get("committed") is True:
+            out.extend(r for r in attempt if r.get("participant") is not None)
+        attempt.clear()
+
+    previous: tuple[Any, ...] | None = None
+    for record in records:
+        process = (record["node"], record["rank"], record.get("pid"))
+        if previous is None or process != previous[0] or record["step"] != previous[1] or record["micro"] == 0:
+            close()
+        attempt.append(record)
+        previous = (process, record["step"])
+    close()
+    return out
+
+
+def step_samples(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Committed step -> every sample index trained in it (all groups, ranks and micro-steps; a sample read
+    twice appears twice)."""
+    out: dict[int, list[int]] = {}
+    for record in committed_records(records):
+        out.setdefault(record["step"], []).extend(record["samples"])
+    return out
+
+
+def step_losses(records: list[dict[str, Any]]) -> dict[int, float]:
+    """Committed step -> its training loss: the mean over its samples (each rank's loss is the mean over its
+    own samples of the micro-batch, so weighted by their count)."""
+    totals: dict[int, list[float]] = {}
+    for record in committed_records(records):
+        total = totals.setdefault(record["step"], [0.0, 0.0])
+        total[0] += record["loss"] * len(record["samples"])
+        total[1] += len(record["samples"])
+    return {step: loss / count for step, (loss, count) in totals.items() if count}
+
+
+def trajectory_results(reference: list[dict[str, Any]], run: list[dict[str, Any]],
+                       max_steps: int | None = None) -> dict[str, Any]:
+    """A run's committed steps against a failure-free reference's (both: micro-step records), over the steps
+    0..N-1 that both reached (N: the fewer steps of the two, at most ``max_steps``):
+
+    * ``samples_skipped`` / ``samples_repeated``: over those steps, how many sample reads the reference made
+      that the run did not / the run made that the reference did not (per sample index: its count in the run
+      minus its count in the reference; a step the run has no record of skips all its samples);
+    * ``steps_differing``: steps whose samples (as a multiset) are not the reference's same step's;
+    * ``global_batch_constant``: every step of both read the same number of samples;
+    * ``max_loss_diff``: the largest |per-step loss difference| (``step_losses``), at ``max_loss_diff_step``;
+      ``first_step_loss_differs`` / ``first_step_loss_diff_over_1e-3``: where it first is > 0 / > 1e-3 (the same
+      samples summed in another order differ in fp32's last bits, and training amplifies that step by step).
+    """
+    from collections import Counter
+
+    ref, got = step_samples(reference), step_samples(run)
+    ref_loss, got_loss = step_losses(reference), step_losses(run)
+    last = min(max(ref, default=-1), max(got, default=-1), max_steps - 1 if max_steps is not None else float("inf"))
+    steps = range(int(last) + 1)
+    ref_counts: Counter[int] = Counter()
+    got_counts: Counter[int] = Counter()
+    differing = 0
+    for step in steps:
+        mine, theirs = Counter(got.get(step, [])), Counter(ref.get(step, []))
+        ref_counts.update(theirs)
+        got_counts.update(mine)
+        differing += mine != theirs
+    sizes = {len(ref.get(step, [])) for step in steps} | {len(got.get(step, [])) for step in steps}
+    diffs = {step: abs(got_loss[step] - ref_loss[step]) for step in steps if step in got_loss and step in ref_loss}
+    worst = max(diffs, key=diffs.__getitem__, default=None)
+    return {
+        "samples_skipped": sum((ref_counts - got_counts).values()),
+        "samples_repeated": sum((got_counts - ref_counts).values()),
+        "steps_differing": differing,
+        "global_batch_constant": bool(steps) and len(sizes) == 1,
+        "global_batch": sorted(sizes)[0] if len(sizes) == 1 else sorted(sizes),
+        "steps_compared": len(steps),
+        "max_loss_diff": diffs[worst] if worst is not None else None,
+        "max_loss_diff_step": worst,
+        "first_step_loss_differs": next((step for step in sorted(diffs) if diffs[step] > 0), None),
+        "first_step_loss_diff_over_1e-3": next((step for step in sorted(diffs) if diffs[step] > 1e-3), None),
+        "steps_with_loss_compared": len(diffs),
+        "micro_steps_recorded": len(run),
+        "micro_steps_committed": len(committed_records(run)),
+        "micro_batches_reloaded": sum(max((r.get("reloaded", 0) for r in run if (r["node"], r["rank"], r.get("pid"))
+                                           == process), default=0)
+                                      for process in {(r["node"], r["rank"], r.get("pid")) for r in run}),
+    }
+
+
+# ---------------------------------------------------------------------------------- goodput
+def steps_per_second(rows: list[dict[str, Any]], key: str = "step", skip: int = 3) -> float | None:
+    """The mean rate of a failure-free run: node 0's lines, the first ``skip`` (warm-up) left out."""
+    mine = [r for r in rows if r["node"] == 0][skip:]
+    if len(mine) < 2 or mine[-1]["t"] <= mine[0]["t"]:
+        return None
+    return (mine[-1][key] - mine[0][key]) / (mine[-1]["t"] - mine[0]["t"])
+
+
+def ft_progress(rows: list[dict[str, Any]], at: float) -> int:
+    """Fault tolerance: the committed steps at time ``at`` (the most any group had logged by then)."""
+    return max((r["step"] for r in rows if r["t"] <= at), default=0)
+
+
+def restart_progress(rows: list[dict[str, Any]], launches: list[float], kills: list[float], at: float) -> int:
+    """Restart from checkpoint: the steps done at time ``at`` that are not lost (node 0's lines, ``global_step``;
+    ``launches``: when each attempt started, in order). A running attempt's last step counts; once it is killed,
+    only what the next attempt resumes from (its first step minus one) does -- as does an attempt that is
+    starting (it resumes from the last checkpoint)."""
+    mine = [r for r in rows if r["node"] == 0]
+    starts = sorted(launches)
+    current = max((i for i, t in enumerate(starts) if t <= at), default=0)
+
+    def lines_of(attempt: int) -> list[dict[str, Any]]:
+        end = starts[attempt + 1] if attempt + 1 < len(starts) else float("inf")
+        return [r for r in mine if starts[attempt] <= r["t"] < end]
+
+    def resumed(attempt: int) -> int:  # what attempt ``attempt`` resumed from
+        lines = lines_of(attempt) if attempt < len(starts) else []
+        if lines:
+            return lines[0]["global_step"] - 1
+        return resumed(attempt - 1) if attempt > 0 else 0  # never logged: no new checkpoint either
+
+    killed = any(starts[current] < k <= at for k in kills)
+    done = [r for r in lines_of(current) if r["t"] <= at]
+    if killed:
+        return resumed(current + 1)
+    return done[-1]["global_step"] if done else resumed(current)
+
+
+def goodput_results(ft: RunLog, restart: RunLog, ft_reference: RunLog, plain_reference: RunLog,
+                    schedule: Schedule, global_batch: int) -> dict[str, Any]:
+    """Committed samples per second over the window, for fault tolerance and for restart from checkpoint, and
+    each over its failure-free rate (``goodput.fault_tolerance``, ``goodput.restart_from_checkpoint``)."""
+    ft_rows, restart_rows = read_rows(ft), read_rows(restart)
+    ft_start, restart_start = ft.events["window_start"], restart.events["window_start"]
+    ft_steps = ft_progress(ft_rows, ft_start + schedule.window) - ft_progress(ft_rows, ft_start)
+    launches = [t for name, t in restart.events.items() if name.startswith("launch")]
+    kills = [t for name, t in restart.events.items() if name.startswith("kill")]
+    restart_steps = (restart_progress(restart_rows, launches, kills, restart_start + schedule.window)
+                     - restart_progress(restart_rows, launches, kills, restart_start))
+    ft_free = steps_per_second(commits(read_rows(ft_reference), 0))
+    plain_free = steps_per_second(read_rows(plain_reference), key="global_step")
+    ft_rate, restart_rate = ft_steps * global_batch / schedule.window, restart_steps * global_batch / schedule.window
+    ft_goodput = ft_rate / (ft_free * global_batch) if ft_free else None
+    restart_goodput = restart_rate / (plain_free * global_batch) if plain_free else None
+    return {
+        "fault_tolerance": ft_goodput,
+        "restart_from_checkpoint": restart_goodput,
+        "ratio_ft_over_restart": ft_goodput / restart_goodput if ft_goodput and restart_goodput else None,
+        "samples_per_second_ft_over_restart": ft_rate / restart_rate if restart_rate else None,
+        "committed_samples_per_second": {"fault_tolerance": ft_rate, "restart_from_checkpoint": restart_rate},
+        "committed_steps": {"fault_tolerance": ft_steps, "restart_from_checkpoint": restart_steps},
+        "failure_free_samples_per_second": {"fault_tolerance": ft_free * global_batch if ft_free else None,
+                                            "plain": plain_free * global_batch if plain_free else None},
+        "global_batch": global_batch,
+        "schedule": {"period_seconds": schedule.period, "failures": schedule.failures,
+                     "window_seconds": schedule.window, "restart_delay_seconds": schedule.restart_delay,
+                     "kills": [{"at_seconds": at, "node": node} for at, node in schedule.kills()],
+                     "window_starts_at_step": schedule.warmup + 1,
+                     },
+        "events": {"fault_tolerance": relative(ft), "restart_from_checkpoint": relative(restart)},
+        "failures": {"fault_tolerance": ft.failures, "restart_from_checkpoint": restart.failures},
+    }
+
+
 # ---------------------------------------------------------------------------------- report
 #: One marker per group, so that groups committing the same steps stay visible on top of each other.
 STYLES = ({"marker": "o", "markersize": 6, "fillstyle": "none"}, {"marker": "x", "markersize": 4},
@@ -589,22 +978,47 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
         ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
     ]
+    t = results.get("trajectory")
+    if t is not None:
+        rows += [
+            ("trajectory: samples skipped / repeated vs no failure", f"{t['samples_skipped']} / {t['samples_repeated']}"
+             f" ({t['steps_compared']} steps)"),
+            ("trajectory: global batch constant", f"{t['global_batch_constant']} ({t['global_batch']})"),
+            ("trajectory: largest per-step loss difference", "-" if t["max_loss_diff"] is None
+             else f"{t['max_loss_diff']:.3g}"),
+        ]
+    g = results.get("goodput", {})
+    if "skipped" in g:
+        rows.append(("goodput", f"skipped: {g['skipped']}"))
+    elif g:
+        rows += [
+            ("goodput: fault tolerance", _num(g["fault_tolerance"], 3)),
+            ("goodput: restart from checkpoint", _num(g["restart_from_checkpoint"], 3)),
+            ("goodput: fault tolerance / restart", _num(g["ratio_ft_over_restart"], 2)),
+        ]
     return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 # ---------------------------------------------------------------------------------- main
 def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
-    """The four runs, in order, and their numbers."""
+    """The runs, in order, and their numbers."""
     args = bench.args
+    schedule = schedule_of(args)
+    todo: list[tuple[str, Callable[[], RunLog]]] = [
+        ("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft")),
+        ("ft-failure", lambda: run_ft_failure(bench)), ("restart-baseline", lambda: run_restart_baseline(bench)),
+        ("ft-reference", lambda: run_ft_reference(bench)),
+    ]
+    if schedule.failures > 0:
+        todo += [("ft-goodput", lambda: run_ft_goodput(bench, schedule)),
+                 ("restart-goodput", lambda: run_restart_goodput(bench, schedule))]
     runs: dict[str, RunLog] = {}
-    for name, run in (("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft")),
-                      ("ft-failure", lambda: run_ft_failure(bench)),
-                      ("restart-baseline", lambda: run_restart_baseline(bench))):
-        print(f"[{len(runs) + 1}/4] {name} ...", flush=True)
+    for name, run in todo:
+        print(f"[{len(runs) + 1}/{len(todo)}] {name} ...", flush=True)
         began = time.monotonic()
         runs[name] = run()
         (Path(runs[name].log_dir) / "run.json").write_text(json.dumps(asdict(runs[name])))  # kept with --work-dir
@@ -622,6 +1036,26 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
                "speedup_vs_restart_baseline": baseline_seconds / ft_seconds},
     }
     results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
+    reference = read_sample_records(runs["ft-reference"].log_dir)
+    compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
+    results["trajectory"] = {
+        **trajectory_results(reference, read_sample_records(runs["ft-failure"].log_dir), compare),
+        "compared": "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no failure), same seed",
+        "reference_steps": args.reference_steps or args.steps,
+    }
+    global_batch = NODES * RANKS_PER_NODE * args.batch_size
+    if schedule.failures > 0:
+        goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], runs["ft-reference"], runs["plain"],
+                                  schedule, global_batch)
+        goodput["schedule"]["checkpoint_every"] = args.checkpoint_every
+        # the samples the fault-tolerant goodput run read, against the reference's same steps (no losses: its
+        # learning-rate schedule differs, max_steps being out of reach)
+        read = trajectory_results(reference, read_sample_records(runs["ft-goodput"].log_dir), compare)
+        goodput["trajectory"] = {key: read[key] for key in ("samples_skipped", "samples_repeated", "steps_differing",
+                                                            "global_batch_constant", "steps_compared")}
+        results["goodput"] = goodput
+    else:
+        results["goodput"] = {"skipped": "--goodput-failures 0 (--smoke): a failure schedule needs minutes"}
     return results, runs["ft-failure"], runs["restart-baseline"]
 
 

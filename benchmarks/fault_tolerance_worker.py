@@ -14,6 +14,15 @@ committed step (torchft's step; plain: the global step), Lightning's global step
 steps discarded so far, the loss and -- when asked -- a SHA-256 of this rank's shards of the model and the
 optimizer states (what "bit-identical after the heal" is checked on). A line is written and closed at once,
 so that a SIGKILL loses nothing already logged.
+
+With ``record_samples`` (fault tolerance, whose training data keeps its trajectory) each rank also appends one
+line per training micro-step to ``<log_dir>/samples.node<n>.rank<r>.jsonl``: the micro-batch trained on
+(``step``: its data step, torchft's committed-step count at the quorum; ``micro``; ``shares``), this rank's
+sample indices in it (``engine.data_cursor.order.samples(key, rank)``), the loss on them, this group's place in
+the step's quorum (``participant``: ``None`` outside it; ``participants``) and whether the step then committed
+(``committed``: torchft's step count grew past ``step``; ``None`` for a micro-step before the last of an
+accumulated step). Written right after the optimizer step, so that what a rank SIGKILLed mid-step had not
+committed is not there, and what it committed before is.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ class Job:
     save_params: bool = False  #: save this rank's parameter shards at the end (the no-failure comparison)
     start_barrier: str | None = None  #: a directory: wait for every rank of every group before the first step
     timeout: float = 10.0  #: ft: seconds a cross-group collective / commit / heal may take
+    record_samples: bool = False  #: ft: log every micro-step's sample indices, loss and commit (module docstring)
+    accumulate: int = 1  #: Trainer(accumulate_grad_batches=...)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,6 +108,7 @@ class StepLog(pl.Callback):
         self.node = node
         self.local_rank = local_rank
         self.path = Path(job.log_dir) / f"node{node}.rank{local_rank}.jsonl"
+        self.samples_path = Path(job.log_dir) / f"samples.node{node}.rank{local_rank}.jsonl"
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every group's Manager exists (and heartbeats) before any group asks for its first quorum, so the
@@ -126,8 +138,30 @@ class StepLog(pl.Callback):
             line |= {"step": trainer.global_step, "live": self.job.num_groups, "discarded": 0}
         if self.job.digests:
             line["digest"] = shard_digest(pl_module, [o for o in trainer.optimizers])
+        if self.job.record_samples:
+            self.record_samples(trainer, outputs)
         with self.path.open("a") as handle:
             handle.write(json.dumps(line) + "\n")
+
+    def record_samples(self, trainer: pl.Trainer, outputs: Any) -> None:
+        """This micro-step's line of ``samples.node<n>.rank<r>.jsonl`` (module docstring): what the rank trained
+        on, read from the strategy's data cursor (the loader's ``batch`` may be a prediction the quorum
+        overruled), and whether the step committed."""
+        engine = trainer.strategy.engine
+        cursor, replica_group = engine.data_cursor, engine.replica_group
+        if cursor is None or cursor.current is None or replica_group is None:
+            return
+        key = cursor.current
+        manager = replica_group.manager
+        last_micro = key.micro == cursor.order.accumulate - 1
+        record = {"t": time.time(), "node": self.node, "rank": self.local_rank, "pid": os.getpid(),
+                  "step": key.step, "micro": key.micro, "shares": list(key.shares),
+                  "samples": cursor.order.samples(key, cursor.rank), "loss": _loss(outputs),
+                  "participant": manager.participating_rank(), "participants": manager.num_participants(),
+                  "committed": manager.current_step() > key.step if last_micro else None,
+                  "reloaded": cursor.reloaded}
+        with self.samples_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.job.save_params:
@@ -154,7 +188,8 @@ def run(job: Job, node: int, local_rank: int) -> None:
                                          every_n_train_steps=job.checkpoint_every))
     trainer = pl.Trainer(
         accelerator="cpu", devices=job.ranks_per_node, num_nodes=job.nodes, strategy=build_strategy(job, node),
-        max_steps=job.steps, callbacks=callbacks, logger=False, enable_checkpointing=job.checkpoint_dir is not None,
+        max_steps=job.steps, accumulate_grad_batches=job.accumulate, callbacks=callbacks, logger=False,
+        enable_checkpointing=job.checkpoint_dir is not None,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     config = GPTConfig(**job.model)

@@ -99,3 +99,160 @@ def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: P
                       "survivor_stall_steps": pytest.approx(0.5)}
     (tmp_path / "other").mkdir()
     assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"))["bit_identical"] is False
+
+
+# ------------------------------------------------------------------------------------ trajectory
+#: 3 groups x 2 ranks x 2 samples per rank: a global batch of 12, step s reads samples 12 s .. 12 s + 11
+GROUPS, RANKS, MICRO = 3, 2, 2
+
+
+def _samples(step: int, share: int, rank: int) -> list[int]:
+    start = step * GROUPS * RANKS * MICRO + (share * RANKS + rank) * MICRO
+    return list(range(start, start + MICRO))
+
+
+def _records(steps: int, kill_at: int | None = None, rejoin_at: int | None = None, pid: int = 1,
+             loss: float = 1.0) -> list[dict]:
+    """What the worker logs for ``steps`` committed steps of a fault-tolerant run. With ``kill_at``: group 2
+    dies during step ``kill_at`` (the survivors' attempt of it with all three is discarded: not committed),
+    groups 0 and 1 redo it and train on alone reading group 2's share too (group 0 takes shares 0 and 2);
+    with ``rejoin_at``: group 2, restarted (another pid), heals to that step and all three train on."""
+    out: list[dict] = []
+
+    def log(node: int, step: int, shares: tuple[int, ...], participant: int | None, participants: int,
+            committed: bool, process: int = pid) -> None:
+        for rank in range(RANKS):
+            samples = [i for share in shares for i in _samples(step, share, rank)]
+            out.append({"t": float(step), "node": node, "rank": rank, "pid": process, "step": step, "micro": 0,
+                        "shares": list(shares), "samples": samples, "loss": loss + step / 100,
+                        "participant": participant, "participants": participants, "committed": committed})
+
+    for step in range(steps):
+        alone = kill_at is not None and step >= kill_at and (rejoin_at is None or step < rejoin_at)
+        if kill_at is not None and step == kill_at:
+            for node in range(GROUPS):
+                if node != 2:
+                    log(node, step, (node,), node, GROUPS, committed=False)  # the attempt the kill discarded
+        if alone:
+            log(0, step, (0, 2), 0, 2, True)
+            log(1, step, (1,), 1, 2, True)
+        else:
+            for node in range(GROUPS):
+                log(node, step, (node,), node, GROUPS, True, pid + 1 if rejoin_at is not None and step >= rejoin_at
+                    and node == 2 else pid)
+    return sorted(out, key=lambda r: (r["node"], r["rank"], r["t"]))
+
+
+def test_a_kill_and_a_rejoin_that_keep_the_trajectory_pass_every_check() -> None:
+    reference = _records(10)
+    results = bench.trajectory_results(reference, _records(10, kill_at=3, rejoin_at=6))
+    assert results["samples_skipped"] == 0 and results["samples_repeated"] == 0
+    assert results["steps_differing"] == 0 and results["global_batch_constant"] is True
+    assert results["global_batch"] == GROUPS * RANKS * MICRO and results["steps_compared"] == 10
+    assert results["max_loss_diff"] == 0.0 and results["steps_with_loss_compared"] == 10
+    assert results["micro_steps_committed"] == 10 * GROUPS * RANKS - (6 - 3) * RANKS  # group 2 away for 3 steps
+
+
+def test_a_skipped_sample_is_detected() -> None:
+    """The survivors drop the lost group's share (a fixed share per group): its samples go unread."""
+    run = [r for r in _records(10, kill_at=3) if not (r["shares"] == [0, 2])] + [
+        {**r, "shares": [0], "samples": r["samples"][:MICRO]} for r in _records(10, kill_at=3) if r["shares"] == [0, 2]
+    ]
+    results = bench.trajectory_results(_records(10), run)
+    assert results["samples_skipped"] == (10 - 3) * RANKS * MICRO and results["samples_repeated"] == 0
+    assert results["global_batch_constant"] is False and results["steps_differing"] == 7
+
+
+def test_a_repeated_sample_is_detected() -> None:
+    """A restarted group re-reads a share it read before (from the start of its epoch, say), the batch size
+    unchanged: repeated samples -- and those of the step it should have read skipped."""
+    run = _records(10, kill_at=3, rejoin_at=6)
+    for record in run:
+        if record["node"] == 2 and record["step"] == 6:
+            record["samples"] = _samples(0, 2, record["rank"])
+    results = bench.trajectory_results(_records(10), run)
+    assert results["samples_repeated"] == RANKS * MICRO and results["samples_skipped"] == RANKS * MICRO
+    assert results["global_batch_constant"] is True and results["steps_differing"] == 1
+
+
+def test_a_discarded_attempt_counted_as_committed_would_repeat_its_samples() -> None:
+    run = _records(10, kill_at=3)
+    for record in run:
+        record["committed"] = True  # the discarded attempt of step 3 now counts
+    results = bench.trajectory_results(_records(10), run)
+    assert results["samples_repeated"] == 2 * RANKS * MICRO and results["global_batch_constant"] is False
+
+
+def test_a_changed_global_batch_is_detected_and_a_loss_difference_measured() -> None:
+    run = _records(10, loss=1.25)
+    run = [r for r in run if not (r["step"] == 4 and r["node"] == 1 and r["rank"] == 1)]  # one rank's share lost
+    results = bench.trajectory_results(_records(10), run)
+    assert results["global_batch_constant"] is False and results["global_batch"] == [10, 12]
+    assert results["samples_skipped"] == MICRO and results["steps_differing"] == 1
+    assert results["max_loss_diff"] == pytest.approx(0.25)
+    assert results["first_step_loss_differs"] == 0 and results["first_step_loss_diff_over_1e-3"] == 0
+    clean = bench.trajectory_results(_records(10), _records(10))
+    assert clean["first_step_loss_differs"] is None and clean["first_step_loss_diff_over_1e-3"] is None
+
+
+def test_a_group_outside_the_quorum_trains_nothing_and_a_run_cut_short_is_compared_where_both_reached() -> None:
+    run = _records(6)
+    run += [{**r, "participant": None, "node": 3} for r in run if r["step"] == 2 and r["node"] == 0]
+    results = bench.trajectory_results(_records(10), run)
+    assert results["steps_compared"] == 6 and results["samples_skipped"] == 0 and results["samples_repeated"] == 0
+
+
+def test_records_are_read_back_as_the_worker_writes_them_a_cut_last_line_left_out(tmp_path: Path) -> None:
+    records = _records(3)
+    for node in range(GROUPS):
+        for rank in range(RANKS):
+            mine = [json.dumps(r) for r in records if (r["node"], r["rank"]) == (node, rank)]
+            (tmp_path / f"samples.node{node}.rank{rank}.jsonl").write_text("\n".join(mine) + '\n{"t": 9.0, "no')
+    (tmp_path / "node0.rank0.jsonl").write_text('{"t": 1.0}\n')  # the step log: not a sample record
+    assert bench.trajectory_results(records, bench.read_sample_records(tmp_path))["steps_differing"] == 0
+    assert len(bench.read_sample_records(tmp_path)) == len(records)
+
+
+# ------------------------------------------------------------------------------------ goodput
+def test_the_schedule_kills_the_groups_in_turn_mid_period_and_smoke_skips_it() -> None:
+    schedule = bench.schedule_of(bench.parse_args(["--quick"]))
+    assert schedule.window == bench.QUICK.goodput_period * bench.QUICK.goodput_failures
+    assert [node for _, node in schedule.kills()] == [2, 1, 0][: bench.QUICK.goodput_failures]
+    assert schedule.kills()[0][0] == pytest.approx(schedule.period / 2)
+    assert bench.parse_args(["--smoke"]).goodput_failures == 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--goodput-period", "5", "--restart-delay", "10"])
+
+
+def test_restart_progress_loses_what_came_after_the_checkpoint() -> None:
+    """Attempt 1 (launched at 0) logs steps 1-7 at t=1..7 and is killed at 7.5; attempt 2 (launched at 10)
+    resumed from the checkpoint at step 5: it logs steps 6.. from t=20."""
+    rows = [{"t": float(s), "node": 0, "global_step": s} for s in range(1, 8)]
+    rows += [{"t": 20.0 + i, "node": 0, "global_step": 6 + i} for i in range(5)]
+    progress = lambda at: bench.restart_progress(rows, [0.0, 10.0], [7.5], at)  # noqa: E731
+    assert progress(6.5) == 6  # running: its last step counts
+    assert progress(8.0) == 5  # killed: only the checkpoint it will resume from
+    assert progress(15.0) == 5  # starting again
+    assert progress(22.5) == 8
+
+
+def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_path: Path) -> None:
+    def run(name: str, rows: list[dict], **events: float) -> bench.RunLog:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "node0.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return bench.RunLog(name, str(tmp_path / name), 0.0, events=dict(events))
+
+    line = lambda t, step: {"t": t, "node": 0, "step": step, "global_step": step}  # noqa: E731
+    ft_free = run("ft-free", [line(0.5 * s, s) for s in range(1, 41)])  # 2 steps/s
+    plain_free = run("plain-free", [line(0.25 * s, s) for s in range(1, 41)])  # 4 steps/s
+    # window 10 s from t=2: fault tolerance commits 18 steps (2 -> 20); the restarts 8 (8 -> 16)
+    ft = run("ft", [line(2.0 + 10 * i / 18, 2 + i) for i in range(19)], window_start=2.0)
+    restart = run("restart", [line(2.0 + i, 8 + i) for i in range(9)] + [line(12.5, 17)], window_start=2.0,
+                  launch1=0.0)
+    results = bench.goodput_results(ft, restart, ft_free, plain_free, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    assert results["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": 8}
+    assert results["fault_tolerance"] == pytest.approx(18 / 10 / 2)
+    assert results["restart_from_checkpoint"] == pytest.approx(8 / 10 / 4)
+    assert results["ratio_ft_over_restart"] == pytest.approx(0.9 / 0.2)
+    assert results["committed_samples_per_second"]["fault_tolerance"] == pytest.approx(18 * 24 / 10)
+    assert results["schedule"]["window_seconds"] == 10.0
