@@ -315,3 +315,17 @@ def test_a_dataloader_iter_step_and_two_training_loaders_are_refused_naming_the_
         assert "takes `dataloader_iter`" in errors["dataloader_iter"], errors
         assert "keep_trajectory=False" in errors["dataloader_iter"]
         assert "one training DataLoader; got 2" in errors["two_loaders"], errors
+
+
+def test_with_every_group_live_each_rank_reads_what_lightnings_distributed_sampler_gives_it() -> None:
+    """Rank for rank the samples plain MiCS (one world, Lightning's DistributedSampler) reads: so a fault-tolerant
+    run without failures trains exactly as plain MiCS does."""
+    order = replace(ORDER, num_samples=96, accumulate=2)  # 4 whole steps of 24: no padding on either side
+    world = order.num_shares * order.ranks_per_group
+    for share in range(order.num_shares):
+        for rank in range(order.ranks_per_group):
+            sampler = DistributedSampler(range(96), world, share * order.ranks_per_group + rank, shuffle=True, seed=7)
+            dealt = list(sampler)
+            ours = [i for step in range(4) for micro in range(2)
+                    for i in order.samples(MicroBatchKey(step, micro, (share,)), rank)]
+            assert ours == dealt

@@ -13,7 +13,10 @@ constant and the survivors take the lost group's samples over.
   the step count it heals, so it never re-reads; a discarded step does not count, so it is re-done on the
   same samples.
 * **The split.** Micro-step ``m`` of a global batch has one *share* per replica group of the full job, and
-  share ``j`` holds ``micro_batch`` samples per rank. The quorum's ``k`` participating groups take share ``j``
+  share ``j`` holds ``micro_batch`` samples per rank, dealt round-robin over the job's ranks in the order
+  ``share * ranks_per_group + rank`` -- exactly the samples Lightning's ``DistributedSampler`` gives that
+  rank of a job with every group live, so that without failures a fault-tolerant run reads what plain MiCS
+  reads, rank for rank. The quorum's ``k`` participating groups take share ``j``
   at participant ``j % k``: with every group live each reads its own share, with one lost the others read its
   share too (same micro-steps, more samples each). Rank ``r`` of a group reads its shares' samples for ``r``,
   collated together into one batch.
@@ -91,11 +94,12 @@ class GlobalSampleOrder:
     def samples(self, key: MicroBatchKey, rank: int) -> list[int]:
         """What rank ``rank`` of a group reads for micro-batch ``key``: its samples of each of the key's shares."""
         order = self._epoch_order(key.step // self.steps_per_epoch)
-        start = (key.step % self.steps_per_epoch) * self.global_batch
+        ranks = self.num_shares * self.ranks_per_group
+        micro_start = (key.step % self.steps_per_epoch) * self.global_batch + key.micro * ranks * self.micro_batch
         out: list[int] = []
         for share in key.shares:
-            offset = start + ((key.micro * self.num_shares + share) * self.ranks_per_group + rank) * self.micro_batch
-            out.extend(order[offset : offset + self.micro_batch])
+            first = micro_start + share * self.ranks_per_group + rank  # dealt round-robin, as DistributedSampler
+            out.extend(order[first : first + ranks * self.micro_batch : ranks])
         return out
 
 
