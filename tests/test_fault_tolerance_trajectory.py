@@ -144,9 +144,14 @@ def test_loaders_it_cannot_reorder_are_refused_naming_the_fix() -> None:
         sample_order_of(DataLoader(_Stream(), batch_size=2), 2, 2, 1)
     with pytest.raises(ValueError, match="batch_size instead of a batch_sampler"):
         sample_order_of(DataLoader(dataset, batch_sampler=[[0, 1]]), 2, 2, 1)
-    with pytest.raises(ValueError, match="use_distributed_sampler=True"):
-        sample_order_of(DataLoader(dataset, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler(
-            [1.0] * 40, 40)), 2, 2, 1)
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 40, 40)
+    with pytest.raises(ValueError, match="WeightedRandomSampler, whose order it would ignore"):
+        sample_order_of(DataLoader(dataset, batch_size=2, sampler=weighted), 2, 2, 1)
+    from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+
+    wrapped = DistributedSamplerWrapper(weighted, num_replicas=4, rank=0)  # what Lightning makes of a custom one
+    with pytest.raises(ValueError, match="DistributedSamplerWrapper, whose order it would ignore"):
+        sample_order_of(DataLoader(dataset, batch_size=2, sampler=wrapped), 2, 2, 1)
     with pytest.raises(ValueError, match="smaller batch_size or accumulate_grad_batches"):
         sample_order_of(DataLoader(dataset, batch_size=8), 2, 2, 2)
 

@@ -282,15 +282,16 @@ def sample_order_of(loader: DataLoader, num_shares: int, ranks_per_group: int, a
             f"DataLoader a batch_size instead of a batch_sampler, {fix}."
         )
     sampler = loader.sampler
-    if isinstance(sampler, DistributedSampler):
+    if type(sampler) is DistributedSampler:  # a subclass (Lightning's wrapper of a custom sampler) has its own order
         shuffle, seed = sampler.shuffle, sampler.seed
-    elif isinstance(sampler, (SequentialSampler, RandomSampler)):
+    elif type(sampler) in (SequentialSampler, RandomSampler):
         shuffle, seed = isinstance(sampler, RandomSampler), 0
     else:
         raise ValueError(
             "fault tolerance keeps the training trajectory with its own sample order (shuffled per epoch, seeded "
-            f"like Lightning's DistributedSampler); the training DataLoader has a {type(sampler).__name__}: keep "
-            f"Lightning's sampler (Trainer(use_distributed_sampler=True), the default), {fix}."
+            f"like Lightning's DistributedSampler); the training DataLoader has a {type(sampler).__name__}, whose "
+            "order it would ignore: give the DataLoader shuffle=True/False instead of a sampler (with "
+            f"Trainer(use_distributed_sampler=True), the default), {fix}."
         )
     return GlobalSampleOrder(
         num_samples=len(loader.dataset),  # type: ignore[arg-type]
