@@ -74,10 +74,38 @@ def fault_tolerance_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fault_tolerance_trajectory_table(results: dict[str, Any]) -> str:
+    """docs/fault-tolerance.md's table of a run with the trajectory and goodput sections (issue 32)."""
+    t, g, r = results["trajectory"], results["goodput"], results["rejoin"]
+    lines = fault_tolerance_table(results).rstrip("\n").split("\n") + [
+        f"| rejoin: survivors' longest gap between commits, in step times, minus one (`survivor_stall_steps`) | "
+        f"{r['survivor_stall_steps']:.2f} |",
+        f"| trajectory: samples skipped / repeated, against the failure-free run ({t['steps_compared']} steps) | "
+        f"{t['samples_skipped']} / {t['samples_repeated']} |",
+        f"| trajectory: global batch constant | {'yes' if t['global_batch_constant'] else 'NO'} "
+        f"({t['global_batch']} samples) |",
+        f"| trajectory: largest per-step loss difference, with failures vs without | {t['max_loss_diff']:.2g} "
+        f"(step {t['max_loss_diff_step']}) |",
+        f"| trajectory: micro-batches reloaded (predicted wrong) | {t['micro_batches_reloaded']} |",
+    ]
+    if "skipped" in g:
+        lines.append(f"| goodput | skipped: {g['skipped']} |")
+    else:
+        lines += [
+            f"| goodput, committed samples/s over failure-free: fault tolerance / restart from checkpoint | "
+            f"{g['fault_tolerance']:.2f} / {g['restart_from_checkpoint']:.2f} ({g['ratio_ft_over_restart']:.2f}x) |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
     "fault-tolerance-hop2": ("benchmarks/results/fault_tolerance_hop2/fault_tolerance.json", fault_tolerance_table),
+    "fault-tolerance-trajectory": (
+        "benchmarks/results/fault_tolerance_trajectory_interleaved/fault_tolerance.json",
+        fault_tolerance_trajectory_table,
+    ),
 }
 
 
