@@ -137,12 +137,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         if self.options.fault_tolerance is not None:
             if self._modules:
                 raise ValueError(_FT_ONE_MODEL)
-            if self.options.fault_tolerance.keep_trajectory:
-                raise ValueError(
-                    "FaultTolerance(keep_trajectory=True) is built for the Trainer only: with Fabric each replica "
-                    "group reads its own share of the data. Leave keep_trajectory unset (or False) with Fabric, or "
-                    "train with the Trainer (docs/fault-tolerance.md)."
-                )
             # the step's quorum (and a heal) before the first forward of each step, ahead of FSDP's all-gather
             module.register_forward_pre_hook(self._begin_step, prepend=True)
         originals = self._shards.originals(module)

@@ -86,6 +86,16 @@ def test_fabric_refuses_trainer_only_options_saying_why(name: str) -> None:
         MiCSFabricStrategy(grad_accumulation="auto")
 
 
+def test_fabric_refuses_keep_trajectory_and_takes_fault_tolerance_without_it() -> None:
+    from lightning_mics import FaultTolerance
+
+    MiCSStrategy(fault_tolerance=FaultTolerance(keep_trajectory=True))  # the Trainer keeps the trajectory
+    with pytest.raises(ValueError, match="keep_trajectory=True\\) is built for the Trainer only"):
+        MiCSFabricStrategy(fault_tolerance=FaultTolerance(keep_trajectory=True))
+    MiCSFabricStrategy(fault_tolerance=FaultTolerance())  # unset: fixed shares with Fabric
+    MiCSFabricStrategy(fault_tolerance={"keep_trajectory": False})
+
+
 def test_lightning_cli_takes_fault_tolerance_as_true_or_its_fields() -> None:
     from lightning_mics import FaultTolerance
 
