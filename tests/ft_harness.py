@@ -98,6 +98,16 @@ def wait_for_step(path: Path, step: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def run_one_group(fn: Any, timeout: float) -> list[Any]:
+    """Group 0 alone with a Lighthouse of its own (``min_replicas=1``): ``fn(rank, 0, lighthouse_address)`` on
+    each of its ranks; their results."""
+    import tempfile
+
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        wait(start_group(0, out_dir, fn, address), timeout=timeout)
+        return read(out_dir, 0)
+
+
 def read(out_dir: str, group: int) -> list[Any]:
     return [torch.load(Path(out_dir) / f"group{group}_rank{r}.pt", weights_only=False) for r in range(GROUP_WORLD)]
 

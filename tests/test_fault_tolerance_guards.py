@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, start_group, wait
+from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, run_one_group, start_group, wait
 from toy import RunConfig, ToyModule
 
 from lightning_mics import FaultTolerance
@@ -120,10 +120,7 @@ def _alone(rank: int, group: int, address: str) -> dict[str, Any]:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_below_min_replica_groups_a_group_waits_its_bound_without_training_then_says_why() -> None:
-    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
-        wait(start_group(0, out_dir, _alone, address), timeout=90)
-        results = read(out_dir, 0)
-    for result in results:
+    for result in run_one_group(_alone, timeout=90):
         assert result["error"] is not None and result["error"].startswith("TooFewReplicaGroups"), result
         assert "1 replica group(s) live, min_replica_groups=2 required" in result["error"]
         assert result["committed"] == 0  # it never trained alone

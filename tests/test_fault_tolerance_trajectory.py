@@ -23,7 +23,16 @@ from typing import Any
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, start_group, wait, wait_for_step
+from ft_harness import (
+    GROUP_WORLD,
+    fault_tolerant_trainer,
+    lighthouse,
+    read,
+    run_one_group,
+    start_group,
+    wait,
+    wait_for_step,
+)
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset
 
@@ -313,10 +322,7 @@ def _refusals(rank: int, group: int, address: str) -> dict[str, str]:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_a_dataloader_iter_step_and_two_training_loaders_are_refused_naming_the_fix() -> None:
-    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
-        wait(start_group(0, out_dir, _refusals, address), timeout=150)
-        results = read(out_dir, 0)
-    for errors in results:
+    for errors in run_one_group(_refusals, timeout=150):
         assert "takes `dataloader_iter`" in errors["dataloader_iter"], errors
         assert "keep_trajectory=False" in errors["dataloader_iter"]
         assert "one training DataLoader; got 2" in errors["two_loaders"], errors
