@@ -32,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
 from lightning_mics.fault_tolerance import (
@@ -58,6 +59,7 @@ from lightning_mics.layout import (
 )
 from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import MiCSOptions
+from lightning_mics.semi_sync import SemiSync
 from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import WrapPlan, plan_wrapping
 
@@ -94,6 +96,8 @@ class MiCSEngine:
         self._training_data: Optional[TrajectoryDataLoader] = None
         #: optimizers whose gradients already crossed replicas this step (clipping came first)
         self._synced_before_step: set[int] = set()
+        #: with ``cross_replica_sync="diloco"``: the outer synchronisation of each optimizer's parameters
+        self.semi_sync = SemiSync()
         #: the background checkpoint writer with ``async_save``, else ``None``
         self.async_saver = ckpt.AsyncCheckpointSaver(options.timeout_delta) if options.async_save else None
         #: seconds the training loop spent in each checkpoint save (async: the copy to CPU memory)
@@ -170,6 +174,7 @@ class MiCSEngine:
             cross_replica_overlap=o.cross_replica_overlap,
             cpu_offload=o.cpu_offload,
             managed=o.fault_tolerance is not None,
+            sync_every=o.sync_every if o.cross_replica_sync == "diloco" else None,
         )
         if o.fault_tolerance is not None:
             replicas = settings.topology.replication_degree
@@ -216,6 +221,9 @@ class MiCSEngine:
         self._state_sharding.update(sharded)
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         if sharded or not modules:
+            return
+        if layout.settings.hop2.schedule == "diloco":  # no hop 2: an outer sync every H steps (semi_sync.py)
+            self._cross_replica.update(self.semi_sync.attach(optimizers, modules, layout, self.options.outer_optimizer))
             return
         syncs = []
         for module in modules:
@@ -355,6 +363,7 @@ class MiCSEngine:
         self._state_sharding.clear()
         self._cross_replica.clear()
         self._synced_before_step.clear()
+        self.semi_sync.detach()
 
     def step_hook(self, optimizer: Optimizer) -> Optional[StepHook]:
         return self._state_sharding.get(id(optimizer)) or self._cross_replica.get(id(optimizer))
@@ -409,13 +418,15 @@ class MiCSEngine:
     def model_state(self, module: nn.Module, device: torch.device) -> dict[str, Any]:
         """``module``'s state for a checkpoint, buffers synced first (one model, not a per-tensor mix of ranks)."""
         self.sync_buffers(module, device)
-        return ckpt.model_state_dict(module, full=self.options.save_full_state_dict)
+        state = ckpt.model_state_dict(module, full=self.options.save_full_state_dict)
+        return self.semi_sync.global_model_state(module, state) if self.semi_sync.active else state
 
     def optimizer_states(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> list[dict[str, Any]]:
         """The optimizers' states at the partition degree (one checkpoint format for every layout)."""
         with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=False):
             full = self.options.save_full_state_dict
-            return [ckpt.optimizer_state_dict(module, optimizer, full=full) for optimizer in optimizers]
+            states = [ckpt.optimizer_state_dict(module, optimizer, full=full) for optimizer in optimizers]
+        return self.semi_sync.replica_averaged(states) if self.semi_sync.active else states
 
     def save(self, path: Any, checkpoint: dict[str, Any]) -> None:
         """Write ``checkpoint`` (with states from :meth:`model_state` / :meth:`optimizer_states`). A collective.
@@ -425,6 +436,8 @@ class MiCSEngine:
             if not self.replica_group.writes_checkpoints:
                 return
             checkpoint[FAULT_TOLERANCE_KEY] = self.replica_group.state_dict()
+        if self.semi_sync.active:  # DiLoCo's outer state and each replica group's own states, with the shards
+            checkpoint[SHARDED_EXTRAS_KEY] = self.semi_sync.checkpoint_entries()
         started = time.perf_counter()
         layout = self.layout().checkpoint_layout
         ckpt.save(
@@ -448,6 +461,8 @@ class MiCSEngine:
             state = ckpt.load(
                 path, module, optimizers, strict, restore_rng=True, verify=self.options.checkpoint_verify, **kwargs
             )
+        if optimizers and self.semi_sync.active:
+            self.semi_sync.after_load(path)
         fault_tolerance = state.pop(FAULT_TOLERANCE_KEY, None)
         if fault_tolerance is not None and self.replica_group is not None:
             self.replica_group.load_state_dict(fault_tolerance)

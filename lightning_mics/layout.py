@@ -281,6 +281,8 @@ class LayoutSettings:
         hop2 = values.pop("hop2")
         values["cross_replica_overlap"] = hop2.overlapped
         values["fault_tolerance"] = hop2.managed
+        values["cross_replica_sync"] = "diloco" if hop2.schedule == "diloco" else "every_step"
+        values["sync_every"] = hop2.every if hop2.schedule == "diloco" else None
         return values
 
 
@@ -301,12 +303,14 @@ def resolve_layout(
     plan_layout: Optional[LayoutPlanner] = None,
     cross_replica_overlap: bool = False,
     managed: bool = False,
+    sync_every: Optional[int] = None,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
     given -- without creating any process group (:func:`build_layout` creates them), so that a
     strategy can compare it with the layout of a model sharded before. ``managed``: hop 2 runs through
-    torchft across replica groups (``fault_tolerance``); who runs hop 2 is decided here, once."""
+    torchft across replica groups (``fault_tolerance``); ``sync_every``: DiLoCo's H (``cross_replica_sync=
+    "diloco"``), ``None`` for a hop 2 every step. Who runs hop 2 is decided here, once."""
     planner_reason = None
     if sharding == "auto" or (sharding is None and partition_size == "auto") or grad_accumulation == "auto":
         if plan_layout is None:
@@ -349,6 +353,7 @@ def resolve_layout(
             cross_replica_overlap=cross_replica_overlap,
             offloaded=offload is not None,
             managed=managed,
+            sync_every=sync_every,
         ),
         planner_reason=planner_reason,
         cpu_offload=offload,

@@ -35,6 +35,7 @@ from lightning_mics.fault_tolerance.config import FaultTolerance
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 from lightning_mics.offload import CPUOffloadOption, check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
+from lightning_mics.semi_sync import CrossReplicaSync, OuterOptimizerFactory, check_semi_sync_options
 from lightning_mics.sharding_spec import ShardingSpec
 from lightning_mics.topology import PartitionSizeSpec
 from lightning_mics.wire import resolve_wire_format
@@ -111,6 +112,25 @@ class MiCSOptions:
     transfer across nodes runs while backward computes the earlier units (DDP's buckets, with units as the
     buckets); the optimizer step waits for it. ``False``: FSDP2's own hop 2 on its 2-D mesh, which blocks the
     backward where there are no CUDA streams (CPU ranks), and a compressed hop 2 after backward."""
+
+    cross_replica_sync: CrossReplicaSync = "every_step"
+    """How often replica groups synchronise. ``"every_step"``: hop 2 all-reduces the gradients at every
+    optimizer step, which equals plain data-parallel training. ``"diloco"``: semi-synchronous replica groups
+    (DiLoCo, Douillard et al. 2023) for links too slow for a per-step hop 2 -- nothing crosses replicas on
+    inner steps (gradients are still reduce-scattered inside the partition); every ``sync_every`` optimizer
+    steps the groups average their parameter deltas and ``outer_optimizer`` applies them. Not equivalent to
+    synchronous training for ``sync_every > 1`` (docs/semi-sync.md)."""
+
+    sync_every: Optional[int] = None
+    """With ``cross_replica_sync="diloco"`` (needed there, refused otherwise): optimizer steps each replica
+    group takes on its own between two outer synchronisations (DiLoCo's H; the paper used 500). The bytes
+    crossing replicas per optimizer step are divided by it."""
+
+    outer_optimizer: Optional[OuterOptimizerFactory] = None
+    """With ``cross_replica_sync="diloco"``: a callable that builds the outer optimizer from a list of
+    tensors (the last-synchronised parameter shards), e.g. ``functools.partial(torch.optim.SGD, lr=0.7,
+    momentum=0.9, nesterov=True)`` -- DiLoCo's, which ``None`` stands for. It steps on the replica-averaged
+    pseudo-gradient (last-synchronised minus current parameters), element-wise on each rank's shards."""
 
     activation_checkpointing_policy: AutoWrapPolicy = None
     """Recompute activations in backward for these modules: ``True`` = every wrapped block; module classes
@@ -244,6 +264,7 @@ class MiCSOptions:
             )
         check_planner_cluster(self.planner_cluster, plans=self.plans_anything)
         check_cpu_offload_option(self.cpu_offload, self.cross_replica_dtype, self.fault_tolerance, sharding)
+        check_semi_sync_options(self)
 
     @property
     def plans_anything(self) -> bool:

@@ -35,7 +35,7 @@ def config(*overrides: str) -> DictConfig:
 
 
 def test_every_group_has_its_options() -> None:
-    assert options("strategy") == ["fsdp_hybrid", "mics", "mics_auto", "replicate", "zero3"]
+    assert options("strategy") == ["fsdp_hybrid", "mics", "mics_auto", "mics_diloco", "replicate", "zero3"]
     assert {"gpt_tiny", "gpt_small", "gpt_xl"} <= set(options("model"))
     assert options("trainer") == ["cpu", "gpu"]
     assert "pydoc" in options("data")
@@ -61,6 +61,29 @@ def test_mics_auto_option_plans_the_layout_for_the_measured_cluster() -> None:
     strategy = instantiate(config("strategy=mics_auto").strategy, _convert_="all")
     assert isinstance(strategy, MiCSStrategy) and strategy.partition_size_spec is None
     assert (strategy.sharding, strategy.grad_accumulation_spec, strategy.planner_cluster) == ("auto", "auto", "calibrate")
+
+
+def test_mics_diloco_option_with_overrides_for_h_and_the_outer_optimizer() -> None:
+    strategy = instantiate(config("strategy=mics_diloco").strategy, _convert_="all")
+    assert (strategy.options.cross_replica_sync, strategy.options.sync_every) == ("diloco", 8)
+    outer = strategy.options.outer_optimizer([torch.zeros(2, requires_grad=True)])
+    assert isinstance(outer, torch.optim.SGD)
+    assert {k: outer.defaults[k] for k in ("lr", "momentum", "nesterov")} == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    strategy = instantiate(
+        config(
+            "strategy=mics_diloco",
+            "strategy.sync_every=32",
+            "strategy.outer_optimizer.lr=0.5",
+            "strategy.cross_replica_dtype=bf16",
+        ).strategy,
+        _convert_="all",
+    )
+    assert strategy.options.sync_every == 32 and strategy.cross_replica_dtype == torch.bfloat16
+    assert strategy.options.outer_optimizer([torch.zeros(2, requires_grad=True)]).defaults["lr"] == 0.5
+    strategy = instantiate(config("strategy=mics_diloco", "strategy.outer_optimizer=null").strategy, _convert_="all")
+    assert strategy.options.outer_optimizer is None  # DiLoCo's default outer optimizer
+    with pytest.raises(Exception, match="sync_every must be a positive int"):
+        instantiate(config("strategy=mics_diloco", "strategy.sync_every=0").strategy, _convert_="all")
 
 
 def test_amsp_sharding_spec_and_gpu_options_from_the_command_line() -> None:

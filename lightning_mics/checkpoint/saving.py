@@ -38,6 +38,7 @@ from lightning_mics.checkpoint.format import (
     MODEL_KEY,
     OPTIMIZERS_KEY,
     RNG_DIR,
+    SHARDED_EXTRAS_KEY,
     TRAINER_STATE_FILE,
     CheckpointError,
     CheckpointLayout,
@@ -121,12 +122,18 @@ def save(
     checkpoint = dict(checkpoint)
     model_state = checkpoint.pop("state_dict", {})
     optimizer_states = checkpoint.pop("optimizer_states", None)
+    extras = checkpoint.pop(SHARDED_EXTRAS_KEY, None)
     world = coordination.world_size()
     layout = layout or CheckpointLayout(world, world, world)
     if full:
+        if extras:
+            raise CheckpointError(
+                f"This run's checkpoint holds sharded states beyond the model and optimizers ({sorted(extras)}), "
+                "which only a sharded checkpoint keeps: save without save_full_state_dict=True."
+            )
         _save_full(target, checkpoint, model_state, optimizer_states, layout)
     else:
-        _save_sharded(target, checkpoint, model_state, optimizer_states, layout, saver, keep_previous)
+        _save_sharded(target, checkpoint, model_state, optimizer_states, layout, saver, keep_previous, extras)
 
 
 def _agree_on_plan(
@@ -159,12 +166,15 @@ def _save_sharded(
     layout: CheckpointLayout,
     saver: Optional[AsyncCheckpointSaver],
     keep_previous: bool = False,
+    extras: Optional[dict[str, Any]] = None,
 ) -> None:
     group = saver.group() if saver is not None else None
     plan, safe_state = _agree_on_plan(target, trainer_state, full=False, keep_previous=keep_previous)
     payload: dict[str, Any] = {MODEL_KEY: model_state}
     if optimizer_states:
         payload[OPTIMIZERS_KEY] = {str(i): state for i, state in enumerate(optimizer_states)}
+    if extras:
+        payload[SHARDED_EXTRAS_KEY] = extras
     record = CommitRecord(
         data=plan.data_name,
         layout=layout,

@@ -19,6 +19,10 @@ The schedules:
   fault-tolerant hop without overlap.
 * ``"optimizer_states"`` -- AMSP ``optim > grads``: the gradient shards are reduce-scattered into the
   optimizer-state slices across replicas (:class:`lightning_mics.optim_sharding.ReplicaShardedOptimizerStates`).
+* ``"diloco"`` -- semi-synchronous replica groups (``cross_replica_sync="diloco"``): no hop 2 on any step;
+  every :attr:`Hop2.every` optimizer steps the replicas average their parameter deltas and an outer optimizer
+  applies them (:mod:`lightning_mics.semi_sync`). FSDP2 shards on the partition alone, as for the engine's
+  schedules.
 
 The transport -- the replication process group or torchft's Manager (``managed``) -- is orthogonal to the
 schedule: the engine's two schedules run over either (:mod:`lightning_mics.hop2.transport`).
@@ -27,9 +31,9 @@ schedule: the engine's two schedules run over either (:mod:`lightning_mics.hop2.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Optional
 
-Hop2Schedule = Literal["none", "fsdp", "behind_backward", "after_backward", "optimizer_states"]
+Hop2Schedule = Literal["none", "fsdp", "behind_backward", "after_backward", "optimizer_states", "diloco"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Hop2:
     schedule: Hop2Schedule = "fsdp"
     #: through torchft's Manager across replica groups (``fault_tolerance``), not the replication group
     managed: bool = False
+    #: optimizer steps per synchronisation across replicas: DiLoCo's H (``sync_every``) with ``"diloco"``, else 1
+    every: int = 1
 
     @property
     def overlapped(self) -> bool:
@@ -68,6 +74,8 @@ class Hop2:
             "behind_backward": "per FSDP unit, started as its gradients are final, behind the boundary backward",
             "after_backward": "once after the boundary backward",
             "optimizer_states": "reduce-scatter into the optimizer-state slices across replicas (AMSP)",
+            "diloco": f"none on inner steps; every {self.every} optimizer steps the replicas average their "
+            "parameter deltas and the outer optimizer applies them (DiLoCo)",
         }[self.schedule]
         return where + (", through torchft across replica groups" if self.managed else "")
 
@@ -86,10 +94,26 @@ def decide_hop2(
     cross_replica_overlap: bool,
     offloaded: bool,
     managed: bool,
+    sync_every: Optional[int] = None,
 ) -> Hop2:
     """The one rule (module docstring). ``replicas``: the replication degree inside this world;
     ``managed``: replica groups are separate worlds joined by torchft (``fault_tolerance``), so hop 2 runs
-    whatever ``replicas`` says."""
+    whatever ``replicas`` says; ``sync_every``: DiLoCo's H (``cross_replica_sync="diloco"``), ``None`` for a
+    hop 2 at every step. DiLoCo keeps its schedule with one replica too: the outer optimizer still steps (on
+    that replica's own delta), so the numbers do not depend on how many replicas there are."""
+    if sync_every is not None:
+        if optim_beyond_partition:
+            raise ValueError(
+                "cross_replica_sync='diloco' cannot shard optimizer states across replicas (ShardingSpec optim > "
+                "grads): each replica group steps its own inner optimizer between outer syncs. Use optim <= grads "
+                "(or partition_size=...), or cross_replica_sync='every_step'."
+            )
+        if managed:
+            raise ValueError(
+                "cross_replica_sync='diloco' with fault_tolerance is not built yet: drop one of the two "
+                "(docs/semi-sync.md)."
+            )
+        return Hop2("diloco", every=sync_every)
     if optim_beyond_partition:
         return Hop2("optimizer_states", managed)
     if replicas == 1 and not managed:

@@ -1,0 +1,472 @@
+"""Semi-synchronous replica groups (``cross_replica_sync="diloco"``): DiLoCo across partition groups.
+
+Why: MiCS keeps every all-gather and reduce-scatter inside a partition group, but a synchronous run still
+pays one full-gradient all-reduce across groups (hop 2) per optimizer step. Where the groups sit in different
+zones or regions that hop dominates the step. DiLoCo (Douillard et al., 2023) lets each group take ``H`` steps
+with its own (inner) optimizer and then averages the groups' *pseudo-gradients* -- the parameter deltas since
+the last synchronisation -- which an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 in the paper)
+applies. A partition group is a DiLoCo worker: FSDP2 shards inside it as always, and only the outer
+synchronisation crosses the slow links, ``1/H`` of the synchronous bytes per step.
+
+What runs (the layout's hop 2 is ``"diloco"``, decided once by :func:`lightning_mics.hop2.decide_hop2`):
+
+* inner steps: nothing crosses replicas -- FSDP2 shards on the partition alone, the gradients are reduce-
+  scattered inside it (each group's gradient is the mean over its own data), clipping uses the group's own
+  norm, and the inner optimizer steps each group's shards;
+* after every ``H``-th optimizer step (:meth:`OuterSync.after_step`, the engine's step hook): on each rank,
+  ``pseudo-gradient = last synchronised - current`` over its local shards, packed into one message and
+  averaged across the replication group (the mesh's replicate dimension, through the hop-2 transport, so a
+  compressed ``cross_replica_dtype`` applies to it too); the outer optimizer steps the last-synchronised copy
+  with that average as its gradient, and the result is written into the parameters and becomes the new
+  last-synchronised copy. Every replica then holds the same parameters again.
+
+This is torchft's ``DiLoCo`` (``torchft/local_sgd.py``: restore the global parameters, set the averaged
+pseudo-gradients as their gradients, step the outer optimizer, save them) without the fault-tolerant Manager,
+written for sharded parameters: the outer optimizer's parameters are the DTensor copies of the shards, so an
+element-wise outer optimizer (SGD, Nesterov, Adam) gives the numbers an unsharded one would.
+
+Checkpoints (:meth:`SemiSync.checkpoint_entries`, :meth:`SemiSync.after_load`): between two synchronisations the
+replicas differ -- their parameters and their inner optimizer states -- so a checkpoint's usual entries, which
+DCP writes once per shard from whichever replica it picks, would mix them. Instead the model entry holds the
+last-synchronised parameters (the global model: what evaluation, export and any other layout load), the
+optimizer entries the inner states averaged over the replicas, and the sharded extras (saved with the shards
+under :data:`~lightning_mics.checkpoint.format.SHARDED_EXTRAS_KEY`) the outer optimizer's state, the inner-step
+count and each replica group's own parameters and inner optimizer states under its index. Resuming with the
+same layout restores all of it, so the run goes on exactly as if uninterrupted; another layout resumes from the
+global model with averaged inner states.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from lightning_mics.layout import MiCSLayout
+    from lightning_mics.options import MiCSOptions
+
+log = logging.getLogger("lightning_mics")
+
+#: ``cross_replica_sync``: a hop 2 at every optimizer step, or DiLoCo's outer synchronisation every ``sync_every``.
+CrossReplicaSync = Literal["every_step", "diloco"]
+CROSS_REPLICA_SYNC_MODES: tuple[str, ...] = ("every_step", "diloco")
+
+#: ``outer_optimizer``: builds the outer optimizer from the last-synchronised parameter shards.
+OuterOptimizerFactory = Callable[[list[Tensor]], Optimizer]
+
+#: DiLoCo's outer optimizer (Douillard et al., 2023, and torchft's examples): Nesterov SGD.
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9
+
+#: The extras' entry this module owns (under ``SHARDED_EXTRAS_KEY``).
+EXTRAS_ENTRY = "diloco"
+
+
+def default_outer_optimizer(params: list[Tensor]) -> Optimizer:
+    """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
+    return torch.optim.SGD(params, lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
+
+
+def check_semi_sync_options(options: MiCSOptions) -> None:
+    """One clear error per option that does not fit ``cross_replica_sync`` (called when the options are made)."""
+    mode = options.cross_replica_sync
+    if mode not in CROSS_REPLICA_SYNC_MODES:
+        raise ValueError(
+            f"cross_replica_sync={mode!r} is not one of {list(CROSS_REPLICA_SYNC_MODES)}: 'every_step' (hop 2 every "
+            "optimizer step, synchronous) or 'diloco' (replica groups synchronise every sync_every steps)."
+        )
+    if mode != "diloco":
+        given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica groups: add "
+                "cross_replica_sync='diloco', or drop them."
+            )
+        return
+    every = options.sync_every
+    if every is None:
+        raise ValueError(
+            "cross_replica_sync='diloco' needs sync_every=H, the optimizer steps each replica group takes on its own "
+            "between outer synchronisations (DiLoCo used 500; at 1 it is synchronous training with an outer step)."
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"sync_every must be a positive int (optimizer steps between outer syncs), got {every!r}.")
+    if options.outer_optimizer is not None and not callable(options.outer_optimizer):
+        raise TypeError(
+            "outer_optimizer must be a callable that builds an optimizer from a list of tensors, e.g. "
+            f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {options.outer_optimizer!r}."
+        )
+    refused = {
+        "fault_tolerance": (
+            options.fault_tolerance is not None,
+            "fault-tolerant DiLoCo (through torchft's Manager) is not built yet",
+        ),
+        "sharding='auto'": (
+            options.sharding == "auto",
+            "the planner may shard optimizer states across replicas, which DiLoCo cannot (each group steps its own "
+            "inner optimizer); use partition_size='auto' or an explicit ShardingSpec with optim <= grads",
+        ),
+        "cpu_offload": (options.cpu_offload not in (False, None), "offloaded shards are not built for DiLoCo yet"),
+        "save_full_state_dict=True": (
+            options.save_full_state_dict,
+            "the replicas' own parameters and inner optimizer states are kept in sharded checkpoints only",
+        ),
+    }
+    for name, (applies, why) in refused.items():
+        if applies:
+            raise ValueError(f"cross_replica_sync='diloco' cannot be combined with {name}: {why}. Drop one of the two.")
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's elements of ``t`` (a DTensor's local shard, sharing its storage), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(local: Tensor, like: Tensor) -> Tensor:
+    """``local`` as a tensor laid out like ``like`` (a DTensor with its mesh and placements, or plain)."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
+class OuterSync:
+    """DiLoCo for the parameters one (inner) optimizer steps: the engine's step hook for that optimizer.
+
+    ``names``/``params``: the parameters (by their name in the model) the inner optimizer updates;
+    ``transport``: the replication group's hop-2 transport (``None`` with one replica); ``every``: H."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        params: Sequence[Tensor],
+        transport: Any,
+        every: int,
+        factory: Optional[OuterOptimizerFactory],
+    ) -> None:
+        self.names = list(names)
+        self.params = list(params)
+        self.transport = transport
+        self.every = every
+        with torch.no_grad():
+            #: the last-synchronised parameters (DTensors placed like the parameters): the outer optimizer's
+            self.anchors = [p.detach().clone() for p in self.params]
+        self.outer = (factory or default_outer_optimizer)(self.anchors)
+        if not isinstance(self.outer, Optimizer):
+            raise TypeError(
+                f"outer_optimizer must return a torch.optim.Optimizer over the tensors it is given, got "
+                f"{type(self.outer).__name__}."
+            )
+        #: optimizer steps since the last outer synchronisation
+        self.inner_steps = 0
+        #: outer synchronisations run (for tests and logs)
+        self.outer_steps = 0
+
+    def before_step(self) -> None:
+        """Nothing crosses replicas before an inner step."""
+
+    def after_step(self) -> None:
+        """Count the inner step; after the H-th, synchronise the replicas."""
+        self.inner_steps += 1
+        if self.inner_steps >= self.every:
+            self.synchronise()
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> Tensor:
+        """This rank's ``last synchronised - current`` over its shards, as one flat fp32-or-parameter-dtype message
+        (the same offsets on every replica of these shards: they hold equal shapes)."""
+        pieces = [(_local(a) - _local(p)).reshape(-1) for a, p in zip(self.anchors, self.params)]
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    @torch.no_grad()
+    def synchronise(self) -> None:
+        """The outer step (module docstring): average the pseudo-gradients across replicas, step the outer
+        optimizer on the last-synchronised copy, write the result into the parameters."""
+        flat = self.pseudo_gradient()
+        if self.transport is not None and self.transport.active:
+            self.transport.start_average(flat).wait()
+        offset = 0
+        for anchor in self.anchors:
+            local = _local(anchor)
+            piece = flat[offset : offset + local.numel()].view(local.shape)
+            anchor.grad = _like(piece.to(local.dtype), anchor)
+            offset += local.numel()
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        for anchor, param in zip(self.anchors, self.params):
+            _local(param).copy_(_local(anchor))
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    @torch.no_grad()
+    def restart_from_parameters(self) -> None:
+        """The parameters (just loaded) become the last-synchronised copy; a new round starts."""
+        for anchor, param in zip(self.anchors, self.params):
+            _local(anchor).copy_(_local(param))
+        self.inner_steps = 0
+
+    def outer_state(self) -> dict[str, dict[str, Tensor]]:
+        """The outer optimizer's per-parameter state by parameter name (DTensors where the anchors are): the form
+        DCP reshards. Its hyperparameters are the options', not saved."""
+        by_anchor = {id(a): name for name, a in zip(self.names, self.anchors)}
+        return {
+            by_anchor[id(anchor)]: dict(state)
+            for anchor, state in self.outer.state.items()
+            if id(anchor) in by_anchor and state
+        }
+
+
+class SemiSync:
+    """The DiLoCo state of one run -- an :class:`OuterSync` per inner optimizer -- and its checkpoint entries. The
+    engine holds one; :meth:`attach` makes the step hooks."""
+
+    def __init__(self) -> None:
+        #: in the order the optimizers were attached (the same on every rank and in a resumed run)
+        self.syncs: list[OuterSync] = []
+        self._optimizers: list[Optimizer] = []
+        self._module: Optional[nn.Module] = None
+        self._replica = 0
+        self._layout_key = (1, 1)
+        self._group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.syncs)
+
+    def attach(
+        self,
+        optimizers: Sequence[Optimizer],
+        modules: Sequence[nn.Module],
+        layout: MiCSLayout,
+        factory: Optional[OuterOptimizerFactory],
+    ) -> dict[int, OuterSync]:
+        """One :class:`OuterSync` per optimizer, over the parameters it steps (all of them in ``modules``' one
+        model); returns them by ``id(optimizer)`` for the engine's step hooks."""
+        from lightning_mics.hop2.transport import ProcessGroupTransport
+        from lightning_mics.wrapping import RootUnit
+
+        if len(modules) != 1:
+            raise ValueError(
+                f"cross_replica_sync='diloco' synchronises one model per optimizer; this optimizer steps parameters of "
+                f"{len(modules)} models. Combine them into one module (or give each model its own optimizer)."
+            )
+        (module,) = modules
+        if isinstance(module, RootUnit):  # the Trainer's wrapper: names as the LightningModule's checkpoints have them
+            module = module.module
+        if self._module is not None and module is not self._module:
+            raise ValueError(
+                "cross_replica_sync='diloco' checkpoints one model's replicas: set up one model with this strategy."
+            )
+        self._module = module
+        settings = layout.settings
+        mesh = layout.device_mesh
+        transport = None
+        if mesh.ndim == 2:
+            self._group = mesh.get_group(0)
+            self._replica = mesh.get_local_rank(0)
+            transport = ProcessGroupTransport(self._group, settings.cross_replica_wire)
+        self._layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
+        name_of = {id(p): name for name, p in module.named_parameters()}
+        hooks: dict[int, OuterSync] = {}
+        for optimizer in optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            unknown = [p for p in params if id(p) not in name_of]
+            if unknown:
+                raise ValueError(
+                    f"cross_replica_sync='diloco': the optimizer steps {len(unknown)} tensor(s) that are not parameters "
+                    "of the model set up with it; DiLoCo synchronises the model's parameters only."
+                )
+            sync = OuterSync([name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory)
+            self.syncs.append(sync)
+            self._optimizers.append(optimizer)
+            hooks[id(optimizer)] = sync
+        return hooks
+
+    def detach(self) -> None:
+        self.syncs.clear()
+        self._optimizers.clear()
+        self._module = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def global_model_state(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+        """``module``'s checkpoint state with the last-synchronised parameters in place of the replica's current
+        ones: every replica saves the same model (the global one), so DCP's choice of writer does not matter."""
+        anchor_of = {id(p): a for sync in self.syncs for p, a in zip(sync.params, sync.anchors)}
+        named = dict(module.named_parameters(remove_duplicate=False))
+        return {
+            key: anchor_of[id(named[key])] if key in named and id(named[key]) in anchor_of else value
+            for key, value in state.items()
+        }
+
+    @torch.no_grad()
+    def replica_averaged(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Inner optimizer states (name-keyed) with every floating-point tensor averaged over the replicas (one
+        message per optimizer), so that the checkpoint's optimizer entry is one state, not DCP's per-shard mix."""
+        if self._group is None:
+            return states
+        replicas = self._group.size()
+        out = []
+        for state in states:
+            per_param = state.get("state", {})
+            slots = [
+                (name, key, value)
+                for name in sorted(per_param)
+                for key, value in sorted(per_param[name].items())
+                if isinstance(value, Tensor) and value.is_floating_point()
+            ]
+            if not slots:
+                out.append(state)
+                continue
+            flat = torch.cat([_local(value).detach().reshape(-1).float() for _, _, value in slots])
+            dist.all_reduce(flat, group=self._group)
+            flat.div_(replicas)
+            averaged = {name: dict(entries) for name, entries in per_param.items()}
+            offset = 0
+            for name, key, value in slots:
+                local = _local(value)
+                piece = flat[offset : offset + local.numel()].view(local.shape).to(local.dtype)
+                averaged[name][key] = _like(piece, value)
+                offset += local.numel()
+            out.append({**state, "state": averaged})
+        return out
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """What a sharded checkpoint keeps beside the global model (module docstring)."""
+        from lightning_mics.checkpoint import optimizer_state_dict
+
+        assert self._module is not None
+        replicas, partition = self._layout_key
+        return {EXTRAS_ENTRY: {
+            "layout": torch.tensor([replicas, partition]),
+            "inner_steps": torch.tensor([sync.inner_steps for sync in self.syncs]),
+            "outer": {str(i): sync.outer_state() for i, sync in enumerate(self.syncs)},
+            "replica": {
+                str(self._replica): {
+                    "params": {name: p.detach() for sync in self.syncs for name, p in zip(sync.names, sync.params)},
+                    "optimizers": {
+                        str(i): optimizer_state_dict(self._module, optimizer)
+                        for i, optimizer in enumerate(self._optimizers)
+                    },
+                }
+            },
+        }}
+
+    @torch.no_grad()
+    def after_load(self, path: str) -> None:
+        """After the checkpoint's model (the global one) and averaged inner states were loaded: those parameters are
+        the last-synchronised copy; then the outer state and step count, and -- same layout -- this replica group's
+        own parameters and inner optimizer states (module docstring). A collective."""
+        from lightning_mics.checkpoint.format import METADATA_FILE, SHARDED_EXTRAS_KEY
+        from lightning_mics.checkpoint.loading import _saved_shapes, open_checkpoint, read_dcp
+        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner, read_metadata
+
+        for sync in self.syncs:
+            sync.restart_from_parameters()
+        info, _ = open_checkpoint(Path(path))
+        if info.kind != "sharded" or info.data_dir is None:
+            return  # a full file: a new round from its parameters
+        saved = _saved_shapes(read_metadata(info.data_dir / METADATA_FILE))
+        root = (SHARDED_EXTRAS_KEY, EXTRAS_ENTRY)
+        if (*root, "inner_steps") not in saved:
+            return  # a synchronous run's checkpoint: a new round from its parameters
+        template: dict[str, Any] = {
+            "layout": torch.zeros(2, dtype=torch.int64),
+            "inner_steps": torch.zeros(len(self.syncs), dtype=torch.int64),
+        }
+        if saved[(*root, "inner_steps")] != (len(self.syncs),):
+            raise ValueError(
+                f"{path} holds DiLoCo state for {saved[(*root, 'inner_steps')]} optimizer(s), this run has "
+                f"{len(self.syncs)}: it was saved with another `configure_optimizers`."
+            )
+        template["outer"] = {str(i): self._outer_template(i, sync, saved, root) for i, sync in enumerate(self.syncs)}
+        read_dcp(info.data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: template}}, SafeLoadPlanner())
+        for sync, steps, outer in zip(self.syncs, template["inner_steps"].tolist(), template["outer"].values()):
+            sync.inner_steps = int(steps)
+            anchor_of = dict(zip(sync.names, sync.anchors))
+            for name, state in outer.items():
+                sync.outer.state[anchor_of[name]] = state
+        if tuple(template["layout"].tolist()) != self._layout_key:
+            log.info(
+                "DiLoCo: %s was saved by %s replica(s) of partition %s, this run has %s of %s: every replica group "
+                "resumes from the last-synchronised model and the replica-averaged inner optimizer states",
+                path, *template["layout"].tolist(), *self._layout_key,
+            )
+            return
+        self._load_own_replica(info.data_dir, root)
+
+    def _outer_template(
+        self, index: int, sync: OuterSync, saved: Mapping[tuple[str, ...], Any], root: tuple[str, ...]
+    ) -> dict[str, dict[str, Tensor]]:
+        """Tensors to read the saved outer state into: placed like the anchors where the saved entry has the
+        parameter's shape, plain otherwise (a step count). Built from the checkpoint's metadata, since an outer
+        optimizer that has not stepped yet has no state to copy the layout from."""
+        prefix = (*root, "outer", str(index))
+        anchor_of = dict(zip(sync.names, sync.anchors))
+        template: dict[str, dict[str, Tensor]] = {}
+        for key, shape in saved.items():
+            if key[: len(prefix)] != prefix or len(key) != len(prefix) + 2 or shape is None:
+                continue
+            name, slot = key[len(prefix)], key[len(prefix) + 1]
+            anchor = anchor_of.get(name)
+            if anchor is None:
+                raise ValueError(f"The checkpoint's outer optimizer state names {name!r}, which this model does not train.")
+            if shape == tuple(anchor.shape):
+                value = torch.empty_like(anchor)
+            else:
+                value = torch.zeros(shape, device=_local(anchor).device if shape else "cpu")
+            template.setdefault(name, {})[slot] = value
+        return template
+
+    def _load_own_replica(self, data_dir: Path, root: tuple[str, ...]) -> None:
+        """This replica group's own parameters and inner optimizer states (saved under its index)."""
+        from lightning_mics.checkpoint import optimizer_state_dict
+        from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
+        from lightning_mics.checkpoint.loading import _fresh_like, read_dcp
+        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        assert self._module is not None
+        params = {name: p for sync in self.syncs for name, p in zip(sync.names, sync.params)}
+        own: dict[str, Any] = {
+            "params": {name: torch.empty_like(p.detach()) for name, p in params.items()},
+            "optimizers": {
+                str(i): _fresh_like(optimizer_state_dict(self._module, optimizer))
+                for i, optimizer in enumerate(self._optimizers)
+            },
+        }
+        read_dcp(data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}, SafeLoadPlanner())
+        for name, value in own["params"].items():
+            _local(params[name]).copy_(_local(value))
+        for i, optimizer in enumerate(self._optimizers):
+            set_optimizer_state_dict(self._module, optimizer, own["optimizers"][str(i)])
+
+
+def describe_outer_optimizer(factory: Optional[OuterOptimizerFactory]) -> str:
+    """For logs: DiLoCo's default or the callable given."""
+    if factory is None:
+        return f"SGD(lr={DILOCO_OUTER_LR}, momentum={DILOCO_OUTER_MOMENTUM}, nesterov=True) (DiLoCo's)"
+    if isinstance(factory, partial):
+        arguments = ", ".join(f"{k}={v!r}" for k, v in factory.keywords.items())
+        return f"{getattr(factory.func, '__name__', factory.func)}({arguments})"
+    return getattr(factory, "__name__", repr(factory))
+
+
+__all__ = [
+    "CROSS_REPLICA_SYNC_MODES",
+    "CrossReplicaSync",
+    "OuterOptimizerFactory",
+    "OuterSync",
+    "SemiSync",
+    "check_semi_sync_options",
+    "default_outer_optimizer",
+    "describe_outer_optimizer",
+]
