@@ -319,7 +319,7 @@ class MiCSEngine:
         (:mod:`~lightning_mics.fault_tolerance.trajectory`); else ``loader`` itself."""
         self._training_data = None
         ft = self.options.fault_tolerance
-        if ft is None or ft.keep_trajectory is False:
+        if ft is None or not ft.trainer_keeps_trajectory:
             return loader
         ft = ft.resolved()
         assert ft.num_replica_groups is not None and ft.replica_group is not None

@@ -173,7 +173,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         state_fn, load_fn, self._step_counters = ft.trainer_state_hooks(trainer, module, optimizers, schedulers)
         run = ft.run_configuration(
             self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers, schedulers
-        ) | {"keep_trajectory": self.options.fault_tolerance.keep_trajectory is not False}
+        ) | {"keep_trajectory": self.options.fault_tolerance.trainer_keeps_trajectory}
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
 
     @override
@@ -183,7 +183,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.options.fault_tolerance is None:
             return dataloader
-        if self.options.fault_tolerance.keep_trajectory is not False and is_param_in_hook_signature(
+        if self.options.fault_tolerance.trainer_keeps_trajectory and is_param_in_hook_signature(
             self.lightning_module.training_step, "dataloader_iter", explicit=True
         ):
             raise ValueError(

@@ -72,6 +72,12 @@ class FaultTolerance:
                 "steps."
             )
 
+    @property
+    def trainer_keeps_trajectory(self) -> bool:
+        """Whether the Trainer's training data keeps its trajectory: unless ``keep_trajectory=False``. (Fabric
+        keeps fixed shares and refuses ``True``: :meth:`MiCSOptions.refuse_trainer_only`.)"""
+        return self.keep_trajectory is not False
+
     def resolved(self) -> FaultTolerance:
         """The options with the environment's values filled in; one clear error for what is missing."""
         lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
