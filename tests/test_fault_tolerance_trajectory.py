@@ -215,6 +215,8 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
             if not fail and manager.num_participants() == 1 and self.was_together:
                 Path(marks, f"group{group}_rank{rank}.alone").write_text(str(manager.current_step()))
                 time.sleep(1.5)
+            elif manager.num_participants() == 1 and not self.was_together:
+                time.sleep(0.5)  # the first group up waits for the other, or it may reach the end before the kill
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
     record = Record()
