@@ -144,6 +144,7 @@ class MiCSEngine:
         module ``plan_for`` (``None``: nothing to plan with). No process group is created yet."""
         assert self.backend is not None, "join_world() runs first"
         o, world_size = self.options, strategy.world_size
+        sync_every = o.sync_every if o.cross_replica_sync == "diloco" else None
         planner = None
         if plan_for is not None:
             planner = layout_planner(
@@ -157,6 +158,7 @@ class MiCSEngine:
                 planner_cluster=o.planner_cluster,
                 cross_replica_overlap=o.cross_replica_overlap,
                 cpu_offload=o.cpu_offload,
+                sync_every=sync_every,
             )
         settings = resolve_layout(
             world_size=world_size,
@@ -174,7 +176,7 @@ class MiCSEngine:
             cross_replica_overlap=o.cross_replica_overlap,
             cpu_offload=o.cpu_offload,
             managed=o.fault_tolerance is not None,
-            sync_every=o.sync_every if o.cross_replica_sync == "diloco" else None,
+            sync_every=sync_every,
         )
         if o.fault_tolerance is not None:
             replicas = settings.topology.replication_degree

@@ -331,7 +331,6 @@ def resolve_layout(
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
         grad_accumulation, planner_reason = "unsharded", planner_reason or ONE_RANK_PARTITION_REASON
-    optim_beyond_partition = optim_degree is not None and optim_degree > topology.partition_size
     offload = _checked_step_hooks(optim_degree, topology.partition_size, cross_replica_wire, cpu_offload, device_type)
     optim_beyond_partition = optim_degree is not None and optim_degree > topology.partition_size
     return LayoutSettings(
@@ -443,12 +442,14 @@ def layout_planner(
     planner_cluster: PlannerCluster = None,
     cpu_offload: CPUOffloadOption = False,
     cross_replica_overlap: bool = True,
+    sync_every: Optional[int] = None,
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
     :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``.
     ``planner_cluster``: what the planner assumes about the cluster (:mod:`lightning_mics.planner.live`;
     ``"calibrate"`` measures it here, collectively). ``cpu_offload``: only what stays on the device counts
-    against its memory; the PCIe copies and the host optimizer step count in time."""
+    against its memory; the PCIe copies and the host optimizer step count in time. ``sync_every``: DiLoCo's H
+    (the cross-replica average priced once every H steps, and optimizer states kept inside the partition)."""
     offloading = offload_policy(cpu_offload) is not None
 
     def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
@@ -469,6 +470,7 @@ def layout_planner(
             cluster=cluster,
             cpu_offload=offloading,
             cross_replica_overlap=hop2_can_overlap(cross_replica_overlap, offloading),  # as resolve_layout decides
+            sync_every=sync_every,
         )
         if log is not None:
             chosen = choice.estimate

@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp32",
         help="wire format of the cross-replica hop (int8: blockwise, 1 byte + a 4-byte scale per block)",
     )
+    search.add_argument(
+        "--sync-every",
+        type=int,
+        metavar="H",
+        help="semi-synchronous replica groups (cross_replica_sync='diloco'): price an average across replicas every "
+        "H optimizer steps instead of a hop 2 at every step. Without it, the plan says when only semi-sync keeps the "
+        "GPUs busy",
+    )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -206,6 +214,7 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             accumulation=args.accumulation,
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
+            sync_every=args.sync_every,
         )
         result = plan(
             cluster,
@@ -233,6 +242,7 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
         f"model: {model.name}, {model.params:,} params, {model.layers} layers x {model.hidden}, seq {model.seq_len}; "
         f"micro-batch {training.micro_batch} x {training.accumulation} accumulation, {training.precision}"
         + (", activation checkpointing" if training.activation_checkpointing else "")
+        + (f", semi-synchronous (DiLoCo) every {training.sync_every} steps" if training.sync_every else "")
     )
     print()
     print(result.table(top))

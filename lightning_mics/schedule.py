@@ -25,6 +25,11 @@ elements gathered and ``R_u`` trainable elements reduced (both padded to the sha
   all-gather of its ``R_u / P`` elements, padded to a multiple of the replication degree times
   ``cross_replica_block``, the elements per int8 scale (``cross_replica_per_unit=False``, the hop after
   backward: one such pair per optimizer step of all units' shards packed together).
+* semi-synchronous replica groups (DiLoCo, ``sync_every = H``): no hop across replicas on any step; after
+  every ``H``-th optimizer step one message of every unit's ``R_u / P`` parameter-delta shard packed
+  together (``param_bytes`` per element, or the compressed pair above) is averaged across the
+  replication group -- :attr:`ScheduledCollective.every_steps` ``= H``, so per optimizer step it
+  carries ``1 / H`` of its bytes on average.
 
 A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
@@ -109,6 +114,9 @@ class StepLayout:
     #: the compressed hop cut per unit (``cross_replica_overlap``, the default: each unit's message starts
     #: when its gradients are final) rather than one message packing every unit's shard after backward
     cross_replica_per_unit: bool = True
+    #: semi-synchronous replica groups (``cross_replica_sync="diloco"``): optimizer steps between two outer
+    #: synchronisations (DiLoCo's H); ``None``: a hop across replicas at every optimizer step
+    sync_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_grad_accumulation(self.grad_accumulation)
@@ -116,6 +124,11 @@ class StepLayout:
             raise ValueError(
                 f"partition_size={self.partition_size} must divide world_size={self.world_size}, and accumulation="
                 f"{self.accumulation} must be positive."
+            )
+        if self.sync_every is not None and (self.sync_every < 1 or self.optim != self.partition_size):
+            raise ValueError(
+                f"sync_every={self.sync_every} (DiLoCo) needs sync_every >= 1 and optimizer states sharded like the "
+                f"gradients (optim_degree={self.optim}, partition_size={self.partition_size})."
             )
 
     @property
@@ -140,12 +153,16 @@ class ScheduledCollective:
     payload_bytes: Number
     calls: int
     every_micro_step: bool
+    #: issued once every this many optimizer steps (DiLoCo's outer synchronisation: ``H``), else 1
+    every_steps: int = 1
 
     def calls_per_step(self, accumulation: int) -> int:
+        """Calls in an optimizer step that issues it (every ``every_steps``-th step)."""
         return self.calls * (accumulation if self.every_micro_step else 1)
 
     def bytes_per_step(self, accumulation: int) -> Number:
-        return self.payload_bytes * self.calls_per_step(accumulation)
+        """Bytes per optimizer step, averaged over ``every_steps`` steps."""
+        return _div(self.payload_bytes * self.calls_per_step(accumulation), self.every_steps)
 
 
 def _div(value: Number, parts: int) -> Number:
@@ -225,7 +242,7 @@ def _parameter_gathers(unit: UnitSize, layout: StepLayout) -> list[ScheduledColl
 def _gradient_reductions(unit: UnitSize, layout: StepLayout) -> list[ScheduledCollective]:
     """The reductions of ``unit``'s gradients: the reduce-scatter on the partition (every micro-step
     with ``"sharded"`` accumulation, once at the boundary with ``"unsharded"``), then the hop across
-    replicas -- unless that hop is compressed and packs every unit's shard (:func:`_packed_cross_replica`)."""
+    replicas -- unless that hop is compressed and packs every unit's shard (:func:`_compressed_cross_replica`)."""
     sharded = layout.grad_accumulation == "sharded"
     reduced = unit.reduce_numel * layout.reduce_bytes
     entries = _issued(
@@ -242,6 +259,8 @@ def _gradient_reductions(unit: UnitSize, layout: StepLayout) -> list[ScheduledCo
         layout,
         "partition",
     )
+    if layout.sync_every is not None:
+        return entries  # no hop across replicas on any step: the outer synchronisation (:func:`_outer_sync`)
     if layout.cross_replica_bytes is not None and layout.optim == layout.partition_size:
         if layout.cross_replica_per_unit:
             return entries + _compressed_cross_replica([unit], layout)
@@ -296,6 +315,33 @@ def _compressed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> 
     ]
 
 
+def _outer_sync(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
+    """DiLoCo's outer synchronisation (``sync_every = H``): after every ``H``-th optimizer step, every unit's
+    ``R_u / P`` parameter-delta shard packed into one message and averaged across the replicas -- an all-reduce
+    of ``param_bytes`` per element, or a compressed wire's reduce-scatter and all-gather
+    (:func:`_compressed_cross_replica`'s padding)."""
+    assert layout.sync_every is not None
+    replicas = layout.world_size // layout.partition_size
+    if replicas <= 1:
+        return []
+    every = layout.sync_every
+    if layout.cross_replica_bytes is not None:
+        return [
+            ScheduledCollective(
+                "post_step", entry.what.replace("grad", "param delta") + f" every {every} steps", entry.kind,
+                entry.group, entry.group_size, entry.payload_bytes, entry.calls, False, every,
+            )
+            for entry in _compressed_cross_replica(units, layout)
+        ]
+    packed = sum(_div(unit.reduce_numel, layout.partition_size) for unit in units)
+    return [
+        ScheduledCollective(
+            "post_step", f"param delta all-reduce across replicas every {every} steps", "all_reduce", "replication",
+            replicas, _exact(packed * layout.param_bytes), 1, False, every,
+        )
+    ]
+
+
 def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
     """Every collective one rank issues in one optimizer step of ``layout`` (module docstring), one
     entry per unit and collective; entries on one-rank groups are left out (FSDP2 skips them)."""
@@ -304,6 +350,8 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
         schedule += _parameter_gathers(unit, layout)
         if unit.reduce_numel:
             schedule += _gradient_reductions(unit, layout)
+    if layout.sync_every is not None:
+        return schedule + _outer_sync([unit for unit in units if unit.reduce_numel], layout)
     if layout.cross_replica_per_unit:
         return schedule
     return schedule + _compressed_cross_replica(units, layout)

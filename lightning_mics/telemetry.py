@@ -218,6 +218,7 @@ def analytic_comm_bytes(
     cross_replica_bytes: Optional[float] = None,
     cross_replica_block: int = 1,
     cross_replica_per_unit: bool = True,
+    sync_every: Optional[int] = None,
 ) -> CommBytes:
     """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2: the sum of
     :func:`lightning_mics.schedule.step_schedule` for these units (its docstring derives it).
@@ -246,6 +247,9 @@ def analytic_comm_bytes(
     elements per scale (256 for int8), to which each rank's piece is padded; ``cross_replica_per_unit``:
     one such message per unit (``cross_replica_overlap``, the default) or one for all units.
     :meth:`WireFormat.byte_model <lightning_mics.wire.WireFormat.byte_model>` gives the first two.
+    ``sync_every``: semi-synchronous replica groups (``cross_replica_sync="diloco"``, DiLoCo's H): no all-reduce
+    at the boundary; one message of every unit's ``S'_u / p`` parameter delta (``param_bytes`` per element, or
+    the compressed pair) every H steps, counted here as ``1 / H`` of it per step.
     """
     if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
         raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
@@ -260,6 +264,7 @@ def analytic_comm_bytes(
         cross_replica_bytes=cross_replica_bytes,
         cross_replica_block=cross_replica_block,
         cross_replica_per_unit=cross_replica_per_unit,
+        sync_every=sync_every,
     )
     by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
     by_group: Counter[str] = Counter({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})

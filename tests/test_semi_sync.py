@@ -24,6 +24,7 @@ from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
 from lightning_mics.layout import resolve_layout
 from lightning_mics.semi_sync import default_outer_optimizer
+from lightning_mics.telemetry import analytic_comm_bytes, fsdp_unit_shapes
 
 WORLD, RANKS_PER_NODE = 4, 2  # partition 2 (one emulated node), 2 replica groups
 REPLICAS, PARTITION = WORLD // RANKS_PER_NODE, RANKS_PER_NODE
@@ -159,6 +160,10 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     results["replication_calls"] = [(c.kind, c.bytes) for c in recorder.calls if tuple(sorted(c.ranks)) == replication]
     (sync,) = strategy.engine.semi_sync.syncs
     results["pseudo_gradient_bytes"] = 4 * sum(p.to_local().numel() for p in sync.params)
+    units = fsdp_unit_shapes(strategy.fsdp_units)
+    results["analytic_cross_replica_per_step"] = analytic_comm_bytes(
+        units, PARTITION, REPLICAS, sync_every=EVERY
+    ).cross_replica
     results["fsdp_mesh_ndim"] = strategy.layout.fsdp_mesh.ndim
     results["hop2"] = strategy.layout.settings.hop2
     results["diloco_h4"] = strip_prefix(full_parameters(module))
@@ -255,6 +260,11 @@ def test_inner_steps_send_nothing_across_replicas(ranks: list[dict[str, Any]]) -
         assert result["fsdp_mesh_ndim"] == 1
         # the two outer syncs (after steps 4 and 8): one fp32 message of this rank's pseudo-gradient shards each
         assert result["replication_calls"] == [("all_reduce", result["pseudo_gradient_bytes"])] * 2
+    # the byte model the planner prices and telemetry states (schedule.py): 1/H of one message per step -- of the
+    # padded shard, which rank 0 holds in full (FSDP2 pads the last ranks' shards of odd sizes)
+    assert ranks[0]["analytic_cross_replica_per_step"] * EVERY == ranks[0]["pseudo_gradient_bytes"]
+    for result in ranks:
+        assert result["analytic_cross_replica_per_step"] * EVERY >= result["pseudo_gradient_bytes"]
 
 
 @pytest.mark.distributed

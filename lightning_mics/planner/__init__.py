@@ -30,7 +30,7 @@ from lightning_mics.planner.cost_model import (
     memory_breakdown,
     ring_cost,
 )
-from lightning_mics.planner.report import Plan
+from lightning_mics.planner.report import Plan, SemiSyncAdvice
 from lightning_mics.planner.search import (
     LayoutChoice,
     choose_layout,
@@ -76,6 +76,7 @@ __all__ = [
     "Plan",
     "PrecisionProfile",
     "ProbeTiming",
+    "SemiSyncAdvice",
     "ShardingDegrees",
     "ShardingSpec",
     "TrainingSpec",

@@ -90,6 +90,12 @@ behind compute like it, except that from the second micro-step of sharded accumu
 synchronously (it adds to a host gradient), which is counted in full. The optimizer step streams its
 ``Psi / OS`` states through host memory at ``host_memory_bandwidth`` instead of HBM.
 
+**Semi-synchronous replica groups** (``TrainingSpec.sync_every = H``, DiLoCo): no boundary hop across
+replicas; after every ``H``-th step one all-reduce of the ``Psi / G`` parameter-delta shard (``b_param``, or the
+compressed wire) across the replicas, after the optimizer step and so fully exposed, priced at ``1 / H`` of
+its time and bytes per step; memory adds the last-synchronised shard and the outer momentum,
+``2 Psi / G * b_param``. Only ``OS = G`` layouts apply.
+
 The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimizer-step time.
 """
 
@@ -196,11 +202,14 @@ class Collective:
     every_micro_step: bool
     #: the :data:`~lightning_mics.schedule.GroupRole` it runs on (``"replication"``: hop 2)
     role: str = ""
+    #: issued once every this many optimizer steps (DiLoCo's outer synchronisation), else 1
+    every_steps: int = 1
 
     def cost(self, cluster: ClusterSpec, hierarchical: bool) -> CollectiveCost:
+        """Per optimizer step: averaged over ``every_steps`` steps."""
         # Each unit is its own collective: latency is paid per call, bandwidth on the total.
         one = collective_cost(self.kind, self.payload_bytes / self.count, self.group, cluster, hierarchical)
-        return one * self.count
+        return one * (self.count / self.every_steps)
 
 
 def _group_shape(role: str, size: int, layout: ShardingDegrees) -> GroupShape:
@@ -248,6 +257,7 @@ def layout_schedule(
         reduce_bytes=b.reduce_bytes,
         param_bytes=b.param_bytes,
         cross_replica_bytes=cross_replica_bytes,
+        sync_every=training.sync_every,
     )
     merged: dict[tuple[str, str, str, str], Collective] = {}
     for entry in step_schedule(sizes, step):
@@ -259,7 +269,8 @@ def layout_schedule(
         else:
             group = _group_shape(entry.group, entry.group_size, layout)
             merged[key] = Collective(
-                entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step, entry.group
+                entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step, entry.group,
+                entry.every_steps,
             )
     return list(merged.values())
 
@@ -279,10 +290,15 @@ class MemoryBreakdown:
     activations: float
     #: with CPU offload, the states in host memory (bytes per rank; not counted in :attr:`total`)
     host: float = 0.0
+    #: semi-synchronous replica groups (DiLoCo): the last-synchronised parameter shards and the outer
+    #: optimizer's state (Nesterov's momentum), ``2 Psi / G * b_param``
+    outer: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.held_params + self.buffers + self.activations
+        return (
+            self.params + self.grads + self.optimizer + self.held_params + self.buffers + self.activations + self.outer
+        )
 
 
 def activation_bytes(model: ModelSpec, training: TrainingSpec) -> float:
@@ -333,6 +349,7 @@ def memory_breakdown(
         held_params=held,
         buffers=buffers,
         activations=activation_bytes(model, training),
+        outer=0.0 if training.sync_every is None else 2 * psi * b.param_bytes / g,
     )
 
 
@@ -380,6 +397,9 @@ class LayoutEstimate:
     cpu_offload: bool = False
     #: seconds of host<->device copies per optimizer step with CPU offload (inside the comm and exposed terms)
     host_copy_s: float = 0.0
+    #: semi-synchronous replica groups (DiLoCo's H): the cross-replica synchronisation every this many steps,
+    #: priced per step as ``1 / H`` of it (it runs after the step, fully exposed); ``None``: synchronous
+    sync_every: Optional[int] = None
 
     @property
     def fits(self) -> bool:
@@ -396,7 +416,13 @@ class LayoutEstimate:
             + (" hier" if self.hierarchical else "")
             + (" unsharded-acc" if self.grad_accumulation == "unsharded" else "")
             + (" cpu-offload" if self.cpu_offload else "")
+            + (f" diloco H={self.sync_every}" if self.sync_every is not None else "")
         )
+
+    @property
+    def busy_fraction(self) -> float:
+        """The share of the step the GPUs compute (the rest they wait for communication or step the optimizer)."""
+        return self.compute_s / self.step_time_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -409,6 +435,8 @@ class LayoutEstimate:
             "hierarchical": self.hierarchical,
             "grad_accumulation": self.grad_accumulation,
             "cpu_offload": self.cpu_offload,
+            "sync_every": self.sync_every,
+            "busy_fraction": self.busy_fraction,
             "host_copy_s": self.host_copy_s,
             "host_memory_bytes": self.memory.host,
             "step_time_s": self.step_time_s,
@@ -479,6 +507,7 @@ def estimate(
         grad_accumulation=grad_accumulation,
         cpu_offload=training.cpu_offload,
         host_copy_s=copies.total_s(a),
+        sync_every=training.sync_every,
     )
 
 

@@ -13,6 +13,45 @@ from lightning_mics.planner.specs import GB, GIB, ClusterSpec, ModelSpec, Traini
 # ---------------------------------------------------------------------------------------------- search
 
 
+#: The share of a step the GPUs must spend computing for a layout to keep them busy: below it, in every
+#: synchronous layout, :class:`SemiSyncAdvice` is worked out.
+BUSY_ENOUGH = 0.5
+
+
+@dataclass(frozen=True)
+class SemiSyncAdvice:
+    """When the link across replicas is so slow that no synchronous layout keeps the GPUs busy
+    (:data:`BUSY_ENOUGH`): the semi-synchronous layout (``cross_replica_sync="diloco"``) with the smallest
+    ``sync_every`` that does -- the smallest because it stays closest to synchronous training."""
+
+    synchronous: LayoutEstimate  #: the best synchronous layout (the plan's winner)
+    semi_sync: LayoutEstimate  #: the best layout with DiLoCo at :attr:`sync_every`
+
+    @property
+    def sync_every(self) -> int:
+        assert self.semi_sync.sync_every is not None
+        return self.semi_sync.sync_every
+
+    def explain(self) -> str:
+        best, semi = self.synchronous, self.semi_sync
+        return (
+            f"  the link across replicas is too slow for a hop 2 at every step: the best synchronous layout keeps the "
+            f"GPUs computing {100 * best.busy_fraction:.0f}% of its {best.step_time_s:.3g} s step. Semi-synchronous "
+            f"replica groups would keep them {100 * semi.busy_fraction:.0f}% busy ({semi.name}, "
+            f"{semi.step_time_s:.3g} s/step, {best.step_time_s / semi.step_time_s:.2f}x the "
+            f"tokens/s): MiCSStrategy(cross_replica_sync='diloco', sync_every={self.sync_every}, "
+            f"partition_size={semi.layout.partition_size}). DiLoCo is not synchronous training -- measure the loss it "
+            "reaches (docs/semi-sync.md)."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sync_every": self.sync_every,
+            "synchronous_busy_fraction": self.synchronous.busy_fraction,
+            "semi_sync": self.semi_sync.to_dict(),
+        }
+
+
 @dataclass(frozen=True)
 class Plan:
     """The ranked layouts for one job: fitting layouts first, fastest first."""
@@ -21,6 +60,8 @@ class Plan:
     model: ModelSpec
     training: TrainingSpec
     ranked: tuple[LayoutEstimate, ...]
+    #: a synchronous plan whose best layout leaves the GPUs mostly waiting: the semi-synchronous way out
+    semi_sync_advice: Optional[SemiSyncAdvice] = None
 
     @property
     def winner(self) -> LayoutEstimate:
@@ -67,6 +108,14 @@ class Plan:
                 f"per step (host link {_gb(self.cluster.host_link_bandwidth)}/s, host optimizer "
                 f"{_gb(self.cluster.host_memory_bandwidth)}/s assumed unless the cluster says otherwise)."
             )
+        if best.sync_every is not None:
+            lines.append(
+                f"  semi-synchronous (DiLoCo, sync_every={best.sync_every}): the replicas average their parameter "
+                f"deltas once every {best.sync_every} steps, priced here at 1/{best.sync_every} per step; GPUs "
+                f"computing {100 * best.busy_fraction:.0f}% of the step. Not synchronous training (docs/semi-sync.md)."
+            )
+        if self.semi_sync_advice is not None:
+            lines.append(self.semi_sync_advice.explain())
         world, node = self.cluster.world_size, min(self.cluster.gpus_per_node, self.cluster.world_size)
         rivals: list[tuple[str, LayoutEstimate]] = []
         if len(self.ranked) > 1:
@@ -113,6 +162,7 @@ class Plan:
             "training": asdict(self.training),
             "winner": self.winner.to_dict(),
             "explanation": self.explain(),
+            "semi_sync_advice": self.semi_sync_advice.to_dict() if self.semi_sync_advice is not None else None,
             "ranked": [c.to_dict() for c in (self.ranked[:top] if top else self.ranked)],
         }
 

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_mics.accumulation import GRAD_ACCUMULATION_MODES, GradAccumulation, check_grad_accumulation
 from lightning_mics.planner.cost_model import LayoutEstimate, estimate
-from lightning_mics.planner.report import Plan, gib_text, leanest
+from lightning_mics.planner.report import BUSY_ENOUGH, Plan, SemiSyncAdvice, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec, all_sharding_degrees
 
@@ -50,8 +50,15 @@ def plan(
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
     check_grad_accumulation(grad_accumulation, allow_auto=True)
     layouts = _candidate_layouts(cluster, uniform_only, partition_size)
-    if training.cpu_offload:  # optimizer states sharded across replicas are refused with offload
+    # optimizer states sharded across replicas are refused with offload, and with DiLoCo (each replica group
+    # steps its own inner optimizer)
+    if training.cpu_offload or training.sync_every is not None:
         layouts = [layout for layout in layouts if layout.optim == layout.grads]
+        if not layouts:
+            raise ValueError(
+                f"no layout of partition size {partition_size} keeps optimizer states sharded like the gradients, "
+                "which cpu_offload and sync_every need."
+            )
     modes: tuple[GradAccumulation, ...] = (
         GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
     )
@@ -62,7 +69,49 @@ def plan(
         # the modes differ only when a sharded gradient is accumulated over several micro-steps
         if mode == modes[0] or (layout.grads > 1 and training.accumulation > 1)
     ]
-    return Plan(cluster, model, training, tuple(_ranked(estimates, tie_tolerance)))
+    ranked = tuple(_ranked(estimates, tie_tolerance))
+    advice = None
+    if training.sync_every is None and ranked[0].fits and ranked[0].busy_fraction < BUSY_ENOUGH:
+        advice = _semi_sync_advice(
+            ranked[0], cluster, model, training, uniform_only, hierarchical, grad_accumulation, partition_size,
+            cross_replica_bytes,
+        )
+    return Plan(cluster, model, training, ranked, advice)
+
+
+#: DiLoCo's H values :func:`_semi_sync_advice` tries, smallest (closest to synchronous training) first; the
+#: DiLoCo paper ran H = 500.
+ADVISED_SYNC_EVERY: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _semi_sync_advice(
+    synchronous: LayoutEstimate,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    training: TrainingSpec,
+    uniform_only: bool,
+    hierarchical: Union[bool, Literal["auto"]],
+    grad_accumulation: Union[GradAccumulation, Literal["auto"]],
+    partition_size: Optional[int],
+    cross_replica_bytes: Optional[float],
+) -> Optional[SemiSyncAdvice]:
+    """The semi-synchronous layout with the smallest H that keeps the GPUs busy (:data:`BUSY_ENOUGH`), when the
+    best synchronous one does not; ``None`` when no H does (then intra-partition traffic or memory, not the link
+    across replicas, holds the step back) or no layout has replicas to synchronise."""
+    for every in ADVISED_SYNC_EVERY:
+        try:
+            semi = plan(
+                cluster, model, replace(training, sync_every=every), uniform_only, hierarchical,
+                grad_accumulation=grad_accumulation, partition_size=partition_size,
+                cross_replica_bytes=cross_replica_bytes,
+            ).winner
+        except ValueError:  # no layout keeps optimizer states sharded like the gradients
+            return None
+        if semi.layout.grads == semi.layout.world_size:
+            return None  # one replica: there is nothing to synchronise, semi-synchronous or not
+        if semi.fits and semi.busy_fraction >= BUSY_ENOUGH and semi.step_time_s < synchronous.step_time_s:
+            return SemiSyncAdvice(synchronous, semi)
+    return None
 
 
 def _candidate_layouts(
@@ -291,13 +340,15 @@ def plan_layout_for(
     cluster: Optional[ClusterSpec] = None,
     cpu_offload: bool = False,
     cross_replica_overlap: bool = True,
+    sync_every: Optional[int] = None,
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
     once the processes exist. ``cluster``: the links and rates to plan for (the strategy's
     ``planner_cluster``, :mod:`lightning_mics.planner.live`); ``None``: :meth:`ClusterSpec.generic`.
     ``cpu_offload``: the strategy's ``cpu_offload`` (the states count against host memory, not the device).
-    ``cross_replica_overlap``: the strategy's (hop 2 hidden behind the boundary backward).
+    ``cross_replica_overlap``: the strategy's (hop 2 hidden behind the boundary backward). ``sync_every``: the
+    strategy's DiLoCo H (``cross_replica_sync="diloco"``), ``None`` when synchronous.
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -321,6 +372,7 @@ def plan_layout_for(
             precision=precision,
             cpu_offload=cpu_offload,
             cross_replica_overlap=cross_replica_overlap,
+            sync_every=sync_every,
         ),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,

@@ -264,12 +264,20 @@ class TrainingSpec:
     #: hop 2 started per unit during the boundary backward (``MiCSStrategy(cross_replica_overlap=True)``,
     #: the default) rather than by FSDP2 inside each unit's post-backward or, compressed, after backward
     cross_replica_overlap: bool = True
+    #: semi-synchronous replica groups (``MiCSStrategy(cross_replica_sync="diloco", sync_every=H)``): H, the
+    #: optimizer steps between two averages across replicas; ``None``: a hop 2 at every step (synchronous)
+    sync_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainingSpec.{name} must be a positive int, got {value!r}.")
+        every = self.sync_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"TrainingSpec.sync_every (DiLoCo's H) must be a positive int or None, got {every!r}.")
+        if every is not None and self.cpu_offload:
+            raise ValueError("TrainingSpec: sync_every (DiLoCo) with cpu_offload is not built; drop one of the two.")
         if not isinstance(self.cpu_offload, bool):
             raise TypeError(f"TrainingSpec.cpu_offload must be True or False, got {self.cpu_offload!r}.")
         if self.precision not in PRECISIONS:
