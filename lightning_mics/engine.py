@@ -41,7 +41,7 @@ from lightning_mics.fault_tolerance import (
     ReplicaGroup,
     check_fault_tolerant_layout,
 )
-from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks
+from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, tensor_digest_chunks
 from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
@@ -225,7 +225,10 @@ class MiCSEngine:
         if sharded or not modules:
             return
         if layout.settings.hop2.schedule == "diloco":  # no hop 2: an outer sync every H steps (semi_sync.py)
-            self._cross_replica.update(self.semi_sync.attach(optimizers, modules, layout, self.options.outer_optimizer))
+            hooks = self.semi_sync.attach(
+                optimizers, modules, layout, self.options.outer_optimizer, self.replica_group, self._round_quorum
+            )
+            self._cross_replica.update(hooks)
             return
         syncs = []
         for module in modules:
@@ -270,9 +273,17 @@ class MiCSEngine:
             ft = ft.resolved()
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
             configuration = GroupConfiguration.of(layout | dict(run) | {"num_replica_groups": ft.num_replica_groups})
-            self.replica_group = ReplicaGroup(
-                ft, device, state_fn, load_fn, configuration, parameter_digest=self._parameter_digest
-            )
+            semi_sync = self.semi_sync
+
+            def serve() -> dict[str, Any]:  # DiLoCo: the outer state travels with the training state
+                return state_fn() | ({"diloco": semi_sync.heal_state()} if semi_sync.active else {})
+
+            def heal(state: dict[str, Any]) -> None:
+                load_fn(state)
+                if "diloco" in state:
+                    semi_sync.load_heal_state(state["diloco"])
+
+            self.replica_group = ReplicaGroup(ft, device, serve, heal, configuration, parameter_digest=self._parameter_digest)
             if dist.get_rank() == 0:  # in each group's job log
                 log.info(
                     "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "
@@ -285,9 +296,19 @@ class MiCSEngine:
                 log.info("fault tolerance: this group's configuration: %s", configuration)
 
     def _parameter_digest(self) -> list[int]:
-        """This rank's parameter shards of every model hop 2 runs for, as digest chunks (fault tolerance compares
-        them across groups every ``check_parameters_every`` steps)."""
+        """This rank's parameter shards of every model hop 2 runs for -- with DiLoCo the last-synchronised copy,
+        since the groups' parameters differ between rounds -- as digest chunks (fault tolerance compares them
+        across groups every ``check_parameters_every`` committed steps, or rounds)."""
+        if self.semi_sync.active:
+            return tensor_digest_chunks(self.semi_sync.anchor_tensors())
         return parameter_digest_chunks([pipeline.module for pipeline in self._model_syncs.values()])
+
+    def _round_quorum(self) -> None:
+        """DiLoCo with fault tolerance: the quorum of an outer round, at its synchronisation (a joining group heals
+        here), as :meth:`begin_step` runs it at every step otherwise."""
+        assert self.replica_group is not None
+        self.replica_group.start_step()
+        self._log_from_first_live_group()
 
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
         """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``
@@ -304,6 +325,9 @@ class MiCSEngine:
     def begin_step(self, counters: Optional[CommittedStepCounters] = None) -> bool:
         """Before the first micro-step of an optimizer step: the quorum (a joining group heals here), and the
         front end's step counters kept to committed steps. Whether this call opened the step."""
+        if self.replica_group is not None and self.semi_sync.active:
+            self.replica_group.keep_alive()  # the quorum runs once per outer round (:meth:`_round_quorum`)
+            return False
         if self.replica_group is not None and not self._step_open:
             if counters is not None:
                 counters.undo_if_discarded(self.replica_group)

@@ -313,6 +313,12 @@ class MiCSOptions:
                 "reads its own share of the data. Leave keep_trajectory unset (or False) with Fabric, or train with "
                 "the Trainer (docs/fault-tolerance.md)."
             )
+        if self.fault_tolerance is not None and self.cross_replica_sync == "diloco":
+            raise ValueError(
+                "fault_tolerance with cross_replica_sync='diloco' is built for the Trainer only (the quorum and heal "
+                "run once per outer round, at its synchronisation). With Fabric drop one of the two, or train with the "
+                "Trainer (docs/semi-sync.md)."
+            )
 
 
 def as_timedelta(timeout: Union[timedelta, float, None]) -> Optional[timedelta]:

@@ -21,9 +21,12 @@ What runs (the layout's hop 2 is ``"diloco"``, decided once by :func:`lightning_
   last-synchronised copy. Every replica then holds the same parameters again.
 
 This is torchft's ``DiLoCo`` (``torchft/local_sgd.py``: restore the global parameters, set the averaged
-pseudo-gradients as their gradients, step the outer optimizer, save them) without the fault-tolerant Manager,
-written for sharded parameters: the outer optimizer's parameters are the DTensor copies of the shards, so an
-element-wise outer optimizer (SGD, Nesterov, Adam) gives the numbers an unsharded one would.
+pseudo-gradients as their gradients, step the outer optimizer, save them), written for sharded parameters: the
+outer optimizer's parameters are the DTensor copies of the shards, so an element-wise outer optimizer (SGD,
+Nesterov, Adam) gives the numbers an unsharded one would. Without fault tolerance the average runs on the
+replication process group; with it (replica groups as separate worlds), through torchft's Manager, with one
+quorum, heal and commit per outer round (:class:`OuterSync`): a lost group misses rounds, a joining group heals
+the last-synchronised copy and the outer optimizer's state too.
 
 Checkpoints (:meth:`SemiSync.checkpoint_entries`, :meth:`SemiSync.after_load`): between two synchronisations the
 replicas differ -- their parameters and their inner optimizer states -- so a checkpoint's usual entries, which
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -51,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.group import ReplicaGroup
     from lightning_mics.layout import MiCSLayout
     from lightning_mics.options import MiCSOptions
 
@@ -104,11 +109,17 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             "outer_optimizer must be a callable that builds an optimizer from a list of tensors, e.g. "
             f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {options.outer_optimizer!r}."
         )
+    ft = options.fault_tolerance
+    if ft is not None:
+        if ft.keep_trajectory:
+            raise ValueError(
+                "FaultTolerance(keep_trajectory=True) cannot be combined with cross_replica_sync='diloco': each replica "
+                "group takes its inner steps on its own share of the data, and a lost group misses outer rounds rather "
+                "than having its share read by the others. Leave keep_trajectory unset (or False)."
+            )
+        # unset: fixed shares, the only data assignment DiLoCo has (resolved here, once, for every reader)
+        object.__setattr__(options, "fault_tolerance", replace(ft, keep_trajectory=False))
     refused = {
-        "fault_tolerance": (
-            options.fault_tolerance is not None,
-            "fault-tolerant DiLoCo (through torchft's Manager) is not built yet",
-        ),
         "sharding='auto'": (
             options.sharding == "auto",
             "the planner may shard optimizer states across replicas, which DiLoCo cannot (each group steps its own "
@@ -143,7 +154,15 @@ class OuterSync:
     """DiLoCo for the parameters one (inner) optimizer steps: the engine's step hook for that optimizer.
 
     ``names``/``params``: the parameters (by their name in the model) the inner optimizer updates;
-    ``transport``: the replication group's hop-2 transport (``None`` with one replica); ``every``: H."""
+    ``transport``: the replication group's hop-2 transport (``None`` with one replica); ``every``: H.
+
+    With fault tolerance (``round``, the engine's): the replica groups are separate worlds joined by torchft, and
+    the quorum, the heal of a joining group and the commit happen once per round, at the synchronisation -- as in
+    torchft's ``DiLoCo``. ``round()`` runs the quorum and says whether this group contributes to the average: a
+    group that just healed holds a live group's parameters, so it does not count twice; the average is over the
+    contributing groups (``transport`` carries the deltas, ``counter`` an fp32 count of them). A round that does not
+    commit (a group failed during the average) is dropped: every group goes back to the last-synchronised
+    parameters, as torchft does."""
 
     def __init__(
         self,
@@ -152,11 +171,15 @@ class OuterSync:
         transport: Any,
         every: int,
         factory: Optional[OuterOptimizerFactory],
+        round: Optional[Callable[[], bool]] = None,
+        counter: Any = None,
     ) -> None:
         self.names = list(names)
         self.params = list(params)
         self.transport = transport
         self.every = every
+        self.round = round
+        self.counter = counter
         with torch.no_grad():
             #: the last-synchronised parameters (DTensors placed like the parameters): the outer optimizer's
             self.anchors = [p.detach().clone() for p in self.params]
@@ -170,6 +193,8 @@ class OuterSync:
         self.inner_steps = 0
         #: outer synchronisations run (for tests and logs)
         self.outer_steps = 0
+        #: fault tolerance: rounds dropped because a group failed during their average
+        self.dropped_rounds = 0
 
     def before_step(self) -> None:
         """Nothing crosses replicas before an inner step."""
@@ -191,9 +216,41 @@ class OuterSync:
     def synchronise(self) -> None:
         """The outer step (module docstring): average the pseudo-gradients across replicas, step the outer
         optimizer on the last-synchronised copy, write the result into the parameters."""
+        if self.round is not None:
+            self._synchronise_fault_tolerant()
+            return
         flat = self.pseudo_gradient()
         if self.transport is not None and self.transport.active:
             self.transport.start_average(flat).wait()
+        self._outer_step(flat)
+
+    @torch.no_grad()
+    def _synchronise_fault_tolerant(self) -> None:
+        """The round's quorum (a joining group heals here), the average over the contributing groups, and the outer
+        step if the round commits -- else back to the last-synchronised parameters (class docstring)."""
+        assert self.round is not None
+        contributes = self.round()
+        flat = self.pseudo_gradient()
+        if not contributes:
+            flat.zero_()
+        count = torch.tensor([1.0 if contributes else 0.0], device=flat.device)
+        averaging = self.transport.start_average(flat)
+        counting = self.counter.start_average(count)
+        averaging.wait()
+        counting.wait()
+        if not self.transport.commit() or count.item() <= 0:
+            self.dropped_rounds += 1
+            log.warning("DiLoCo: outer round dropped (a replica group failed during its average); every group goes "
+                        "back to the last-synchronised parameters")
+            self.restart_from_anchors()
+            return
+        flat.div_(count.item())  # both are averages over the quorum's groups: their ratio is the contributors' mean
+        self._outer_step(flat)
+
+    @torch.no_grad()
+    def _outer_step(self, flat: Tensor) -> None:
+        """Step the outer optimizer on the last-synchronised copy with the averaged ``flat`` as its gradient; the
+        result becomes the parameters and the new last-synchronised copy."""
         offset = 0
         for anchor in self.anchors:
             local = _local(anchor)
@@ -206,6 +263,46 @@ class OuterSync:
             _local(param).copy_(_local(anchor))
         self.inner_steps = 0
         self.outer_steps += 1
+
+    @torch.no_grad()
+    def restart_from_anchors(self) -> None:
+        """A dropped round: the parameters go back to the last-synchronised copy; a new round starts."""
+        for anchor, param in zip(self.anchors, self.params):
+            _local(param).copy_(_local(anchor))
+        self.inner_steps = 0
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a joining group takes from this one (this rank's shards): the last-synchronised copy, the outer
+        optimizer's state and the round's inner-step count."""
+        from lightning_mics.fault_tolerance.heal_state import local_state, optimizer_local_state
+
+        return {
+            "anchors": [local_state(a) for a in self.anchors],
+            "outer": optimizer_local_state(self.outer),
+            "inner_steps": self.inner_steps,
+        }
+
+    @torch.no_grad()
+    def load_heal_state(self, state: dict[str, Any]) -> None:
+        """Heal from a live group's :meth:`heal_state`, in place."""
+        from lightning_mics.fault_tolerance.heal_state import copy_local_state_
+
+        copy_local_state_(self.anchors, state["anchors"])
+        # The outer optimizer's state is built here, not copied into: a group that never synchronised has none, and
+        # its parameters (the anchors) take no gradients, so it cannot be created by a zero step as the inner one is.
+        params = [p for group in self.outer.param_groups for p in group["params"]]
+        self.outer.state.clear()
+        for index, slots in state["outer"]["state"].items():
+            anchor = params[int(index)]
+            local = _local(anchor)
+            self.outer.state[anchor] = {
+                key: (_like(value.to(local.device).clone(), anchor) if value.shape == local.shape else value.clone())
+                if isinstance(value, Tensor) else value
+                for key, value in slots.items()
+            }
+        for group, peer in zip(self.outer.param_groups, state["outer"]["param_groups"]):
+            group.update({key: value for key, value in peer.items() if key != "params"})
+        self.inner_steps = int(state["inner_steps"])
 
     @torch.no_grad()
     def restart_from_parameters(self) -> None:
@@ -237,6 +334,10 @@ class SemiSync:
         self._replica = 0
         self._layout_key = (1, 1)
         self._group: Optional[dist.ProcessGroup] = None
+        #: fault tolerance: this group healed from a live one at the current round's quorum
+        self._healed_this_round = False
+        #: fault tolerance: heals from a live group so far (for tests and logs)
+        self.heals = 0
 
     @property
     def active(self) -> bool:
@@ -248,10 +349,14 @@ class SemiSync:
         modules: Sequence[nn.Module],
         layout: MiCSLayout,
         factory: Optional[OuterOptimizerFactory],
+        replica_group: Optional[ReplicaGroup] = None,
+        quorum: Optional[Callable[[], None]] = None,
     ) -> dict[int, OuterSync]:
         """One :class:`OuterSync` per optimizer, over the parameters it steps (all of them in ``modules``' one
-        model); returns them by ``id(optimizer)`` for the engine's step hooks."""
-        from lightning_mics.hop2.transport import ProcessGroupTransport
+        model); returns them by ``id(optimizer)`` for the engine's step hooks. With fault tolerance
+        (``replica_group``): the average goes through torchft, after ``quorum()`` -- the engine's, run once per
+        round (:class:`OuterSync`)."""
+        from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport
         from lightning_mics.wrapping import RootUnit
 
         if len(modules) != 1:
@@ -275,6 +380,24 @@ class SemiSync:
             self._replica = mesh.get_local_rank(0)
             transport = ProcessGroupTransport(self._group, settings.cross_replica_wire)
         self._layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
+        round_quorum: Optional[Callable[[], bool]] = None
+        counter = None
+        if settings.hop2.managed:
+            assert replica_group is not None and quorum is not None, "join_fault_domain() runs first"
+            if len(optimizers) != 1 or self.syncs:
+                raise ValueError(
+                    "fault_tolerance with cross_replica_sync='diloco' runs one quorum per outer round, for one "
+                    f"optimizer; this run has {len(self.syncs) + len(optimizers)}. Use one optimizer (param groups "
+                    "may differ), or drop fault_tolerance."
+                )
+            transport = ManagedTransport(replica_group, settings.cross_replica_wire)
+            counter = ManagedTransport(replica_group, None)  # the contributors' count, exact in fp32
+
+            def round_quorum() -> bool:
+                self._healed_this_round = False
+                quorum()
+                return not self._healed_this_round
+
         name_of = {id(p): name for name, p in module.named_parameters()}
         hooks: dict[int, OuterSync] = {}
         for optimizer in optimizers:
@@ -285,11 +408,33 @@ class SemiSync:
                     f"cross_replica_sync='diloco': the optimizer steps {len(unknown)} tensor(s) that are not parameters "
                     "of the model set up with it; DiLoCo synchronises the model's parameters only."
                 )
-            sync = OuterSync([name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory)
+            sync = OuterSync(
+                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum, counter
+            )
             self.syncs.append(sync)
             self._optimizers.append(optimizer)
             hooks[id(optimizer)] = sync
         return hooks
+
+    # ------------------------------------------------------------------ fault tolerance
+    def heal_state(self) -> list[dict[str, Any]]:
+        """What a joining group takes from this one besides the model and inner optimizer (:meth:`OuterSync.heal_state`
+        of each)."""
+        return [sync.heal_state() for sync in self.syncs]
+
+    def load_heal_state(self, state: list[dict[str, Any]]) -> None:
+        """Heal from a live group: its last-synchronised copy and outer state; this round it does not contribute."""
+        for sync, received in zip(self.syncs, state):
+            sync.load_heal_state(received)
+        self._healed_this_round = True
+        self.heals += 1
+        log.warning("DiLoCo: healed the last-synchronised model and the outer optimizer's state from a live replica "
+                    "group; this group does not contribute to this round's average")
+
+    def anchor_tensors(self) -> list[Tensor]:
+        """The last-synchronised parameter shards: equal in every replica group after each round (what fault
+        tolerance's parameter check compares; the current parameters differ between rounds)."""
+        return [a for sync in self.syncs for a in sync.anchors]
 
     def detach(self) -> None:
         self.syncs.clear()

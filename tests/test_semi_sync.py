@@ -316,7 +316,10 @@ def test_options_refuse_what_diloco_does_not_take_with_the_fix() -> None:
         ({"sync_every": 4}, "sync_every only applies to semi-synchronous replica groups: add cross_replica_sync"),
         ({"outer_optimizer": OUTER_SGD_LR1}, "outer_optimizer only applies"),
         ({"cross_replica_sync": "sometimes"}, "is not one of \\['every_step', 'diloco'\\]"),
-        ({"cross_replica_sync": "diloco", "sync_every": 2, "fault_tolerance": True}, "fault-tolerant DiLoCo .* not built"),
+        (
+            {"cross_replica_sync": "diloco", "sync_every": 2, "fault_tolerance": {"keep_trajectory": True}},
+            "keep_trajectory=True\\) cannot be combined with cross_replica_sync='diloco'.* Leave keep_trajectory unset",
+        ),
         ({"cross_replica_sync": "diloco", "sync_every": 2, "sharding": "auto"}, "use partition_size='auto'"),
         ({"cross_replica_sync": "diloco", "sync_every": 2, "save_full_state_dict": True}, "sharded checkpoints only"),
     ]
@@ -325,6 +328,11 @@ def test_options_refuse_what_diloco_does_not_take_with_the_fix() -> None:
             MiCSStrategy(**options)
     with pytest.raises(TypeError, match="outer_optimizer must be a callable"):
         MiCSStrategy(cross_replica_sync="diloco", sync_every=2, outer_optimizer=0.7)
+    # fault tolerance: fixed data shares (each group's inner steps read its own), Trainer only
+    ft = MiCSStrategy(cross_replica_sync="diloco", sync_every=2, fault_tolerance=True).options.fault_tolerance
+    assert ft.keep_trajectory is False and not ft.trainer_keeps_trajectory
+    with pytest.raises(ValueError, match="built for the Trainer only .* drop one of the two"):
+        MiCSFabricStrategy(cross_replica_sync="diloco", sync_every=2, fault_tolerance=True)
 
 
 def _settings(**overrides: Any) -> Any:
@@ -352,6 +360,13 @@ def test_the_layout_decides_no_hop2_and_an_outer_sync_every_h_steps() -> None:
         replicas=2, optim_beyond_partition=False, compressed=True, cross_replica_overlap=True, offloaded=False,
         managed=False, sync_every=4,
     ).schedule == "diloco"
+    # fault tolerance: the same schedule, its average through torchft
+    managed = decide_hop2(
+        replicas=1, optim_beyond_partition=False, compressed=False, cross_replica_overlap=True, offloaded=False,
+        managed=True, sync_every=4,
+    )
+    assert (managed.schedule, managed.managed, managed.every) == ("diloco", True, 4)
+    assert "through torchft" in managed.describe()
 
 
 def test_optimizer_states_across_replicas_are_refused_with_the_fix() -> None:

@@ -105,6 +105,11 @@ class ReplicaGroup:
         self._outage_started: Optional[float] = None
         self._watchdog = Watchdog(options.watchdog)
 
+    def keep_alive(self) -> None:
+        """A step that runs no quorum (DiLoCo's inner steps: the quorum is once per round): the watchdog still
+        learns that this rank is making progress."""
+        self._watchdog.kick()
+
     def start_step(self) -> None:
         """The quorum for the next optimizer step (a group that joins heals here, before its forward), then the
         checks torchft does not make: every rank of this group is there (a lost one ends the group at once, not

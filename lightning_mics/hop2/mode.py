@@ -22,7 +22,8 @@ The schedules:
 * ``"diloco"`` -- semi-synchronous replica groups (``cross_replica_sync="diloco"``): no hop 2 on any step;
   every :attr:`Hop2.every` optimizer steps the replicas average their parameter deltas and an outer optimizer
   applies them (:mod:`lightning_mics.semi_sync`). FSDP2 shards on the partition alone, as for the engine's
-  schedules.
+  schedules. ``managed``: the average goes through torchft, and the quorum, heal and commit run once per round
+  at that synchronisation, not at every step.
 
 The transport -- the replication process group or torchft's Manager (``managed``) -- is orthogonal to the
 schedule: the engine's two schedules run over either (:mod:`lightning_mics.hop2.transport`).
@@ -108,12 +109,7 @@ def decide_hop2(
                 "grads): each replica group steps its own inner optimizer between outer syncs. Use optim <= grads "
                 "(or partition_size=...), or cross_replica_sync='every_step'."
             )
-        if managed:
-            raise ValueError(
-                "cross_replica_sync='diloco' with fault_tolerance is not built yet: drop one of the two "
-                "(docs/semi-sync.md)."
-            )
-        return Hop2("diloco", every=sync_every)
+        return Hop2("diloco", managed, every=sync_every)
     if optim_beyond_partition:
         return Hop2("optimizer_states", managed)
     if replicas == 1 and not managed:

@@ -1,0 +1,204 @@
+"""Fault-tolerant semi-synchronous replica groups: ``cross_replica_sync="diloco"`` with ``fault_tolerance``.
+
+Each replica group is its own world (a job), joined by torchft; the quorum, heal and commit run once per outer
+round, at its synchronisation (as torchft's ``DiLoCo`` does). What must hold:
+
+* with every group live, the run is DiLoCo: in fp64 every group's parameters and the last-synchronised (global)
+  model equal a hand-written single-process DiLoCo over the groups' data shares (within 1e-10);
+* a group killed mid-round misses rounds while the survivor trains on, committing rounds alone; a restarted
+  group heals at a round's quorum -- the last-synchronised model and the outer optimizer's momentum too -- does
+  not count twice in that round's average, and from then on holds bit-identical global state with the survivor.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ft_harness import GROUP_WORLD, lighthouse, read, start_group, wait, wait_for_step
+from torch.utils.data import DistributedSampler
+from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset, strip_prefix, trainer_kwargs
+
+from lightning_mics import FaultTolerance, MiCSStrategy
+from lightning_mics.semi_sync import default_outer_optimizer
+
+pytest.importorskip("torchft")
+
+GROUPS = 2
+EVERY = 2  # H: outer rounds of two inner steps
+RUN = RunConfig(world_size=GROUPS * GROUP_WORLD, micro_batch=2, accumulate=1, steps=8, lr=0.1, momentum=0.9)
+LONG_RUN = RunConfig(world_size=GROUPS * GROUP_WORLD, micro_batch=2, accumulate=1, steps=16, lr=0.1, momentum=0.9)
+KILLED_AFTER_STEP = 3  # mid-round 2: round 1 was together
+
+
+class _Fp64Module(ToyModule):
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.model = self.model.double()
+
+
+def _fp64_plugin() -> Any:
+    """MiCS's fp32 plugin leaving the module in fp64 (FSDP2 keeps the parameters' dtype throughout)."""
+    from lightning_mics.precision import MiCSPrecision
+
+    class KeepFp64(MiCSPrecision):
+        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+            return module
+
+    return KeepFp64("32-true")
+
+
+def _global_state(trainer: Any) -> dict[str, Any]:
+    """The last-synchronised model (unsharded), the outer momentum shards of this rank and the round counts."""
+    (sync,) = trainer.strategy.engine.semi_sync.syncs
+    momentum = {name: sync.outer.state[a]["momentum_buffer"].to_local().clone()
+                for name, a in zip(sync.names, sync.anchors) if a in sync.outer.state}
+    return {
+        "anchors": strip_prefix({n: a.full_tensor().detach().clone() for n, a in zip(sync.names, sync.anchors)}),
+        "anchor_shards": {n: a.to_local().clone() for n, a in zip(sync.names, sync.anchors)},
+        "momentum": momentum,
+        "outer_steps": sync.outer_steps,
+        "dropped_rounds": sync.dropped_rounds,
+        "heals": trainer.strategy.engine.semi_sync.heals,
+    }
+
+
+def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: int, role: str, marks: str) -> Any:
+    import lightning.pytorch as pl
+
+    class Record(pl.Callback):
+        """Per step: (global step, groups in the last quorum). ``doomed``: rank 1 dies mid-round after a round
+        with the other group; ``survivor``: once alone after being together, it notes it and slows down so that
+        the restarted group heals before the end."""
+
+        def __init__(self) -> None:
+            self.steps: list[tuple[int, int]] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            manager = trainer.strategy.engine.replica_group.manager
+            self.steps.append((trainer.global_step, manager.num_participants()))
+            together = any(live == GROUPS for _, live in self.steps)
+            if role == "doomed" and rank == 1 and together and trainer.global_step == KILLED_AFTER_STEP:
+                os._exit(1)  # a node lost mid-round
+            if role == "survivor" and together and manager.num_participants() == 1:
+                Path(marks, f"alone{rank}").write_text(str(trainer.global_step))
+                time.sleep(0.6)
+            elif role == "survivor" and not together:
+                time.sleep(0.3)  # the first group up waits for the other one
+
+    ft = FaultTolerance(
+        address, group, GROUPS, min_replica_groups=min_groups, timeout=20, quorum_timeout=60, check_parameters_every=1
+    )
+    record = Record()
+    module = _Fp64Module(cfg)
+    strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=EVERY)
+    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": [record], "plugins": [_fp64_plugin()]}
+    trainer = pl.Trainer(strategy=strategy, **kwargs)
+    trainer.fit(module)
+    return {
+        "params": strip_prefix(full_parameters(module)),
+        "global_step": trainer.global_step,
+        "steps": record.steps,
+        **_global_state(trainer),
+    }
+
+
+def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Single-process fp64 DiLoCo: group g's inner gradient is the mean over its ranks' samples, rank k = g * 2 + r
+    of the job reading what Lightning's DistributedSampler gives share k of 4 (shuffled, seed 0, epoch 0);
+    DiLoCo's outer Nesterov SGD."""
+    torch.manual_seed(cfg.seed)
+    base = ToyLM().double()
+    models = [copy.deepcopy(base) for _ in range(GROUPS)]
+    trainable = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
+    inner = [torch.optim.SGD(trainable(m), lr=cfg.lr, momentum=cfg.momentum) for m in models]
+    global_model = copy.deepcopy(base)
+    outer = default_outer_optimizer(trainable(global_model))
+    dataset = make_dataset(cfg.num_samples)
+    tokens, targets = dataset.tensors
+    share = [list(DistributedSampler(dataset, cfg.world_size, k, shuffle=True, seed=0)) for k in range(cfg.world_size)]
+    for step in range(cfg.steps):
+        for g, (model, optimizer) in enumerate(zip(models, inner)):
+            rows = [
+                share[k][step * cfg.micro_batch + j]
+                for k in range(g * GROUP_WORLD, (g + 1) * GROUP_WORLD)
+                for j in range(cfg.micro_batch)
+            ]
+            optimizer.zero_grad()
+            lm_loss(model, (tokens[rows], targets[rows])).backward()
+            optimizer.step()
+        if (step + 1) % EVERY == 0:
+            with torch.no_grad():
+                for p, *replicas in zip(trainable(global_model), *(trainable(m) for m in models)):
+                    p.grad = torch.stack([p - q for q in replicas]).mean(0)
+                outer.step()
+                outer.zero_grad()
+                for model in models:
+                    for p, q in zip(trainable(global_model), trainable(model)):
+                        q.copy_(p)
+    named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
+    return named(global_model), [named(m) for m in models]
+
+
+def _largest_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max((got[name] - value).abs().max().item() for name, value in expected.items())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_with_every_group_live_fault_tolerant_diloco_is_diloco_in_fp64() -> None:
+    with lighthouse(min_replicas=GROUPS) as address, tempfile.TemporaryDirectory() as out_dir:
+        jobs = [start_group(g, out_dir, _run_group, address, RUN, GROUPS, "steady", out_dir) for g in range(GROUPS)]
+        for job in jobs:
+            wait(job, timeout=240)
+        results = [read(out_dir, g) for g in range(GROUPS)]
+    global_model, replicas = _reference(RUN)
+    for g in range(GROUPS):
+        for result in results[g]:
+            assert result["global_step"] == RUN.steps
+            assert (result["outer_steps"], result["dropped_rounds"], result["heals"]) == (RUN.steps // EVERY, 0, 0)
+            assert all(live == GROUPS for _, live in result["steps"][EVERY - 1 :])  # every round had both groups
+            assert _largest_difference(result["anchors"], global_model) < 1e-10
+            assert _largest_difference(result["params"], replicas[g]) < 1e-10
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_a_lost_group_misses_rounds_and_a_restarted_one_heals_the_outer_state_too() -> None:
+    with lighthouse(min_replicas=1, join_timeout_ms=3000) as address, tempfile.TemporaryDirectory() as out_dir:
+        survivor = start_group(0, out_dir, _run_group, address, LONG_RUN, 1, "survivor", out_dir)
+        doomed = start_group(1, out_dir, _run_group, address, LONG_RUN, 1, "doomed", out_dir)
+        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
+            wait(doomed, timeout=180)
+        for rank in range(GROUP_WORLD):
+            wait_for_step(Path(out_dir, f"alone{rank}"), 1, timeout=120)
+        restarted = start_group(1, out_dir, _run_group, address, LONG_RUN, 1, "restarted", out_dir)
+        wait(survivor, timeout=300)
+        wait(restarted, timeout=120)
+        alone, healed = read(out_dir, 0), read(out_dir, 1)
+    rounds = LONG_RUN.steps // EVERY
+    for rank in range(GROUP_WORLD):
+        kept, back = alone[rank], healed[rank]
+        assert kept["global_step"] == back["global_step"] == LONG_RUN.steps
+        participants = [live for _, live in kept["steps"]]
+        assert GROUPS in participants and 1 in participants[participants.index(GROUPS) :]  # together, then alone
+        assert participants[-1] == GROUPS  # and together again at the end
+        assert kept["outer_steps"] + kept["dropped_rounds"] == rounds  # every round committed or dropped, none lost
+        assert kept["heals"] == 0 and back["heals"] >= 1  # the restarted group healed from the survivor
+        # from the heal on, one global state: the last-synchronised model, the outer momentum and (H divides the
+        # run) the parameters, bit for bit
+        for name, shard in kept["anchor_shards"].items():
+            assert torch.equal(shard, back["anchor_shards"][name]), name
+        assert kept["momentum"] and kept["momentum"].keys() == back["momentum"].keys()
+        for name, buffer in kept["momentum"].items():
+            assert torch.equal(buffer, back["momentum"][name]), name
+        for name, value in kept["params"].items():
+            assert torch.equal(value, back["params"][name]), name
+        for name, value in kept["anchors"].items():  # the trained parameters (the frozen gate has no outer copy)
+            assert torch.equal(value, kept["params"][name]), name
