@@ -29,6 +29,11 @@ Two layers, both pure arithmetic:
    * the ring follows the group's rank order; an edge between ranks on different nodes crosses a
      node link, all others are loopback.
 
+Semi-synchronous rows (DiLoCo, ``sync_every = H``) take the library's schedule as it is: no hop 2 on any step,
+and one all-reduce of every rank's parameter-delta shards across the replicas after every ``H``-th step -- the
+same bytes as one synchronous hop 2 (one fp32 value per parameter element of the shard), counted ``1 / H`` per
+optimizer step (:attr:`RingCollective.every_steps`). A measured window of whole rounds gives that average.
+
 Payload bytes are counted; TCP/IP/Ethernet framing (about 1% with 9000-byte frames) and control
 messages (barriers, Lightning's per-batch flag broadcast) are not, which is why measured counters
 sit slightly above these numbers.
@@ -74,6 +79,9 @@ class RingCollective:
     count: int = 1
     #: a reduce-scatter through gloo's own ``reduce_scatter_tensor`` (an all-reduce), not our ring
     via_all_reduce: bool = False
+    #: issued once every this many optimizer steps (DiLoCo's outer synchronisation, ``sync_every``), else 1: its
+    #: bytes count ``1 / every_steps`` per optimizer step, the average over whole rounds
+    every_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ def gloo_wire_bytes(collective: RingCollective, cluster: ClusterShape) -> WireBy
     per_edge = _RING_EDGE_SHARE[kind](n) * collective.payload_bytes
     edges = [(ranks[i], ranks[(i + 1) % n]) for i in range(n)]
     crossing = sum(1 for a, b in edges if cluster.node_of(a) != cluster.node_of(b))
-    return WireBytes(crossing * per_edge, (n - crossing) * per_edge).scaled(collective.count)
+    return WireBytes(crossing * per_edge, (n - crossing) * per_edge).scaled(collective.count / collective.every_steps)
 
 
 def total_wire_bytes(collectives: Iterable[RingCollective], cluster: ClusterShape) -> WireBytes:
@@ -256,6 +264,7 @@ def step_collectives(
         hierarchical_ranks_per_node=cluster.ranks_per_node if spec.hierarchical and topology.spans_nodes else None,
         gather_bytes=element_bytes,
         reduce_bytes=element_bytes,
+        sync_every=spec.sync_every,  # DiLoCo: no hop 2; one parameter-delta all-reduce every H steps
     )
     collectives: list[RingCollective] = []
     for entry in step_schedule(units, layout):
@@ -267,6 +276,7 @@ def step_collectives(
                     int(entry.payload_bytes),
                     entry.calls_per_step(setup.accumulate),
                     via_all_reduce=fsdp1 and entry.kind == "reduce_scatter",  # gloo's own: an all-reduce
+                    every_steps=entry.every_steps,
                 )
             )
     return collectives

@@ -5,6 +5,8 @@ shaped "nodes" made of network namespaces.
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --scaling  # 2, 3, 4 nodes x 2 ranks (weak scaling)
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --smoke [--scaling]  # the main path, ~1 min
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # loss vs tokens and wall-clock, ~35 min
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence --smoke  # its main path, ~2 min
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
 throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
@@ -14,8 +16,10 @@ measured inter-node bytes with :mod:`benchmarks.comm_model`, print a table and w
 ``benchmarks/results/emulated_cluster.json`` and ``.png``. Every row also gets its *wire floor*: the
 busiest node uplink direction's bytes per step over the measured link rate, the time the shaped link
 alone needs (:func:`add_wire_floor`). ``--scaling`` repeats the run at several node counts with the
-same per-rank batch (:mod:`benchmarks.scaling`). Namespaces, links and rank processes are removed on
-every exit path (errors and Ctrl-C included).
+same per-rank batch (:mod:`benchmarks.scaling`). ``--convergence`` trains the synchronous reference
+(``mics-auto``), DDP and semi-synchronous DiLoCo rows for a fixed token budget on learnable data at several
+bandwidth ratios and compares their loss against tokens and wall-clock (:mod:`benchmarks.convergence`).
+Namespaces, links and rank processes are removed on every exit path (errors and Ctrl-C included).
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ from benchmarks.comm_model import (  # noqa: E402
     gpt_fsdp_units,
     gradient_bytes_held_during_accumulation,
 )
+from benchmarks.convergence import (  # noqa: E402
+    CONVERGENCE_RATIOS,
+    CONVERGENCE_STRATEGIES,
+    REFERENCE,
+    SMOKE_CONVERGENCE_RATIOS,
+    SMOKE_CONVERGENCE_STRATEGIES,
+    ConvergenceSettings,
+    MarkovChain,
+    build_convergence_report,
+    draw_convergence,
+    format_convergence_table,
+)
 from benchmarks.netns import (  # noqa: E402
     REPO_ROOT,
     UPLINK,
@@ -63,7 +79,14 @@ from benchmarks.scaling import (  # noqa: E402
     parse_node_list,
     point_predictions,
 )
-from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup, select_strategies  # noqa: E402
+from benchmarks.scenarios import (  # noqa: E402
+    ClusterShape,
+    StrategySpec,
+    TrainingSetup,
+    diloco_spec,
+    measured_steps_for,
+    select_strategies,
+)
 from examples.models import GPTConfig  # noqa: E402
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -100,6 +123,21 @@ SMOKE_RANKS_PER_NODE = 2
 SMOKE_STRATEGIES = ("mics-auto", "fsdp-hybrid", "ddp")
 SMOKE_SCALING_STRATEGIES = ("mics-auto",)
 SMOKE_SCALING_NODES = (2, 3)
+#: --convergence: the token budget is ``measured_steps`` optimizer steps, every one of them recorded (no warm-up).
+#: The model is --quick's (1.65 M parameters): the default one's hop 2 takes ~6 s a step on the 1/240 link, so a
+#: budget that lets the loss fall would not fit the ~40 minutes the two ratios' eight runs may take on 2 cores.
+CONVERGENCE = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=256,
+                     probe_seconds=1.0, run_timeout_s=1200)
+#: --convergence --smoke: its main path (three rows, one ratio, two DiLoCo rounds) in about two minutes.
+SMOKE_CONVERGENCE = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=16,
+                           probe_seconds=0.3, run_timeout_s=240)
+CONVERGENCE_RANKS_PER_NODE = 2
+#: --convergence's micro-batch per rank (the throughput rows use 1): a global batch of 512 tokens per step, so
+#: that the loss of a step says something about the model
+CONVERGENCE_MICRO_BATCH = 4
+#: steps in the trailing mean of the loss curves (smoke: fewer, its runs are short)
+CONVERGENCE_WINDOW, SMOKE_CONVERGENCE_WINDOW = 16, 4
+DEFAULT_BANDWIDTH_RATIO = 15.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,14 +160,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--scaling-nodes", type=_node_list_arg,
                         help="node counts for --scaling, comma-separated (default "
                              f"{','.join(map(str, DEFAULT_SCALING_NODES))})")
+    parser.add_argument("--convergence", action="store_true",
+                        help="loss against tokens and wall-clock: train "
+                             f"{','.join(CONVERGENCE_STRATEGIES)} for a fixed token budget (--steps optimizer steps, "
+                             f"default {CONVERGENCE.measured_steps}) on learnable data at every ratio of "
+                             "--convergence-ratios; writes convergence.json and convergence.png")
+    parser.add_argument("--convergence-ratios", type=_ratio_list_arg,
+                        help="bandwidth ratios of --convergence, comma-separated; the first is the headline "
+                             f"(default {','.join(f'{r:g}' for r in CONVERGENCE_RATIOS)}; smoke: "
+                             f"{','.join(f'{r:g}' for r in SMOKE_CONVERGENCE_RATIOS)})")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="--convergence: peak AdamW learning rate (the DiLoCo rows' inner optimizer; default 3e-3)")
+    parser.add_argument("--lr-warmup", type=int, default=10,
+                        help="--convergence: linear learning-rate warm-up in optimizer steps, then cosine (default 10)")
+    parser.add_argument("--outer-lr", type=float,
+                        help="learning rate of the DiLoCo rows' outer Nesterov SGD, momentum 0.9 (default: the "
+                             "library's, 0.7 as in the DiLoCo paper)")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step (default 4)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="samples per micro-batch per rank (default 1)")
+    parser.add_argument("--micro-batch", type=int,
+                        help=f"samples per micro-batch per rank (default 1; --convergence {CONVERGENCE_MICRO_BATCH})")
     parser.add_argument("--d-model", type=int, help="model width (default: 512, quick: 256)")
     parser.add_argument("--layers", type=int, help="transformer blocks (default: 4, quick: 2)")
     parser.add_argument("--heads", type=int, help="attention heads (default: 8, quick: 4)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default 8: little compute per byte moved)")
     parser.add_argument("--warmup-steps", type=int, help="optimizer steps run but not measured (default 1)")
-    parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2)")
+    parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2; --convergence: the "
+                                                  f"token budget, {CONVERGENCE.measured_steps})")
     add_link_arguments(parser)
     parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
     parser.add_argument("--output-dir", type=Path, help="where the JSON and PNG go (default: benchmarks/results, "
@@ -142,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmarks/profile_breakdown.py",
     )
     return parser
+
+
+def _ratio_list_arg(text: str) -> tuple[float, ...]:
+    """``--convergence-ratios`` as argparse wants it: distinct positive numbers, in the order given."""
+    try:
+        ratios = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        ratios = ()
+    if not ratios or any(not r > 0 for r in ratios) or len(set(ratios)) != len(ratios):
+        raise argparse.ArgumentTypeError(
+            f"--convergence-ratios takes distinct comma-separated positive numbers, e.g. 240,24; got {text!r}."
+        )
+    return ratios
 
 
 def _node_list_arg(text: str) -> tuple[int, ...]:
@@ -157,7 +226,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke and args.quick:
         parser.error("--smoke and --quick exclude each other: --smoke is the shorter of the two.")
-    preset = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.convergence:
+        _check_convergence_flags(parser, args)
+        preset = SMOKE_CONVERGENCE if args.smoke else CONVERGENCE
+    else:
+        preset = SMOKE if args.smoke else QUICK if args.quick else FULL
+        for flag in ("convergence_ratios",):
+            if getattr(args, flag) is not None:
+                parser.error(f"--{flag.replace('_', '-')} only applies with --convergence.")
+    if args.micro_batch is None:
+        args.micro_batch = CONVERGENCE_MICRO_BATCH if args.convergence else 1
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
                           ("seq_len", preset.seq_len), ("warmup_steps", preset.warmup_steps),
                           ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
@@ -175,23 +253,76 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         )
         args.link = link_request(args, args.setup, preset.probe_seconds)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
-        if names is None and args.smoke:
+        if names is None and args.convergence:
+            names = list(SMOKE_CONVERGENCE_STRATEGIES if args.smoke else CONVERGENCE_STRATEGIES)
+        elif names is None and args.smoke:
             names = list(SMOKE_SCALING_STRATEGIES if args.scaling else SMOKE_STRATEGIES)
         elif args.scaling and names is None:
             names = list(SCALING_STRATEGIES)
         args.points = []
         for nodes in args.node_counts:  # every node count must run every named strategy
             shape = ClusterShape(nodes, args.ranks_per_node)
-            args.setup.check_corpus(shape)
-            args.points.append((shape, select_strategies(shape, names)))
+            specs = [_with_outer_lr(spec, shape, args.outer_lr) for spec in select_strategies(shape, names)]
+            if not args.convergence:  # --convergence trains on generated sequences, not the corpus
+                for spec in specs:
+                    replace(args.setup, measured_steps=measured_steps_for(spec, args.setup.measured_steps)) \
+                        .check_corpus(shape)
+            args.points.append((shape, specs))
+        args.convergence_settings = _convergence_settings(args) if args.convergence else None
     except ValueError as error:
         parser.error(str(error))
     args.cluster, args.specs = args.points[0]  # the single run's (or the first scaling point's)
     return args
 
 
+def _check_convergence_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The options ``--convergence`` refuses, each with what to use instead."""
+    refused = {
+        "--scaling": (args.scaling, "run them one after the other"),
+        "--quick": (args.quick, "--convergence has its own budget and model (--quick's); --smoke shortens it"),
+        "--bandwidth-ratio": (args.bandwidth_ratio is not None, "give the ratios with --convergence-ratios"),
+        "--inter-node-mbps": (args.inter_node_mbps is not None, "give the ratios with --convergence-ratios"),
+        "--warmup-steps": (args.warmup_steps is not None,
+                           "every step of a convergence run is recorded; the learning-rate warm-up is --lr-warmup"),
+        "--profile-dir": (args.profile_dir is not None, "profile the throughput rows instead"),
+    }
+    for flag, (given, instead) in refused.items():
+        if given:
+            parser.error(f"--convergence and {flag} exclude each other: {instead}.")
+
+
+def _with_outer_lr(spec: StrategySpec, shape: ClusterShape, outer_lr: Optional[float]) -> StrategySpec:
+    """A semi-synchronous row with ``--outer-lr`` (same name and H); other rows unchanged."""
+    if outer_lr is None or not spec.semi_synchronous:
+        return spec
+    return diloco_spec(shape, spec.sync_every or 1, outer_lr, name=spec.name)
+
+
+def _convergence_settings(args: argparse.Namespace) -> ConvergenceSettings:
+    """The settings every row of ``--convergence`` trains with, checked against its rows: the reference must run,
+    and the budget must be whole DiLoCo rounds."""
+    shape, specs = args.points[0]
+    if REFERENCE not in [spec.name for spec in specs]:
+        raise ValueError(f"--convergence compares every row with {REFERENCE}: add it to --strategies.")
+    settings = ConvergenceSettings(
+        steps=args.steps, learning_rate=args.lr, warmup_steps=args.lr_warmup,
+        window=SMOKE_CONVERGENCE_WINDOW if args.smoke else CONVERGENCE_WINDOW,
+    )
+    settings.check([spec.sync_every for spec in specs if spec.sync_every], shape.world_size)
+    args.ratios = args.convergence_ratios or (SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS)
+    return settings
+
+
 def _resolve_mode(args: argparse.Namespace) -> None:
-    """The node counts, ranks per node and output folder of a single run or a ``--scaling`` run."""
+    """The node counts, ranks per node and output folder of a single run, a ``--scaling`` or a ``--convergence``
+    run."""
+    if args.convergence:
+        args.node_counts = (2 if args.nodes is None else args.nodes,)
+        if args.ranks_per_node is None:
+            args.ranks_per_node = CONVERGENCE_RANKS_PER_NODE
+        if args.output_dir is None:
+            args.output_dir = RESULTS_DIR / "convergence_smoke" if args.smoke else RESULTS_DIR
+        return
     if not args.scaling:
         if args.scaling_nodes is not None:
             raise ValueError("--scaling-nodes only applies with --scaling: add --scaling, "
@@ -258,8 +389,9 @@ class LinkRequest:
 
 def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     """The command-line options of the emulated network's links, for every benchmark that builds one."""
-    parser.add_argument("--bandwidth-ratio", type=float, default=15.0,
-                        help="inter-node rate = measured per-node loopback throughput / this (default 15)")
+    parser.add_argument("--bandwidth-ratio", type=float,
+                        help="inter-node rate = measured per-node loopback throughput / this (default "
+                             f"{DEFAULT_BANDWIDTH_RATIO:g}; 240: a cross-region link)")
     parser.add_argument("--calibrate", choices=CALIBRATIONS, default="gloo",
                         help="loopback throughput to divide: what gloo all-reduces achieve with all ranks of all "
                              "nodes at once (default), or raw TCP streams (an upper bound gloo ranks never reach)")
@@ -275,8 +407,9 @@ def link_request(
 ) -> LinkRequest:
     """The :class:`LinkRequest` of a command line parsed with :func:`add_link_arguments`'s options; a bad value
     raises ``ValueError`` naming the option (parsers turn it into their usage error)."""
+    ratio = DEFAULT_BANDWIDTH_RATIO if args.bandwidth_ratio is None else args.bandwidth_ratio
     return LinkRequest(setup=setup, probe_seconds=probe_seconds, calibrate=args.calibrate,
-                       bandwidth_ratio=args.bandwidth_ratio, inter_node_mbps=args.inter_node_mbps, mtu=args.mtu,
+                       bandwidth_ratio=ratio, inter_node_mbps=args.inter_node_mbps, mtu=args.mtu,
                        fixed_rate_bytes_per_s=fixed_rate_bytes_per_s)
 
 
@@ -356,14 +489,20 @@ def _gbit(bytes_per_s: float) -> str:
 
 # ---------------------------------------------------------------------------------- runs
 def run_strategy(
-    cluster: EmulatedCluster, spec: StrategySpec, args: argparse.Namespace, work_dir: Path, index: int
+    cluster: EmulatedCluster, spec: StrategySpec, args: argparse.Namespace, work_dir: Path, index: int,
+    convergence: Optional[ConvergenceSettings] = None,
 ) -> dict[str, Any]:
     """Launch every rank of one strategy in its node's namespace and return rank 0's record (or a
-    failure record naming the reason)."""
+    failure record naming the reason). ``convergence``: a ``--convergence`` run of the row instead of a
+    throughput measurement."""
     shape, setup = args.cluster, args.setup
+    if convergence is None:  # a semi-synchronous row measures whole rounds of sync_every steps
+        setup = replace(setup, measured_steps=measured_steps_for(spec, setup.measured_steps))
+    work_dir.mkdir(parents=True, exist_ok=True)
     job = work_dir / f"{spec.name}.job.json"
     setup_dict = asdict(setup)
-    job.write_text(json.dumps({"strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict}))
+    job.write_text(json.dumps({"strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict,
+                               "convergence": None if convergence is None else asdict(convergence)}))
     output = work_dir / f"{spec.name}.result.json"
     base_env = {
         **os.environ,
@@ -502,7 +641,7 @@ def format_table(records: list[dict[str, Any]]) -> str:
             failures.append(f"* {r['strategy']}: {r.get('status')}")
             continue
         rows.append((
-            r["strategy"], str(r["partition_size"]), _yes_no(r.get("hierarchical")),
+            _label(r, short=True), str(r["partition_size"]), _yes_no(r.get("hierarchical")),
             f"{r['step_time_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
             _mb(r["inter_node_bytes_per_step"]), _mb(r["expected_inter_node_bytes_per_step"]),
             f"{r.get('inter_node_error', 0) * 100:+.1f}%", *_floor_cells(r),
@@ -527,7 +666,7 @@ def format_markdown(records: list[dict[str, Any]]) -> str:
             continue
         floor, ratio = _floor_cells(r)
         lines.append(
-            f"| {r['strategy']} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | {r['step_time_s']:.2f} | "
+            f"| {_label(r)} | {r['partition_size']} | {_yes_no(r.get('hierarchical'))} | {r['step_time_s']:.2f} | "
             f"{r['tokens_per_s']:,.0f} | {_mb(r['inter_node_bytes_per_step'])} | "
             f"{_mb(r['expected_inter_node_bytes_per_step'])} ({r.get('inter_node_error', 0) * 100:+.1f}%) | "
             f"{floor} | {ratio} | "
@@ -535,6 +674,16 @@ def format_markdown(records: list[dict[str, Any]]) -> str:
             f"{_mb(r['peak_mem_bytes'])} | {_mb(r.get('grad_bytes_during_accumulation'))} |"
         )
     return "\n".join(lines)
+
+
+def _label(record: dict[str, Any], short: bool = False) -> str:
+    """The row's name; a semi-synchronous row says so, since its step time and bytes are averages over rounds."""
+    every = record.get("sync_every")
+    if not every:
+        return record["strategy"]
+    if short:
+        return f"{record['strategy']} (H={every})"
+    return f"{record['strategy']} (semi-synchronous, H={every}: step and bytes are means over whole rounds)"
 
 
 def _floor_cells(record: dict[str, Any]) -> tuple[str, str]:
@@ -595,6 +744,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     command = "python benchmarks/emulated_cluster.py " + " ".join(sys.argv[1:] if argv is None else argv)
     try:
+        if args.convergence:
+            return run_convergence(args, command)
         return run_scaling(args, command) if args.scaling else run_single(args, command)
     except KeyboardInterrupt:
         print("\ninterrupted: namespaces, links and rank processes were removed", file=sys.stderr)
@@ -688,6 +839,110 @@ def run_scaling(args: argparse.Namespace, command: str) -> int:
     print("\n" + format_scaling_table(scaling["rows"]))
     print("\n" + format_scaling_table(scaling["rows"], markdown=True))
     return 0 if all(_all_ran(r["results"]) for r in reports) else 1
+
+
+def reshape_link(cluster: EmulatedCluster, network: NetworkSettings, ratio: float, seconds: float) -> NetworkSettings:
+    """Shape the links to ``1 / ratio`` of the loopback throughput ``network`` measured (not measured again: every
+    ratio of a ``--convergence`` run divides the same number) and measure one TCP stream across them."""
+    rate = network.loopback_per_node_bytes_per_s / ratio
+    cluster.shape(LinkShape(rate))
+    measured = cluster.measure_throughput([(1, 0)], seconds)[0]
+    print(f"inter-node link: tbf {_gbit(rate)} per direction (1/{ratio:g} of the per-node {network.calibration} "
+          f"loopback throughput measured above); one TCP stream measures {_gbit(measured)}")
+    return replace(network, inter_node_rate_bytes_per_s=rate, inter_node_measured_bytes_per_s=measured)
+
+
+def run_convergence(args: argparse.Namespace, command: str) -> int:
+    """``--convergence``: one cluster; the loopback measured once, then for every ratio of ``args.ratios`` the
+    links shaped to ``1 / ratio`` of it and every row trained for the budget. ``convergence.json`` is rewritten
+    after every ratio (a late failure keeps the earlier ones); then the chart and the tables."""
+    settings: ConvergenceSettings = args.convergence_settings
+    chain = MarkovChain(args.setup.model.vocab_size, settings.successors, settings.data_seed)
+    described = {
+        **asdict(settings),
+        "model": asdict(args.setup.model), "model_params": args.setup.model.num_params,
+        "cluster": asdict(args.cluster), "micro_batch": args.setup.micro_batch, "accumulate": args.setup.accumulate,
+        "tokens_per_step": args.setup.tokens_per_step(args.cluster),
+        "tokens": settings.steps * args.setup.tokens_per_step(args.cluster),
+        "optimizer": f"AdamW(lr={settings.learning_rate:g}, betas=(0.9, 0.95), weight_decay=0.1 on matrices), "
+                     f"{settings.warmup_steps} warm-up steps then cosine to 0.1x",
+        "outer_optimizer": "SGD(lr=0.7, momentum=0.9, nesterov=True) (the library's default, DiLoCo's)"
+        if args.outer_lr is None else f"SGD(lr={args.outer_lr:g}, momentum=0.9, nesterov=True) (--outer-lr)",
+        "data": f"first-order Markov chain over {args.setup.model.vocab_size} tokens, {settings.successors} "
+                f"successors each (seed {settings.data_seed}); entropy rate {chain.entropy_rate:.4f} nats/token",
+        "entropy_rate": chain.entropy_rate,
+        "window": settings.window,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+    output_dir: Path = args.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path = output_dir / "convergence.json"
+    points: list[dict[str, Any]] = []
+    started = time.monotonic()
+    print(f"convergence: {len(args.specs)} rows x {len(args.ratios)} ratios, {settings.steps} steps of "
+          f"{described['tokens_per_step']} tokens each; loss floor (entropy rate) {chain.entropy_rate:.3f}", flush=True)
+    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
+            tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
+        network: Optional[NetworkSettings] = None
+        for i, ratio in enumerate(args.ratios):
+            print(f"\n=== bandwidth ratio {ratio:g} ===", flush=True)
+            load_before = os.getloadavg()
+            if network is None:
+                network = set_up_network(cluster, args.cluster, replace(args.link, bandwidth_ratio=ratio))
+                current = network
+            else:
+                current = reshape_link(cluster, network, ratio, args.link.probe_seconds)
+            runs = []
+            for j, spec in enumerate(args.specs):
+                print(f"[{j + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
+                record = run_strategy(cluster, spec, args, Path(tmp) / f"ratio{i}", i * len(args.specs) + j,
+                                      convergence=settings)
+                runs.append(add_convergence_expectations(record, spec, args, settings.steps))
+                print("    " + _convergence_line(record), flush=True)
+            points.append({"bandwidth_ratio": ratio, "network": asdict(current),
+                           "load_before": load_before, "load_after": os.getloadavg(), "runs": runs})
+            report = build_convergence_report(points, command, described, settings.window)
+            report["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            report["total_s"] = time.monotonic() - started
+            json_path.write_text(json.dumps(report, indent=2))
+    chart = draw_convergence(report, output_dir / "convergence.png")
+    print(f"\nwrote {json_path}" + (f" and {chart}" if chart else "") + f"; total {time.monotonic() - started:.0f} s")
+    print("\n" + format_convergence_table(report))
+    print("\n" + format_convergence_table(report, markdown=True))
+    ratios = ", ".join(f"{k} = {_or_none(report.get(k))}" for k in ("time_to_sync_final_loss_ratio",
+                                                                      "final_loss_ratio"))
+    print(f"\nratio {report['headline_bandwidth_ratio']:g}, {report.get('headline_strategy')}: {ratios}")
+    return 0 if all(r.get("status") == "ok" for point in points for r in point["runs"]) else 1
+
+
+def add_convergence_expectations(
+    record: dict[str, Any], spec: StrategySpec, args: argparse.Namespace, steps: int
+) -> dict[str, Any]:
+    """The inter-node bytes the byte model expects for the whole run (per step x steps; a DiLoCo row's budget is
+    whole rounds, so its one message per round counts exactly), next to the measured ones."""
+    if spec.planned and record.get("status") == "ok":
+        spec = spec.with_choice(record)
+    record.setdefault("sync_every", spec.sync_every)
+    record["description"] = spec.description
+    expected = expected_step_bytes(spec, args.cluster, args.setup).inter_node * steps
+    record["expected_inter_node_bytes"] = expected
+    if record.get("inter_node_bytes") is not None and expected:
+        record["inter_node_error"] = record["inter_node_bytes"] / expected - 1
+    return record
+
+
+def _convergence_line(record: dict[str, Any]) -> str:
+    if record.get("status") != "ok":
+        return f"{record.get('status')} ({record.get('wall_s', 0):.0f} s)"
+    steps = record["steps"]
+    return (f"{len(steps)} steps in {steps[-1]['time_s']:.0f} s ({steps[-1]['time_s'] / len(steps):.2f} s/step), "
+            f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}, held-out {_or_none(record.get('heldout_loss'))}, "
+            f"inter-node {_mb(record.get('inter_node_bytes'))} MB (expected {_mb(record.get('expected_inter_node_bytes'))}) "
+            f"({record.get('wall_s', 0):.0f} s with start-up)")
+
+
+def _or_none(value: Optional[float]) -> str:
+    return "none (not reached)" if value is None else f"{value:.3f}"
 
 
 def _all_ran(records: list[dict[str, Any]]) -> bool:

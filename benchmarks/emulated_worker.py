@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -43,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
+from benchmarks.convergence import ConvergenceSettings, MarkovChain, SequenceDataset
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 from examples.models.gpt import Block
@@ -108,12 +110,20 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
         elif spec.params_degree is not None or spec.optim_degree is not None:
             degrees = ShardingSpec(params=spec.params_degree or p, grads=p, optim=spec.optim_degree or p)
             layout = dict(sharding=degrees, hierarchical=bool(spec.hierarchical))
+        semi_sync: dict[str, Any] = {}
+        if spec.semi_synchronous:  # DiLoCo: the outer optimizer is the library's default unless outer_lr is given
+            semi_sync = {"cross_replica_sync": "diloco", "sync_every": spec.sync_every}
+            if spec.outer_lr is not None:
+                semi_sync["outer_optimizer"] = functools.partial(
+                    torch.optim.SGD, lr=spec.outer_lr, momentum=0.9, nesterov=True
+                )
         return MiCSStrategy(
             **{"grad_accumulation": spec.grad_accumulation, **layout},
             ranks_per_node=cluster.ranks_per_node,
             process_group_backend="gloo",
             cross_replica_dtype=spec.cross_replica_dtype,
             cross_replica_overlap=spec.cross_replica_overlap,
+            **semi_sync,
         )
     if spec.family == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -230,7 +240,9 @@ def summarize(
         return totals[setup.warmup_steps :]
 
     inter, loopback = per_step("uplink_tx"), per_step("lo_tx")
-    step_time = statistics.median(step_times)
+    # A semi-synchronous row's window is whole rounds of sync_every steps (scenarios.measured_steps_for): its
+    # step time is the mean over them, the outer synchronisation's step included -- a median would be an inner step.
+    step_time = statistics.mean(step_times) if spec.semi_synchronous else statistics.median(step_times)
     tokens_per_step = setup.tokens_per_step(cluster)
     held = [max(r["held_grad_bytes"]) for r in per_rank if r["held_grad_bytes"]]
     return {
@@ -245,8 +257,13 @@ def summarize(
         "planned": spec.planned,
         "cross_replica_dtype": spec.cross_replica_dtype,
         "cross_replica_overlap": spec.cross_replica_overlap,
+        "sync_every": spec.sync_every,
+        "outer_lr": spec.outer_lr,
         "status": "ok",
         "step_time_s": step_time,
+        "step_time_basis": "mean over whole rounds of sync_every steps (semi-synchronous)" if spec.semi_synchronous
+        else "median",
+        "inner_step_time_median_s": statistics.median(step_times) if spec.semi_synchronous else None,
         "step_times_s": step_times,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_step / step_time,
@@ -366,6 +383,143 @@ def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output:
     dist.barrier()
 
 
+# ---------------------------------------------------------------------------------- --convergence
+class ConvergenceGPT(GPTLightningModule):
+    """The benchmark's GPT with its loss kept per micro-batch (a Python float: no collective, nothing added to the
+    step), and the held-out sequences as its validation data."""
+
+    def __init__(self, config: GPTConfig, settings: ConvergenceSettings, heldout: SequenceDataset) -> None:
+        super().__init__(config, learning_rate=settings.learning_rate, warmup_steps=settings.warmup_steps)
+        self.micro_losses: list[float] = []
+        self._heldout = heldout
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.micro_losses.append(float(loss.detach()))
+        return loss
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        per_rank = len(self._heldout) // self.trainer.world_size
+        return torch.utils.data.DataLoader(self._heldout, batch_size=per_rank)
+
+
+class LossClock(Callback):
+    """Per optimizer step, on every rank, without any collective (a barrier per step would tie the replica groups
+    of a DiLoCo row together between synchronisations and add a cross-node round trip to every row): the time the
+    step ended, the mean loss of its micro-batches and the uplink's byte counters. One barrier at the start gives
+    the ranks a common origin; they share the host's monotonic clock."""
+
+    def __init__(self) -> None:
+        self.start: float = 0.0
+        self.start_counters: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+        self._last_global_step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.barrier()
+        self.start_counters = _counters()
+        self.start = time.monotonic()
+        self._last_global_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_global_step:
+            return  # a micro-step inside the accumulation window
+        self._last_global_step = trainer.global_step
+        losses = pl_module.micro_losses  # type: ignore[attr-defined]
+        self.steps.append({"step": trainer.global_step, "time": time.monotonic(),
+                           "loss": sum(losses) / len(losses), **_counters()})
+        losses.clear()
+
+
+def run_convergence(
+    spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, settings: ConvergenceSettings,
+    output: Optional[Path],
+) -> None:
+    """One row of ``--convergence``: train for ``settings.steps`` optimizer steps on the Markov-chain sequences
+    (the same samples in the same global order for every strategy), then evaluate the final model on the held-out
+    sequences through Lightning's validation (every rank a slice, the mean over all of them); rank 0 writes the
+    per-step losses (mean over ranks), times (slowest rank) and the run's inter-node bytes."""
+    pl.seed_everything(1234, workers=True, verbose=False)
+    config = setup.model
+    chain = MarkovChain(config.vocab_size, settings.successors, settings.data_seed)
+    samples = settings.steps * setup.accumulate * setup.micro_batch * cluster.world_size
+    train = SequenceDataset(chain.sample(samples, config.seq_len + 1, settings.data_seed + 1))
+    heldout = SequenceDataset(chain.sample(settings.heldout_samples, config.seq_len + 1, settings.data_seed + 2))
+    clock = LossClock()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=cluster.ranks_per_node,
+        num_nodes=cluster.num_nodes,
+        strategy=build_strategy(spec, cluster),
+        max_steps=settings.steps,
+        max_epochs=1,  # the training set is exactly the budget: validation runs once, after the last step
+        accumulate_grad_batches=setup.accumulate,
+        callbacks=[clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    model = ConvergenceGPT(config, settings, heldout)
+    loader = torch.utils.data.DataLoader(train, batch_size=setup.micro_batch, shuffle=False)
+    trainer.fit(model, train_dataloaders=loader)
+    heldout_loss = trainer.callback_metrics.get("val/loss")
+    record = {"rank": trainer.global_rank, "local_rank": trainer.local_rank, "start": clock.start,
+              "start_counters": clock.start_counters, "steps": clock.steps}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if trainer.global_rank == 0 and output is not None:
+        summary = summarize_convergence(gathered, planner_choice(spec, trainer.strategy, cluster), cluster, setup)
+        summary["heldout_loss"] = None if heldout_loss is None else float(heldout_loss)
+        summary["entropy_rate"] = chain.entropy_rate
+        output.write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+
+
+def summarize_convergence(
+    per_rank: list[dict[str, Any]], spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup
+) -> dict[str, Any]:
+    """Every rank's per-step records as one curve: loss = mean over ranks (every rank's micro-batches are the same
+    size, so the global batch's mean), time = the slowest rank's step end since the earliest start."""
+    start = min(r["start"] for r in per_rank)
+    counts = {len(r["steps"]) for r in per_rank}
+    if len(counts) != 1:
+        raise RuntimeError(f"ranks recorded different numbers of optimizer steps: {sorted(counts)}")
+    steps = []
+    for i in range(counts.pop()):
+        entries = [r["steps"][i] for r in per_rank]
+        steps.append({"step": int(entries[0]["step"]), "time_s": max(e["time"] for e in entries) - start,
+                      "loss": statistics.mean(e["loss"] for e in entries),
+                      "loss_per_rank": [e["loss"] for e in entries]})
+    leaders = [r for r in per_rank if r["local_rank"] == 0]
+
+    def grown(counter: str) -> list[float]:
+        return [r["steps"][-1][counter] - r["start_counters"][counter] for r in leaders]
+
+    return {
+        "strategy": spec.name,
+        "family": spec.family,
+        "partition_size": spec.partition_size,
+        "params_degree": spec.params_degree,
+        "optim_degree": spec.optim_degree,
+        "grad_accumulation": spec.grad_accumulation,
+        "hierarchical": spec.hierarchical,
+        "planned": spec.planned,
+        "sync_every": spec.sync_every,
+        "outer_lr": spec.outer_lr,
+        "status": "ok",
+        "tokens_per_step": setup.tokens_per_step(cluster),
+        "steps": steps,
+        "inter_node_bytes": sum(grown("uplink_tx")),
+        "inter_node_tx_bytes_per_node": grown("uplink_tx"),
+        "inter_node_rx_bytes_per_node": grown("uplink_rx"),
+        "loopback_bytes": sum(grown("lo_tx")),
+    }
+
+
 def planner_choice(spec: StrategySpec, strategy: Strategy, cluster: ClusterShape) -> StrategySpec:
     """A planned row's spec with the layout the strategy resolved at set-up (others: unchanged)."""
     if not spec.planned:
@@ -394,12 +548,12 @@ def main() -> None:
     job = json.loads(args.job.read_text())
     setup_fields = dict(job["setup"])
     setup_fields["model"] = GPTConfig(**setup_fields["model"])
-    run(
-        StrategySpec.from_dict(job["strategy"]),
-        ClusterShape(**job["cluster"]),
-        TrainingSetup(**setup_fields),
-        args.output,
-    )
+    spec, cluster, setup = StrategySpec.from_dict(job["strategy"]), ClusterShape(**job["cluster"]), \
+        TrainingSetup(**setup_fields)
+    if job.get("convergence") is not None:
+        run_convergence(spec, cluster, setup, ConvergenceSettings(**job["convergence"]), args.output)
+    else:
+        run(spec, cluster, setup, args.output)
     os._exit(0)  # skip interpreter teardown of gloo threads: the result is written, peers are done
 
 

@@ -5,6 +5,7 @@ orchestrator (``emulated_cluster.py``), the per-rank worker and the tests share 
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
@@ -64,6 +65,11 @@ class StrategySpec:
             the row's result records the choice (:meth:`with_choice`) and its bytes follow from it.
         cross_replica_overlap: MiCS's hop 2 started per unit during the boundary backward (the default);
             ``False`` (the ``-serial`` rows): FSDP2's own hop 2, or a compressed one after backward.
+        sync_every: semi-synchronous replica groups (``cross_replica_sync="diloco"``, DiLoCo's H): the groups
+            synchronise every ``sync_every`` optimizer steps instead of running hop 2 at every step; ``None``:
+            synchronous.
+        outer_lr: the learning rate of DiLoCo's outer Nesterov SGD (momentum 0.9); ``None``: the library's
+            default (0.7, the DiLoCo paper's).
     """
 
     name: str
@@ -78,6 +84,26 @@ class StrategySpec:
     optim_degree: Optional[int] = None
     planned: bool = False
     cross_replica_overlap: bool = True
+    sync_every: Optional[int] = None
+    outer_lr: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.sync_every is not None:
+            if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+                raise ValueError(f"{self.name}: sync_every must be a positive int, got {self.sync_every!r}.")
+            if self.family != "mics" or self.planned:
+                raise ValueError(f"{self.name}: semi-synchronous rows need an explicit MiCS layout (family 'mics', "
+                                 "not planned: the strategy refuses sharding='auto' with DiLoCo).")
+        if self.outer_lr is not None and (self.sync_every is None or not self.outer_lr > 0):
+            raise ValueError(f"{self.name}: outer_lr needs sync_every (a DiLoCo row) and must be positive, "
+                             f"got {self.outer_lr!r}.")
+
+    @property
+    def semi_synchronous(self) -> bool:
+        """The row's replica groups synchronise every :attr:`sync_every` steps (DiLoCo), not at every step: its
+        inter-node bytes arrive in one burst per ``sync_every`` steps, so per-step numbers are averages over
+        whole rounds (the benchmark measures a multiple of ``sync_every`` steps for it)."""
+        return self.sync_every is not None
 
     def with_choice(self, record: dict[str, Any]) -> StrategySpec:
         """A planned row with the layout its result recorded (the planner's choice at set-up)."""
@@ -168,17 +194,67 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
     return specs
 
 
+#: DiLoCo's H of the ``mics-diloco`` row; ``mics-diloco-h<H>`` names any other.
+DILOCO_SYNC_EVERY = 8
+_DILOCO_NAME = re.compile(r"mics-diloco-h(\d+)")
+
+
+def diloco_spec(cluster: ClusterShape, sync_every: int = DILOCO_SYNC_EVERY, outer_lr: Optional[float] = None,
+                name: Optional[str] = None) -> StrategySpec:
+    """MiCS with semi-synchronous replica groups (DiLoCo every ``sync_every`` steps) on the layout the planner
+    picks on this emulated cluster in both recorded runs (``mics-auto``: ``P=1 G=OS=node``, unsharded
+    accumulation -- the ``mics-zero2`` row), so that against ``mics-auto`` only the hop across nodes differs.
+    An explicit layout because the strategy refuses ``sharding="auto"`` with DiLoCo (the planner may shard
+    optimizer states across replicas, which DiLoCo cannot)."""
+    name = name or ("mics-diloco" if sync_every == DILOCO_SYNC_EVERY and outer_lr is None
+                    else f"mics-diloco-h{sync_every}")
+    outer = "DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9)" if outer_lr is None else \
+        f"outer Nesterov SGD lr {outer_lr:g}, momentum 0.9"
+    return StrategySpec(
+        name, "mics", cluster.ranks_per_node, hierarchical=False, grad_accumulation="unsharded", params_degree=1,
+        sync_every=sync_every, outer_lr=outer_lr,
+        description=f"semi-synchronous (DiLoCo, H={sync_every}): mics-zero2's layout, replica groups average "
+                    f"their parameter deltas every {sync_every} optimizer steps with {outer}; per-step numbers "
+                    f"are averages over whole rounds of {sync_every} steps",
+    )
+
+
+def optional_strategies(cluster: ClusterShape) -> list[StrategySpec]:
+    """Rows run only when named (``--strategies``): the semi-synchronous ``mics-diloco`` (H = 8; any H as
+    ``mics-diloco-h<H>``). Not in the default set: it is not synchronous training (its loss is another
+    question, ``--convergence``), and ``compare_planner.py`` prices every row as synchronous."""
+    return [diloco_spec(cluster)]
+
+
 def select_strategies(cluster: ClusterShape, names: Optional[list[str]]) -> list[StrategySpec]:
-    """The default strategies, or the subset named (in the given order). Unknown names are an error."""
-    available = {spec.name: spec for spec in default_strategies(cluster)}
+    """The default strategies, or the subset named (in the given order), which may include the optional rows
+    (:func:`optional_strategies`, and ``mics-diloco-h<H>`` for any H >= 1). Unknown names are an error."""
+    defaults = {spec.name: spec for spec in default_strategies(cluster)}
     if not names:
-        return list(available.values())
+        return list(defaults.values())
+    available = {**defaults, **{spec.name: spec for spec in optional_strategies(cluster)}}
+    for name in names:
+        match = _DILOCO_NAME.fullmatch(name)
+        if match and name not in available and int(match.group(1)) >= 1:
+            available[name] = diloco_spec(cluster, int(match.group(1)), name=name)
     unknown = [n for n in names if n not in available]
     if unknown:
         raise ValueError(
-            f"Unknown strategy name(s) {unknown} for {cluster.num_nodes} nodes. Choose from: {', '.join(available)}."
+            f"Unknown strategy name(s) {unknown} for {cluster.num_nodes} nodes. Choose from: {', '.join(available)} "
+            "(and mics-diloco-h<H> for DiLoCo every H steps)."
         )
     return [available[n] for n in names]
+
+
+def measured_steps_for(spec: StrategySpec, measured_steps: int) -> int:
+    """The measured steps a row runs: ``measured_steps``, rounded up to whole rounds of ``sync_every`` steps for a
+    semi-synchronous row, so that its window holds exactly one outer synchronisation per ``sync_every`` steps
+    (whatever the warm-up: any ``H`` consecutive steps hold one) and its per-step bytes and time are honest
+    averages."""
+    if not spec.semi_synchronous:
+        return measured_steps
+    every = spec.sync_every or 1
+    return -(-measured_steps // every) * every
 
 
 @dataclass(frozen=True)
