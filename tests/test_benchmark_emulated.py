@@ -19,7 +19,15 @@ from benchmarks.comm_model import (
     step_collectives,
 )
 from benchmarks.netns import EmulatedCluster, LinkShape, PrerequisiteError, check_prerequisites
-from benchmarks.scenarios import ClusterShape, TrainingSetup, default_strategies, select_strategies
+from benchmarks.scenarios import (
+    DILOCO_SYNC_EVERY,
+    ClusterShape,
+    StrategySpec,
+    TrainingSetup,
+    default_strategies,
+    measured_steps_for,
+    select_strategies,
+)
 from examples.models import GPTConfig
 
 CLUSTER = ClusterShape(num_nodes=2, ranks_per_node=4)
@@ -277,3 +285,51 @@ def test_deepspeed_row_is_skipped_with_a_reason_when_deepspeed_is_missing(monkey
     )
     text = emulated_cluster.format_table([record])
     assert "skipped*" in text and "not installed" in text
+
+
+# ------------------------------------------------------------------------------------------------ semi-synchronous rows
+def test_diloco_row_sends_a_hop_2_every_h_steps_on_mics_auto_s_layout() -> None:
+    """``mics-diloco`` runs ``mics-zero2``'s layout (the planner's choice on this cluster) with DiLoCo: the same
+    intra-node collectives, and across nodes one all-reduce of the same bytes as hop 2 every H steps -- 1/H of
+    ``mics-zero2``'s inter-node bytes per step on average."""
+    diloco, h32 = select_strategies(CLUSTER, ["mics-diloco", "mics-diloco-h32"])
+    assert (diloco.sync_every, h32.sync_every) == (DILOCO_SYNC_EVERY, 32) and diloco.semi_synchronous
+    assert (diloco.partition_size, diloco.params_degree, diloco.grad_accumulation) == (4, 1, "unsharded")
+    sync = expected_step_bytes(spec("mics-zero2"), CLUSTER, SETUP)
+    for row in (diloco, h32):
+        semi = expected_step_bytes(row, CLUSTER, SETUP)
+        assert semi.intra_node == pytest.approx(sync.intra_node)
+        assert semi.inter_node == pytest.approx(sync.inter_node / row.sync_every)
+    crossing = [c for c in step_collectives(diloco, CLUSTER, SETUP) if gloo_wire_bytes(c, CLUSTER).inter_node > 0]
+    assert crossing and all(c.kind == "all_reduce" and c.every_steps == DILOCO_SYNC_EVERY for c in crossing)
+    assert len(crossing) == CLUSTER.ranks_per_node  # one packed message per replication group, not one per unit
+
+
+def test_diloco_rows_are_opt_in_and_measure_whole_rounds() -> None:
+    assert all(not s.semi_synchronous for s in default_strategies(CLUSTER))  # compare_planner prices rows as sync
+    assert [s.name for s in emulated_cluster.parse_args(["--strategies", "mics-auto,mics-diloco"]).specs] == \
+        ["mics-auto", "mics-diloco"]
+    diloco = select_strategies(CLUSTER, ["mics-diloco"])[0]
+    assert measured_steps_for(diloco, 5) == 8 and measured_steps_for(diloco, 9) == 16
+    assert measured_steps_for(spec("mics"), 5) == 5
+    with pytest.raises(ValueError, match="mics-diloco-h<H>"):
+        select_strategies(CLUSTER, ["mics-diloco-h0"])
+    with pytest.raises(ValueError, match="explicit MiCS layout"):
+        StrategySpec("x", "mics", 4, planned=True, sync_every=8)
+    tuned = emulated_cluster.parse_args(["--strategies", "mics-diloco", "--outer-lr", "0.3"]).specs[0]
+    assert (tuned.name, tuned.outer_lr) == ("mics-diloco", 0.3) and "lr 0.3" in tuned.description
+
+
+def test_diloco_row_is_labelled_semi_synchronous_in_the_tables() -> None:
+    row = {"strategy": "mics-diloco", "sync_every": 8, "partition_size": 4, "hierarchical": False, "status": "ok",
+           "step_time_s": 0.5, "tokens_per_s": 100.0, "inter_node_bytes_per_step": 1e6,
+           "expected_inter_node_bytes_per_step": 1e6, "loopback_bytes_per_step": 2e6,
+           "expected_loopback_bytes_per_step": 2e6, "peak_mem_bytes": 4e8, "grad_bytes_during_accumulation": 1e6}
+    assert "mics-diloco (H=8)" in emulated_cluster.format_table([row])
+    assert "| mics-diloco (semi-synchronous, H=8: step and bytes are means over whole rounds) |" in \
+        emulated_cluster.format_markdown([row])
+
+
+def test_bandwidth_ratio_240_is_accepted_and_15_stays_the_default() -> None:
+    assert emulated_cluster.parse_args(["--bandwidth-ratio", "240"]).link.bandwidth_ratio == 240
+    assert emulated_cluster.parse_args([]).link.bandwidth_ratio == emulated_cluster.DEFAULT_BANDWIDTH_RATIO == 15
