@@ -339,13 +339,16 @@ class MiCSEngine:
             return True
         return False
 
-    def training_data(self, loader: Any, world_size: int, rank: int, accumulate: int, first_step: int) -> Any:
-        """The training DataLoader as the run reads it: with ``fault_tolerance`` (and ``keep_trajectory``),
-        rebuilt on the global sample order that every committed step reads from, whichever groups are live
-        (:mod:`~lightning_mics.fault_tolerance.trajectory`); else ``loader`` itself."""
+    def training_data(
+        self, loader: Any, world_size: int, rank: int, accumulate: int, first_step: int, keep_trajectory: bool
+    ) -> Any:
+        """The training DataLoader as the run reads it: with ``fault_tolerance`` and ``keep_trajectory`` (what the
+        front end resolved ``FaultTolerance.keep_trajectory`` to), rebuilt on the global sample order that every
+        committed step reads from, whichever groups are live (:mod:`~lightning_mics.fault_tolerance.trajectory`);
+        else ``loader`` itself."""
         self._training_data = None
         ft = self.options.fault_tolerance
-        if ft is None or not ft.trainer_keeps_trajectory:
+        if ft is None or not keep_trajectory:
             return loader
         ft = ft.resolved()
         assert ft.num_replica_groups is not None and ft.replica_group is not None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, Optional, Union
 
@@ -174,12 +174,75 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise ValueError(_FT_ONE_MODEL)
         (module,) = list(self._modules)
         state_fn, load_fn = ft.state_hooks(module, [optimizer])
-        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer]) | {"keep_trajectory": False}
+        keep = self._keeps_trajectory
+        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer]) | {"keep_trajectory": keep}
         self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
+
+    @property
+    def _keeps_trajectory(self) -> bool:
+        """``FaultTolerance(keep_trajectory=True)``: the loop reads :meth:`training_batches` (Fabric's default: fixed
+        shares -- the loop, and so which loader trains, is the user's)."""
+        return self.options.fault_tolerance is not None and self.options.fault_tolerance.keep_trajectory is True
 
     def _begin_step(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad starts no step
+            if self._keeps_trajectory and self._engine.data_cursor is None:
+                raise ValueError(
+                    "FaultTolerance(keep_trajectory=True) with Fabric: take the training micro-batches from "
+                    "`batches = strategy.training_batches(train_loader, accumulate=A)` (`next(batches)` in the loop), "
+                    "so that each committed step reads the next global batch whichever groups are live; or set "
+                    "keep_trajectory=False for a fixed share per group."
+                )
             self._engine.begin_step()
+
+    def training_batches(self, loader: Any, accumulate: int = 1) -> Iterator[Any]:
+        """With ``FaultTolerance(keep_trajectory=True)``: the training micro-batches, on this rank's device, as the
+        Trainer reads them with fault tolerance -- every committed step reads the next global batch of one seeded
+        order, split among the groups live in its quorum (a lost group's samples read by the others, a discarded
+        step re-done on its samples, a healed group at the committed step; :mod:`lightning_mics.fault_tolerance.
+        trajectory`). ``loader``: the training DataLoader as you built it (or set up by Fabric), whose dataset,
+        collate function, workers and shuffling (and seed) are kept; ``accumulate``: the micro-batches per optimizer
+        step of your loop. Scale the loss by ``1 / accumulate`` as usual; the strategy's backward applies the
+        group's weight when the live groups read unequal numbers of shares. The loop::
+
+            batches = strategy.training_batches(train_loader, accumulate=2)
+            while strategy.committed_steps < max_steps:
+                for micro in range(2):
+                    fabric.backward(loss_fn(model, next(batches)) / 2)
+                optimizer.step()
+                optimizer.zero_grad()
+
+        Each step's quorum runs at its first ``next(batches)`` (a joining group heals there)."""
+        if not self._keeps_trajectory:
+            raise ValueError(
+                "training_batches reads the training data on the global sample order of fault tolerance: it needs "
+                "MiCSFabricStrategy(fault_tolerance=FaultTolerance(..., keep_trajectory=True))."
+            )
+        if self._engine.replica_group is None:
+            raise RuntimeError("Set up the model and its optimizer (`fabric.setup(model, optimizer)`) before "
+                               "training_batches: the replica group joins there.")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate is the micro-batches per optimizer step of your loop, >= 1; got {accumulate!r}.")
+        source = getattr(loader, "_dataloader", loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
+        world = self.num_nodes * self.num_processes
+        data = self._engine.training_data(source, world, self.global_rank, accumulate, self.committed_steps, True)
+        return self._trained_micro_batches(data)
+
+    def _trained_micro_batches(self, data: Any) -> Iterator[Any]:
+        """Epoch after epoch: each micro-batch the loader predicted, or -- when the step's quorum decided other
+        samples (a group lost or healed, a step discarded) -- the right one, loaded here."""
+        while True:
+            for batch in data:
+                opened = self._engine.begin_step()
+                replacement = self._engine.micro_batch_to_load(opened)
+                yield self.batch_to_device(replacement if replacement is not None else batch)
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        """With fault tolerance keeping the trajectory: the loss times this group's weight (1 unless the live groups
+        read unequal numbers of shares), so that hop 2's average is the mean over the global batch."""
+        weight = self._engine.gradient_weight
+        super().backward(tensor * weight if weight != 1.0 else tensor, module, *args, **kwargs)
 
     @property
     def committed_steps(self) -> int:

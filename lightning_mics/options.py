@@ -307,12 +307,6 @@ class MiCSOptions:
                 "reduce-scatter per optimizer step); lightning_mics.planner.choose_layout(..., training=TrainingSpec("
                 "accumulation=...), grad_accumulation='auto') compares them for yours."
             )
-        if self.fault_tolerance is not None and self.fault_tolerance.keep_trajectory:
-            raise ValueError(
-                "FaultTolerance(keep_trajectory=True) is built for the Trainer only: with Fabric each replica group "
-                "reads its own share of the data. Leave keep_trajectory unset (or False) with Fabric, or train with "
-                "the Trainer (docs/fault-tolerance.md)."
-            )
         if self.fault_tolerance is not None and self.cross_replica_sync == "diloco":
             raise ValueError(
                 "fault_tolerance with cross_replica_sync='diloco' is built for the Trainer only (the quorum and heal "

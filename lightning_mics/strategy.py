@@ -193,7 +193,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             )
         world = self.num_nodes * self.num_processes
         accumulate = trainer.accumulate_grad_batches
-        return self._engine.training_data(dataloader, world, self.global_rank, accumulate, trainer.global_step)
+        keep = self.options.fault_tolerance.trainer_keeps_trajectory
+        return self._engine.training_data(dataloader, world, self.global_rank, accumulate, trainer.global_step, keep)
 
     @override
     def on_train_start(self) -> None:

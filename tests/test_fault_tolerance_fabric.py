@@ -4,14 +4,25 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from ft_harness import GROUP_WORLD, lighthouse, read, shard_digest, start_group, wait, wait_for_step
-from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, global_batches, lm_loss
+from toy import (
+    RunConfig,
+    ToyLM,
+    ToyModule,
+    assert_matches_reference,
+    full_parameters,
+    global_batches,
+    lm_loss,
+    make_dataset,
+)
 
 from lightning_mics import FaultTolerance, MiCSFabricStrategy
 
@@ -99,3 +110,118 @@ def test_a_fabric_group_that_joins_late_heals_at_its_first_forward() -> None:
             assert alone[rank]["digests"][step] == joined[rank]["digests"][step], (rank, step)
         for name, value in alone[rank]["params"].items():
             assert torch.equal(value, joined[rank]["params"][name]), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trajectory kept in a Fabric loop: strategy.training_batches
+
+
+TRAJECTORY = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=8, lr=0.2, momentum=0.0)
+
+
+def _fp64_fabric_precision() -> Any:
+    """MiCS's Fabric fp32 plugin leaving the module and its outputs in fp64 (FSDP2 keeps the parameters' dtype
+    throughout; Fabric would cast the logits to fp32)."""
+    from lightning_mics.precision import MiCSFabricPrecision
+
+    class KeepFp64(MiCSFabricPrecision):
+        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+            return module
+
+        def convert_output(self, data: Any) -> Any:
+            return data
+
+    return KeepFp64("32-true")
+
+
+def _fabric_trajectory(rank: int, group: int, address: str, fail: bool, marks: str) -> dict:
+    """Group 1 told to fail dies in the last micro-step of its third step with the other group (before its
+    backward); the survivor trains alone, noting it, slowly, so that the restarted group heals before the end."""
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    cfg = TRAJECTORY
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, keep_trajectory=True)
+    strategy = MiCSFabricStrategy(fault_tolerance=ft, precision=_fp64_fabric_precision())
+    fabric = Fabric(accelerator="cpu", devices=GROUP_WORLD, strategy=strategy)
+    fabric.launch()
+    module = ToyModule(cfg)
+    module.model = module.model.double()
+    optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=cfg.lr)
+    model, optimizer = fabric.setup(module, optimizer)
+    loader = DataLoader(make_dataset(cfg.num_samples), batch_size=cfg.micro_batch)  # in order: no shuffling
+    batches = strategy.training_batches(loader, accumulate=cfg.accumulate)
+    keys: list[tuple[int, int, tuple[int, ...], int]] = []
+    together = False
+    while strategy.committed_steps < cfg.steps:
+        for micro in range(cfg.accumulate):
+            batch = next(batches)  # the step's quorum runs at its first micro-batch
+            manager = strategy.engine.replica_group.manager
+            key = strategy.engine.data_cursor.current
+            keys.append((key.step, key.micro, key.shares, manager.num_participants()))
+            together |= manager.num_participants() == 2
+            steps_together = {step for step, _, _, live in keys if live == 2}
+            if fail and rank == 1 and len(steps_together) > 2 and micro == cfg.accumulate - 1:
+                os._exit(1)  # a node lost mid-step
+            with fabric.no_backward_sync(model, enabled=micro < cfg.accumulate - 1):
+                fabric.backward(lm_loss(model, batch) / cfg.accumulate)
+        optimizer.step()
+        optimizer.zero_grad()
+        live = strategy.engine.replica_group.manager.num_participants()
+        if not fail and together and live == 1:
+            Path(marks, f"fabric_group{group}_rank{rank}.alone").write_text(str(strategy.committed_steps))
+            time.sleep(1.5)
+        elif live == 1 and not together:
+            time.sleep(0.5)  # the first group up waits for the other
+    return {
+        "params": full_parameters(module),
+        "keys": keys,
+        "discarded": strategy.engine.replica_group.discarded_steps,
+        "committed": strategy.committed_steps,
+    }
+
+
+def _trajectory_reference() -> dict[str, torch.Tensor]:
+    """Single-process fp64 SGD, step ``d`` on samples ``d * 16 .. d * 16 + 15`` (the loader's order, global batch
+    of 4 shares x 2 micro-steps x 2 samples)."""
+    cfg = TRAJECTORY
+    torch.manual_seed(cfg.seed)
+    model = ToyLM().double()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    tokens, targets = make_dataset(cfg.num_samples).tensors
+    batch = cfg.world_size * cfg.micro_batch * cfg.accumulate
+    for step in range(cfg.steps):
+        rows = slice(step * batch, (step + 1) * batch)
+        optimizer.zero_grad()
+        lm_loss(model, (tokens[rows], targets[rows])).backward()
+        optimizer.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_a_fabric_loop_on_training_batches_keeps_the_trajectory_through_a_kill_and_a_restart() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        survivor = start_group(0, out_dir, _fabric_trajectory, address, False, out_dir)
+        doomed = start_group(1, out_dir, _fabric_trajectory, address, True, out_dir)
+        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
+            wait(doomed, timeout=180)
+        for rank in range(GROUP_WORLD):
+            wait_for_step(Path(out_dir, f"fabric_group0_rank{rank}.alone"), 1, timeout=120)
+        restarted = start_group(1, out_dir, _fabric_trajectory, address, False, out_dir)
+        wait(survivor, timeout=300)
+        wait(restarted, timeout=120)
+        alone, healed = read(out_dir, 0), read(out_dir, 1)
+    reference = _trajectory_reference()
+    for rank in range(GROUP_WORLD):
+        assert alone[rank]["committed"] == healed[rank]["committed"] == TRAJECTORY.steps
+        assert alone[rank]["discarded"] >= 1
+        assert {shares for _, _, shares, live in alone[rank]["keys"] if live == 1} >= {(0, 1)}  # read both shares
+        started = [step for step, micro, _, _ in alone[rank]["keys"] if micro == 0]
+        assert started == sorted(started) and set(started) == set(range(started[0], TRAJECTORY.steps))
+        assert len(started) > len(set(started))  # the discarded step was re-done
+        for result in (alone[rank], healed[rank]):
+            for name, expected in reference.items():
+                got = result["params"][name]
+                assert got.dtype == torch.float64
+                assert (got - expected).abs().max().item() < 1e-10, name

@@ -86,14 +86,18 @@ def test_fabric_refuses_trainer_only_options_saying_why(name: str) -> None:
         MiCSFabricStrategy(grad_accumulation="auto")
 
 
-def test_fabric_refuses_keep_trajectory_and_takes_fault_tolerance_without_it() -> None:
+def test_fabric_keeps_the_trajectory_only_when_asked_and_only_through_training_batches() -> None:
     from lightning_mics import FaultTolerance
 
     MiCSStrategy(fault_tolerance=FaultTolerance(keep_trajectory=True))  # the Trainer keeps the trajectory
-    with pytest.raises(ValueError, match="keep_trajectory=True\\) is built for the Trainer only"):
-        MiCSFabricStrategy(fault_tolerance=FaultTolerance(keep_trajectory=True))
-    MiCSFabricStrategy(fault_tolerance=FaultTolerance())  # unset: fixed shares with Fabric
-    MiCSFabricStrategy(fault_tolerance={"keep_trajectory": False})
+    kept = MiCSFabricStrategy(fault_tolerance=FaultTolerance(keep_trajectory=True))
+    assert kept._keeps_trajectory
+    assert not MiCSFabricStrategy(fault_tolerance=FaultTolerance())._keeps_trajectory  # unset: fixed shares
+    fixed = MiCSFabricStrategy(fault_tolerance={"keep_trajectory": False})
+    with pytest.raises(ValueError, match="training_batches .* needs .*keep_trajectory=True"):
+        fixed.training_batches([], accumulate=1)
+    with pytest.raises(RuntimeError, match="Set up the model and its optimizer"):
+        kept.training_batches([], accumulate=1)
 
 
 def test_lightning_cli_takes_fault_tolerance_as_true_or_its_fields() -> None:

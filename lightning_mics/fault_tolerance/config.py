@@ -56,7 +56,8 @@ class FaultTolerance:
     #: (a lost group's samples are read by the others, a discarded step is re-done on the same samples, a
     #: restarted group continues at the committed step): the run with failures trains what the run without
     #: them does (:mod:`~.trajectory`). ``False``: each group reads its own fixed share of the data. ``None``
-    #: (default): on with the Trainer; with Fabric, where it is not built yet, each group reads its own share.
+    #: (default): on with the Trainer; with Fabric each group reads its own share unless this is ``True``, and
+    #: then the loop takes its micro-batches from ``MiCSFabricStrategy.training_batches(loader, accumulate)``.
     keep_trajectory: Optional[bool] = None
 
     def __post_init__(self) -> None:
@@ -74,8 +75,8 @@ class FaultTolerance:
 
     @property
     def trainer_keeps_trajectory(self) -> bool:
-        """Whether the Trainer's training data keeps its trajectory: unless ``keep_trajectory=False``. (Fabric
-        keeps fixed shares and refuses ``True``: :meth:`MiCSOptions.refuse_trainer_only`.)"""
+        """Whether the Trainer's training data keeps its trajectory: unless ``keep_trajectory=False``. (Fabric keeps
+        it only when ``True``, through ``MiCSFabricStrategy.training_batches``: its loop is the user's.)"""
         return self.keep_trajectory is not False
 
     def resolved(self) -> FaultTolerance:
