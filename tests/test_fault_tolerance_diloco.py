@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -202,3 +202,48 @@ def test_a_lost_group_misses_rounds_and_a_restarted_one_heals_the_outer_state_to
             assert torch.equal(value, back["params"][name]), name
         for name, value in kept["anchors"].items():  # the trained parameters (the frozen gate has no outer copy)
             assert torch.equal(value, kept["params"][name]), name
+
+
+def _resume_in_one_group(rank: int, group: int, address: str, root: str) -> dict[str, Any]:
+    """Group 0 alone, epochs of 3 steps: 2 epochs uninterrupted; then 1 epoch (mid-round: H=2), a checkpoint, a new
+    Trainer resuming to 2 epochs (resuming at an epoch's end, so the data continue as without the stop)."""
+    import lightning.pytorch as pl
+
+    cfg = RunConfig(world_size=GROUPS * GROUP_WORLD, micro_batch=2, accumulate=1, steps=3, lr=0.1, momentum=0.9)
+
+    def fit(epochs: int, ckpt_path: Optional[str] = None) -> tuple[Any, Any]:
+        ft = FaultTolerance(address, group, GROUPS, min_replica_groups=1, timeout=20, quorum_timeout=60)
+        strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=EVERY)
+        kwargs = trainer_kwargs(cfg) | {
+            "devices": GROUP_WORLD, "max_steps": -1, "max_epochs": epochs, "plugins": [_fp64_plugin()]
+        }
+        module = _Fp64Module(cfg)
+        trainer = pl.Trainer(strategy=strategy, **kwargs)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return trainer, module
+
+    trainer, module = fit(2)
+    uninterrupted = {"params": strip_prefix(full_parameters(module)), **_global_state(trainer)}
+    trainer, _ = fit(1)
+    path = str(Path(root, "diloco_ft.ckpt"))
+    trainer.save_checkpoint(path)
+    saved_inner_steps = trainer.strategy.engine.semi_sync.syncs[0].inner_steps
+    trainer, module = fit(2, ckpt_path=path)
+    resumed = {"params": strip_prefix(full_parameters(module)), **_global_state(trainer)}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "saved_inner_steps": saved_inner_steps,
+            "global_step": trainer.global_step}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_checkpoint_taken_mid_round_resumes_exactly_with_fault_tolerance() -> None:
+    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
+        wait(start_group(0, out_dir, _resume_in_one_group, address, out_dir), timeout=240)
+        results = read(out_dir, 0)
+    for result in results:
+        assert result["saved_inner_steps"] == 1 and result["global_step"] == 6
+        uninterrupted, resumed = result["uninterrupted"], result["resumed"]
+        for name, value in uninterrupted["params"].items():
+            assert torch.equal(value, resumed["params"][name]), name
+        for name, value in uninterrupted["momentum"].items():
+            assert torch.equal(value, resumed["momentum"][name]), name
