@@ -225,8 +225,10 @@ class MiCSEngine:
         if sharded or not modules:
             return
         if layout.settings.hop2.schedule == "diloco":  # no hop 2: an outer sync every H steps (semi_sync.py)
+            o = self.options
             hooks = self.semi_sync.attach(
-                optimizers, modules, layout, self.options.outer_optimizer, self.replica_group, self._round_quorum
+                optimizers, modules, layout, o.outer_optimizer, self.replica_group, self._round_quorum,
+                (o.num_fragments, o.fragment_sync_delay, o.fragment_update_alpha),
             )
             self._cross_replica.update(hooks)
             return

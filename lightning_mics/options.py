@@ -132,6 +132,22 @@ class MiCSOptions:
     momentum=0.9, nesterov=True)`` -- DiLoCo's, which ``None`` stands for. It steps on the replica-averaged
     pseudo-gradient (last-synchronised minus current parameters), element-wise on each rank's shards."""
 
+    num_fragments: int = 1
+    """With ``cross_replica_sync="diloco"``: streaming DiLoCo (Douillard et al. 2025; torchft's ``num_fragments``)
+    -- the trained parameters split into this many fragments (contiguous, about equal elements), synchronised in
+    turn, one every ``sync_every / num_fragments`` steps (each fragment every ``sync_every``): the same bytes per
+    step, ``1 / num_fragments`` of them at a time. Must divide ``sync_every``."""
+
+    fragment_sync_delay: int = 0
+    """With ``cross_replica_sync="diloco"``: streaming DiLoCo's tau -- a fragment's average starts this many inner
+    steps before it is applied, so that it crosses the link while they compute (overlap). Below
+    ``sync_every / num_fragments``."""
+
+    fragment_update_alpha: float = 0.0
+    """With ``cross_replica_sync="diloco"``: streaming DiLoCo's alpha -- when a fragment's outer update lands, the
+    parameters become ``(1 - alpha) * global + alpha * local`` (``local``: the group's own, trained during the
+    delay). 0 takes the global values, as DiLoCo does."""
+
     activation_checkpointing_policy: AutoWrapPolicy = None
     """Recompute activations in backward for these modules: ``True`` = every wrapped block; module classes
     or a callable as for ``auto_wrap_policy``."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -90,6 +90,7 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         )
     if mode != "diloco":
         given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None]
+        given += [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
         if given:
             raise ValueError(
                 f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica groups: add "
@@ -109,7 +110,14 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             "outer_optimizer must be a callable that builds an optimizer from a list of tensors, e.g. "
             f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {options.outer_optimizer!r}."
         )
+    check_streaming_options(every, options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
     ft = options.fault_tolerance
+    streaming = [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
+    if ft is not None and streaming:
+        raise ValueError(
+            f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, or "
+            "synchronise the whole model at once (leave them at their defaults)."
+        )
     if ft is not None:
         if ft.keep_trajectory:
             raise ValueError(
@@ -136,6 +144,48 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             raise ValueError(f"cross_replica_sync='diloco' cannot be combined with {name}: {why}. Drop one of the two.")
 
 
+#: Streaming DiLoCo's options and the values that mean "plain DiLoCo" (the whole model synchronised at once).
+STREAMING_DEFAULTS: dict[str, Any] = {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+
+
+def check_streaming_options(every: int, fragments: Any, delay: Any, alpha: Any) -> None:
+    """One clear error per streaming-DiLoCo setting that does not fit ``sync_every``."""
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
+        raise ValueError(
+            f"num_fragments={fragments!r} must be a positive int dividing sync_every={every}: one fragment is "
+            "synchronised every sync_every / num_fragments steps."
+        )
+    cadence = every // fragments
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < cadence:
+        raise ValueError(
+            f"fragment_sync_delay={delay!r} must be an int in [0, sync_every / num_fragments = {cadence}): a "
+            "fragment's average must land before the next one starts."
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"fragment_update_alpha={alpha!r} must be a number in [0, 1].")
+
+
+def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
+    """Cut parameters of ``numels`` elements (in order) into ``fragments`` contiguous runs of about equal elements:
+    ``(start, stop)`` index ranges, none empty. Run on the global sizes, so every rank and replica cuts alike."""
+    if fragments > len(numels):
+        raise ValueError(
+            f"num_fragments={fragments} is more than the {len(numels)} trained parameter tensors of this optimizer: "
+            "lower it."
+        )
+    total = sum(numels)
+    bounds, start, running = [], 0, 0
+    for index, numel in enumerate(numels):
+        running += numel
+        still_to_cut = fragments - 1 - len(bounds)
+        after = len(numels) - index - 1  # tensors after this one: each later fragment needs one
+        if still_to_cut and after >= still_to_cut and (running >= total * (len(bounds) + 1) / fragments or after == still_to_cut):
+            bounds.append((start, index + 1))
+            start = index + 1
+    bounds.append((start, len(numels)))
+    return bounds
+
+
 def _local(t: Tensor) -> Tensor:
     """This rank's elements of ``t`` (a DTensor's local shard, sharing its storage), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -150,6 +200,17 @@ def _like(local: Tensor, like: Tensor) -> Tensor:
     )
 
 
+@dataclass
+class PendingFragment:
+    """A fragment's average in flight: its index, this rank's pseudo-gradient as sent (what a checkpoint taken
+    meanwhile keeps, to send again on resume), the buffer being averaged and the average under way."""
+
+    fragment: int
+    sent: Tensor
+    buffer: Tensor
+    average: Any
+
+
 class OuterSync:
     """DiLoCo for the parameters one (inner) optimizer steps: the engine's step hook for that optimizer.
 
@@ -162,7 +223,14 @@ class OuterSync:
     group that just healed holds a live group's parameters, so it does not count twice; the average is over the
     contributing groups (``transport`` carries the deltas, ``counter`` an fp32 count of them). A round that does not
     commit (a group failed during the average) is dropped: every group goes back to the last-synchronised
-    parameters, as torchft does."""
+    parameters, as torchft does.
+
+    Streaming DiLoCo (``fragments`` > 1, ``delay``, ``alpha``; Douillard et al. 2025, torchft's ``DiLoCo`` with
+    ``fragment_sync_delay`` and ``fragment_update_alpha``): the parameters are cut into ``fragments`` contiguous runs
+    (:func:`fragment_bounds`) synchronised in turn, one every ``every / fragments`` inner steps. ``delay`` steps
+    before its turn, a fragment's pseudo-gradient is taken and its average started; at its turn the average is
+    awaited, the outer optimizer steps that fragment's last-synchronised copy, and its parameters become
+    ``(1 - alpha) * global + alpha * local``. One fragment and no delay is DiLoCo."""
 
     def __init__(
         self,
@@ -173,6 +241,9 @@ class OuterSync:
         factory: Optional[OuterOptimizerFactory],
         round: Optional[Callable[[], bool]] = None,
         counter: Any = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
     ) -> None:
         self.names = list(names)
         self.params = list(params)
@@ -180,6 +251,14 @@ class OuterSync:
         self.every = every
         self.round = round
         self.counter = counter
+        #: (start, stop) ranges of ``params``, synchronised in turn
+        self.fragments = fragment_bounds([p.numel() for p in self.params], fragments) if self.params else [(0, 0)]
+        #: inner steps between two fragment synchronisations
+        self.cadence = every // len(self.fragments)
+        self.delay = delay
+        self.alpha = float(alpha)
+        #: the fragment whose average is in flight (started ``delay`` steps before its turn)
+        self.pending: Optional[PendingFragment] = None
         with torch.no_grad():
             #: the last-synchronised parameters (DTensors placed like the parameters): the outer optimizer's
             self.anchors = [p.detach().clone() for p in self.params]
@@ -189,9 +268,9 @@ class OuterSync:
                 f"outer_optimizer must return a torch.optim.Optimizer over the tensors it is given, got "
                 f"{type(self.outer).__name__}."
             )
-        #: optimizer steps since the last outer synchronisation
+        #: optimizer steps since the last outer synchronisation (of a fragment, when streaming)
         self.inner_steps = 0
-        #: outer synchronisations run (for tests and logs)
+        #: outer synchronisations run (of fragments, when streaming: the next is fragment ``outer_steps % fragments``)
         self.outer_steps = 0
         #: fault tolerance: rounds dropped because a group failed during their average
         self.dropped_rounds = 0
@@ -200,29 +279,63 @@ class OuterSync:
         """Nothing crosses replicas before an inner step."""
 
     def after_step(self) -> None:
-        """Count the inner step; after the H-th, synchronise the replicas."""
+        """Count the inner step; ``delay`` steps before a fragment's turn start its average; at its turn (the H-th
+        step without streaming) synchronise it."""
         self.inner_steps += 1
-        if self.inner_steps >= self.every:
-            self.synchronise()
+        if self.round is not None:  # fault tolerance: the whole model, at once (streaming is refused there)
+            if self.inner_steps >= self.every:
+                self._synchronise_fault_tolerant()
+            return
+        if self.inner_steps == self.cadence - self.delay:
+            self.start_fragment(self.outer_steps % len(self.fragments))
+        if self.inner_steps >= self.cadence:
+            self.finish_fragment()
+
+    @property
+    def streaming(self) -> bool:
+        return len(self.fragments) > 1 or self.delay > 0 or self.alpha != 0.0
+
+    def _members(self, fragment: Optional[int]) -> range:
+        start, stop = (0, len(self.params)) if fragment is None else self.fragments[fragment]
+        return range(start, stop)
 
     @torch.no_grad()
-    def pseudo_gradient(self) -> Tensor:
-        """This rank's ``last synchronised - current`` over its shards, as one flat fp32-or-parameter-dtype message
-        (the same offsets on every replica of these shards: they hold equal shapes)."""
-        pieces = [(_local(a) - _local(p)).reshape(-1) for a, p in zip(self.anchors, self.params)]
+    def pseudo_gradient(self, fragment: Optional[int] = None) -> Tensor:
+        """This rank's ``last synchronised - current`` over its shards (of ``fragment``; ``None``: all), as one flat
+        message (the same offsets on every replica of these shards: they hold equal shapes)."""
+        pieces = [(_local(self.anchors[i]) - _local(self.params[i])).reshape(-1) for i in self._members(fragment)]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     @torch.no_grad()
     def synchronise(self) -> None:
-        """The outer step (module docstring): average the pseudo-gradients across replicas, step the outer
-        optimizer on the last-synchronised copy, write the result into the parameters."""
+        """Synchronise every fragment now, in turn (the whole model without streaming): the outer step (module
+        docstring) -- average the pseudo-gradients across replicas, step the outer optimizer on the
+        last-synchronised copy, write the result into the parameters."""
         if self.round is not None:
             self._synchronise_fault_tolerant()
             return
-        flat = self.pseudo_gradient()
-        if self.transport is not None and self.transport.active:
-            self.transport.start_average(flat).wait()
-        self._outer_step(flat)
+        for _ in self.fragments:
+            if self.pending is None:
+                self.start_fragment(self.outer_steps % len(self.fragments))
+            self.finish_fragment()
+
+    @torch.no_grad()
+    def start_fragment(self, fragment: int, sent: Optional[Tensor] = None) -> None:
+        """Take ``fragment``'s pseudo-gradient (or ``sent``, one taken before a checkpoint) and start its average
+        across replicas; it runs while the next ``delay`` inner steps compute."""
+        sent = self.pseudo_gradient(fragment) if sent is None else sent
+        buffer = sent.clone()  # averaged in place; ``sent`` stays as this rank sent it, for a checkpoint meanwhile
+        active = self.transport is not None and self.transport.active
+        self.pending = PendingFragment(fragment, sent, buffer, self.transport.start_average(buffer) if active else None)
+
+    @torch.no_grad()
+    def finish_fragment(self) -> None:
+        """The fragment's turn: await its average, step the outer optimizer on its last-synchronised copy, mix."""
+        assert self.pending is not None, "start_fragment() runs first"
+        pending, self.pending = self.pending, None
+        if pending.average is not None:
+            pending.average.wait()
+        self._outer_step(pending.buffer, pending.fragment)
 
     @torch.no_grad()
     def _synchronise_fault_tolerant(self) -> None:
@@ -248,19 +361,27 @@ class OuterSync:
         self._outer_step(flat)
 
     @torch.no_grad()
-    def _outer_step(self, flat: Tensor) -> None:
-        """Step the outer optimizer on the last-synchronised copy with the averaged ``flat`` as its gradient; the
-        result becomes the parameters and the new last-synchronised copy."""
+    def _outer_step(self, flat: Tensor, fragment: Optional[int] = None) -> None:
+        """Step the outer optimizer on the last-synchronised copy of ``fragment`` (``None``: all) with the averaged
+        ``flat`` as its gradient (the others get none, so an element-wise optimizer leaves them and their state
+        alone); the result becomes the new last-synchronised copy and, mixed with the local values by ``alpha``,
+        the parameters."""
+        members = self._members(fragment)
         offset = 0
-        for anchor in self.anchors:
+        for i in members:
+            anchor = self.anchors[i]
             local = _local(anchor)
             piece = flat[offset : offset + local.numel()].view(local.shape)
             anchor.grad = _like(piece.to(local.dtype), anchor)
             offset += local.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for anchor, param in zip(self.anchors, self.params):
-            _local(param).copy_(_local(anchor))
+        for i in members:
+            param, anchor = _local(self.params[i]), _local(self.anchors[i])
+            if self.alpha:
+                param.lerp_(anchor, 1.0 - self.alpha)  # alpha * local + (1 - alpha) * global
+            else:
+                param.copy_(anchor)
         self.inner_steps = 0
         self.outer_steps += 1
 
@@ -270,6 +391,7 @@ class OuterSync:
         for anchor, param in zip(self.anchors, self.params):
             _local(param).copy_(_local(anchor))
         self.inner_steps = 0
+        self.pending = None
 
     def heal_state(self) -> dict[str, Any]:
         """What a joining group takes from this one (this rank's shards): the last-synchronised copy, the outer
@@ -310,6 +432,34 @@ class OuterSync:
         for anchor, param in zip(self.anchors, self.params):
             _local(anchor).copy_(_local(param))
         self.inner_steps = 0
+        self.pending = None
+
+    def pending_pieces(self) -> dict[str, Tensor]:
+        """The fragment in flight's pseudo-gradient as this rank sent it, by parameter name, placed like the
+        parameters (what a checkpoint taken during the delay keeps); empty when none is in flight."""
+        if self.pending is None:
+            return {}
+        pieces, offset = {}, 0
+        for i in self._members(self.pending.fragment):
+            local = _local(self.params[i])
+            piece = self.pending.sent[offset : offset + local.numel()].view(local.shape)
+            pieces[self.names[i]] = _like(piece.clone(), self.params[i])
+            offset += local.numel()
+        return pieces
+
+    def pending_after_load(self) -> Optional[int]:
+        """The fragment a checkpoint taken at this point had in flight (its average started, not yet applied)."""
+        if self.round is None and self.delay and self.inner_steps >= self.cadence - self.delay:
+            return self.outer_steps % len(self.fragments)
+        return None
+
+    def resume_pending(self, pieces: Mapping[str, Tensor]) -> None:
+        """Send the saved pseudo-gradient of the fragment in flight again (every replica resumes alike, so the
+        average is the one the interrupted run would have applied)."""
+        fragment = self.pending_after_load()
+        assert fragment is not None
+        flat = torch.cat([_local(pieces[self.names[i]]).reshape(-1) for i in self._members(fragment)])
+        self.start_fragment(fragment, sent=flat)
 
     def outer_state(self) -> dict[str, dict[str, Tensor]]:
         """The outer optimizer's per-parameter state by parameter name (DTensors where the anchors are): the form
@@ -351,11 +501,12 @@ class SemiSync:
         factory: Optional[OuterOptimizerFactory],
         replica_group: Optional[ReplicaGroup] = None,
         quorum: Optional[Callable[[], None]] = None,
+        streaming: tuple[int, int, float] = (1, 0, 0.0),
     ) -> dict[int, OuterSync]:
         """One :class:`OuterSync` per optimizer, over the parameters it steps (all of them in ``modules``' one
         model); returns them by ``id(optimizer)`` for the engine's step hooks. With fault tolerance
         (``replica_group``): the average goes through torchft, after ``quorum()`` -- the engine's, run once per
-        round (:class:`OuterSync`)."""
+        round (:class:`OuterSync`). ``streaming``: ``(num_fragments, fragment_sync_delay, fragment_update_alpha)``."""
         from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport
         from lightning_mics.wrapping import RootUnit
 
@@ -409,7 +560,8 @@ class SemiSync:
                     "of the model set up with it; DiLoCo synchronises the model's parameters only."
                 )
             sync = OuterSync(
-                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum, counter
+                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum, counter,
+                *streaming,
             )
             self.syncs.append(sync)
             self._optimizers.append(optimizer)
@@ -490,19 +642,21 @@ class SemiSync:
 
         assert self._module is not None
         replicas, partition = self._layout_key
+        own: dict[str, Any] = {
+            "params": {name: p.detach() for sync in self.syncs for name, p in zip(sync.names, sync.params)},
+            "optimizers": {
+                str(i): optimizer_state_dict(self._module, optimizer) for i, optimizer in enumerate(self._optimizers)
+            },
+        }
+        pending = {name: piece for sync in self.syncs for name, piece in sync.pending_pieces().items()}
+        if pending:  # streaming: a fragment's average in flight, as this replica sent it
+            own["pending"] = pending
         return {EXTRAS_ENTRY: {
             "layout": torch.tensor([replicas, partition]),
             "inner_steps": torch.tensor([sync.inner_steps for sync in self.syncs]),
+            "outer_steps": torch.tensor([sync.outer_steps for sync in self.syncs]),
             "outer": {str(i): sync.outer_state() for i, sync in enumerate(self.syncs)},
-            "replica": {
-                str(self._replica): {
-                    "params": {name: p.detach() for sync in self.syncs for name, p in zip(sync.names, sync.params)},
-                    "optimizers": {
-                        str(i): optimizer_state_dict(self._module, optimizer)
-                        for i, optimizer in enumerate(self._optimizers)
-                    },
-                }
-            },
+            "replica": {str(self._replica): own},
         }}
 
     @torch.no_grad()
@@ -533,18 +687,28 @@ class SemiSync:
                 f"{len(self.syncs)}: it was saved with another `configure_optimizers`."
             )
         template["outer"] = {str(i): self._outer_template(i, sync, saved, root) for i, sync in enumerate(self.syncs)}
+        if (*root, "outer_steps") in saved:  # which fragment is next (streaming); older checkpoints: the first
+            template["outer_steps"] = torch.zeros(len(self.syncs), dtype=torch.int64)
         read_dcp(info.data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: template}}, SafeLoadPlanner())
-        for sync, steps, outer in zip(self.syncs, template["inner_steps"].tolist(), template["outer"].values()):
-            sync.inner_steps = int(steps)
+        outer_steps = template.get("outer_steps", torch.zeros(len(self.syncs), dtype=torch.int64)).tolist()
+        for sync, steps, done in zip(self.syncs, template["inner_steps"].tolist(), outer_steps):
+            sync.inner_steps, sync.outer_steps = int(steps), int(done)
+        for sync, outer in zip(self.syncs, template["outer"].values()):
             anchor_of = dict(zip(sync.names, sync.anchors))
             for name, state in outer.items():
                 sync.outer.state[anchor_of[name]] = state
         if tuple(template["layout"].tolist()) != self._layout_key:
             log.info(
                 "DiLoCo: %s was saved by %s replica(s) of partition %s, this run has %s of %s: every replica group "
-                "resumes from the last-synchronised model and the replica-averaged inner optimizer states",
+                "resumes from the last-synchronised model and the replica-averaged inner optimizer states%s",
                 path, *template["layout"].tolist(), *self._layout_key,
+                "; the fragment average in flight starts again from them" if any(
+                    sync.pending_after_load() is not None for sync in self.syncs) else "",
             )
+            for sync in self.syncs:
+                fragment = sync.pending_after_load()
+                if fragment is not None:
+                    sync.start_fragment(fragment)
             return
         self._load_own_replica(info.data_dir, root)
 
@@ -588,9 +752,18 @@ class SemiSync:
                 for i, optimizer in enumerate(self._optimizers)
             },
         }
+        in_flight = [sync for sync in self.syncs if sync.pending_after_load() is not None]
+        if in_flight:  # streaming: the fragment average the checkpoint had in flight, as this replica sent it
+            own["pending"] = {
+                sync.names[i]: torch.empty_like(sync.params[i].detach())
+                for sync in in_flight
+                for i in sync._members(sync.pending_after_load())
+            }
         read_dcp(data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}, SafeLoadPlanner())
         for name, value in own["params"].items():
             _local(params[name]).copy_(_local(value))
+        for sync in in_flight:
+            sync.resume_pending(own["pending"])
         for i, optimizer in enumerate(self._optimizers):
             set_optimizer_state_dict(self._module, optimizer, own["optimizers"][str(i)])
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
 from lightning_mics.layout import resolve_layout
-from lightning_mics.semi_sync import default_outer_optimizer
+from lightning_mics.semi_sync import default_outer_optimizer, fragment_bounds
 from lightning_mics.telemetry import analytic_comm_bytes, fsdp_unit_shapes
 
 WORLD, RANKS_PER_NODE = 4, 2  # partition 2 (one emulated node), 2 replica groups
@@ -38,6 +38,11 @@ TOLERANCE = 1e-6  # the issue's bound, on the largest absolute difference of any
 PLAIN_SGD = RunConfig(world_size=WORLD, accumulate=2, steps=STEPS_PER_EPOCH, lr=0.5, momentum=0.0)
 MOMENTUM_SGD = RunConfig(world_size=WORLD, accumulate=1, steps=STEPS_PER_EPOCH, lr=0.1, momentum=0.9)
 OUTER_SGD_LR1 = functools.partial(torch.optim.SGD, lr=1.0)
+#: streaming DiLoCo: H=4 in 2 fragments (one every 2 steps), each average started 1 step early, mixed half-half
+STREAMING = {"cross_replica_sync": "diloco", "sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1,
+             "fragment_update_alpha": 0.5}
+STREAM_CFG = RunConfig(world_size=WORLD, accumulate=1, steps=3, lr=0.1, momentum=0.9)
+STREAM_EPOCHS = 3
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -108,6 +113,61 @@ def diloco_reference(
                     for model in models:
                         for g, p in zip(trainable(global_model), trainable(model)):
                             p.copy_(g)
+    named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    return named(global_model), [named(m) for m in models]
+
+
+def streaming_reference(
+    cfg: RunConfig, epochs: int, every: int, fragments: int, delay: int, alpha: float
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """Streaming DiLoCo in one process (torchft's ``DiLoCo`` with ``fragment_sync_delay`` and
+    ``fragment_update_alpha``): the trained parameters cut by :func:`fragment_bounds`; every ``every / fragments``
+    steps one fragment, in turn: ``delay`` steps before its turn the replicas' pseudo-gradients of it are averaged,
+    at its turn the outer optimizer steps its global copy with that average and each replica's fragment becomes
+    ``(1 - alpha) * global + alpha * local``."""
+    torch.manual_seed(cfg.seed)
+    base = ToyLM()
+    models = [copy.deepcopy(base) for _ in range(REPLICAS)]
+    inner = [torch.optim.SGD(trainable(m), lr=cfg.lr, momentum=cfg.momentum) for m in models]
+    global_model = copy.deepcopy(base)
+    global_params = trainable(global_model)
+    outer_optimizer = default_outer_optimizer(global_params)
+    bounds = fragment_bounds([p.numel() for p in global_params], fragments)
+    cadence = every // fragments
+    tokens, targets = make_dataset(cfg.num_samples).tensors
+    per_rank = [rank_samples(cfg, rank) for rank in range(WORLD)]
+    counter = synced = 0
+    pending: Optional[tuple[int, list[torch.Tensor]]] = None
+    for _ in range(epochs):
+        for s in range(cfg.steps):
+            for r, (model, optimizer) in enumerate(zip(models, inner)):
+                optimizer.zero_grad()
+                rows = [x for k in range(r * PARTITION, (r + 1) * PARTITION) for x in per_rank[k][s * cfg.micro_batch : (s + 1) * cfg.micro_batch]]
+                lm_loss(model, (tokens[rows], targets[rows])).backward()
+                optimizer.step()
+            counter += 1
+            with torch.no_grad():
+                if counter == cadence - delay:
+                    fragment = synced % fragments
+                    start, stop = bounds[fragment]
+                    replicas = [trainable(m) for m in models]
+                    pending = (fragment, [
+                        torch.stack([global_params[i] - replica[i] for replica in replicas]).mean(0)
+                        for i in range(start, stop)
+                    ])
+                if counter == cadence:
+                    assert pending is not None
+                    fragment, averaged = pending
+                    start, stop = bounds[fragment]
+                    for i, value in zip(range(start, stop), averaged):
+                        global_params[i].grad = value
+                    outer_optimizer.step()
+                    outer_optimizer.zero_grad()
+                    for model in models:
+                        mine = trainable(model)
+                        for i in range(start, stop):
+                            mine[i].copy_(alpha * mine[i] + (1 - alpha) * global_params[i])
+                    counter, synced, pending = 0, synced + 1, None
     named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
     return named(global_model), [named(m) for m in models]
 
@@ -189,6 +249,23 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     fit(module, MOMENTUM_SGD, EPOCHS, cross_replica_sync="diloco", sync_every=EVERY, cross_replica_dtype="bf16")
     results["diloco_h4_bf16"] = strip_prefix(full_parameters(module))
 
+    # streaming DiLoCo: 2 fragments in turn, each average started a step before it lands, mixed half-half; epochs of
+    # 3 steps: 9 in all (the last fragment's average still in flight at the end)
+    module = PerRankData(STREAM_CFG)
+    trainer = fit(module, STREAM_CFG, STREAM_EPOCHS, **STREAMING)
+    results["streaming"] = strip_prefix(full_parameters(module))
+    results["streaming_global"] = strip_prefix(_anchors(trainer))
+    results["streaming_outer_steps"] = trainer.strategy.engine.semi_sync.syncs[0].outer_steps
+    # stopped after one epoch (step 3: fragment 1's average in flight), saved, resumed to the end
+    path = str(Path(root, "streaming.ckpt"))
+    module = PerRankData(STREAM_CFG)
+    first = fit(module, STREAM_CFG, 1, **STREAMING)
+    first.save_checkpoint(path)
+    results["streaming_saved_in_flight"] = first.strategy.engine.semi_sync.syncs[0].pending is not None
+    module = PerRankData(STREAM_CFG)
+    trainer = fit(module, STREAM_CFG, STREAM_EPOCHS, ckpt_path=path, **STREAMING)
+    results["streaming_resumed"] = strip_prefix(full_parameters(module))
+
     # Fabric: the same engine, the user's loop
     results["fabric"] = _fabric_run(rank)
     return results
@@ -248,6 +325,24 @@ def test_h4_outer_steps_match_a_hand_written_diloco(ranks: list[dict[str, Any]])
         assert max_difference(result["diloco_h4_global"], trained(global_model)) < TOLERANCE
         assert max_difference(result["diloco_h4"], replicas[_replica_of(rank)]) < TOLERANCE
         assert max_difference(result["fabric"], replicas[_replica_of(rank)]) < TOLERANCE
+
+
+@pytest.mark.distributed
+def test_streaming_diloco_matches_a_hand_written_one_and_resumes_mid_flight(ranks: list[dict[str, Any]]) -> None:
+    """Fragments synchronised in turn, each average overlapping one inner step and mixed with the local values:
+    the global copy and every group's parameters equal a single-process streaming DiLoCo; a checkpoint taken while
+    a fragment's average is in flight resumes to the same end, bit for bit."""
+    every, fragments, delay, alpha = (STREAMING[k] for k in ("sync_every", "num_fragments", "fragment_sync_delay",
+                                                              "fragment_update_alpha"))
+    global_model, replicas = streaming_reference(STREAM_CFG, STREAM_EPOCHS, every, fragments, delay, alpha)
+    plain_global, _ = diloco_reference(STREAM_CFG, STREAM_EPOCHS, every, default_outer_optimizer)
+    assert max_difference(trained(global_model), trained(plain_global)) > 1e-3  # streaming is its own algorithm
+    for rank, result in enumerate(ranks):
+        assert result["streaming_outer_steps"] == STREAM_EPOCHS * STREAM_CFG.steps // (every // fragments)
+        assert max_difference(result["streaming_global"], trained(global_model)) < TOLERANCE
+        assert max_difference(result["streaming"], replicas[_replica_of(rank)]) < TOLERANCE
+        assert result["streaming_saved_in_flight"]
+        assert max_difference(result["streaming_resumed"], result["streaming"]) == 0
 
 
 @pytest.mark.distributed
@@ -322,6 +417,17 @@ def test_options_refuse_what_diloco_does_not_take_with_the_fix() -> None:
         ),
         ({"cross_replica_sync": "diloco", "sync_every": 2, "sharding": "auto"}, "use partition_size='auto'"),
         ({"cross_replica_sync": "diloco", "sync_every": 2, "save_full_state_dict": True}, "sharded checkpoints only"),
+        ({"num_fragments": 2}, "num_fragments only applies to semi-synchronous replica groups"),
+        ({"cross_replica_sync": "diloco", "sync_every": 6, "num_fragments": 4}, "must be a positive int dividing"),
+        (
+            {"cross_replica_sync": "diloco", "sync_every": 8, "num_fragments": 4, "fragment_sync_delay": 2},
+            "fragment_sync_delay=2 must be an int in \\[0, sync_every / num_fragments = 2\\)",
+        ),
+        ({"cross_replica_sync": "diloco", "sync_every": 8, "fragment_update_alpha": 1.5}, "must be a number in"),
+        (
+            {"cross_replica_sync": "diloco", "sync_every": 8, "num_fragments": 2, "fault_tolerance": True},
+            "num_fragments \\(streaming DiLoCo\\) with fault_tolerance is not built yet",
+        ),
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -333,6 +439,20 @@ def test_options_refuse_what_diloco_does_not_take_with_the_fix() -> None:
     assert ft.keep_trajectory is False and not ft.trainer_keeps_trajectory
     with pytest.raises(ValueError, match="built for the Trainer only .* drop one of the two"):
         MiCSFabricStrategy(cross_replica_sync="diloco", sync_every=2, fault_tolerance=True)
+
+
+def test_fragments_are_contiguous_non_empty_runs_of_about_equal_elements() -> None:
+    assert fragment_bounds([10, 10, 10, 10], 2) == [(0, 2), (2, 4)]
+    assert fragment_bounds([1, 1, 1, 100], 2) == [(0, 3), (3, 4)]  # a big last tensor still gets its own run
+    assert fragment_bounds([100, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert fragment_bounds([7], 1) == [(0, 1)]
+    for sizes, count in (([3, 9, 4, 4, 8, 1, 5], 3), ([1] * 9, 4), ([50, 1, 1], 3)):
+        bounds = fragment_bounds(sizes, count)
+        assert len(bounds) == count and bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(start < stop for start, stop in bounds)
+        assert all(bounds[i][1] == bounds[i + 1][0] for i in range(count - 1))
+    with pytest.raises(ValueError, match="more than the 2 trained parameter tensors"):
+        fragment_bounds([4, 4], 3)
 
 
 def _settings(**overrides: Any) -> Any:
