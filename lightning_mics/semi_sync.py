@@ -543,11 +543,7 @@ class SemiSync:
                 )
             transport = ManagedTransport(replica_group, settings.cross_replica_wire)
             counter = ManagedTransport(replica_group, None)  # the contributors' count, exact in fp32
-
-            def round_quorum() -> bool:
-                self._healed_this_round = False
-                quorum()
-                return not self._healed_this_round
+            round_quorum = partial(self._round_quorum, quorum)
 
         name_of = {id(p): name for name, p in module.named_parameters()}
         hooks: dict[int, OuterSync] = {}
@@ -569,6 +565,13 @@ class SemiSync:
         return hooks
 
     # ------------------------------------------------------------------ fault tolerance
+    def _round_quorum(self, quorum: Callable[[], None]) -> bool:
+        """The engine's ``quorum()`` for an outer round; whether this group contributes to its average (not when it
+        just healed: it holds a live group's parameters)."""
+        self._healed_this_round = False
+        quorum()
+        return not self._healed_this_round
+
     def heal_state(self) -> list[dict[str, Any]]:
         """What a joining group takes from this one besides the model and inner optimizer (:meth:`OuterSync.heal_state`
         of each)."""

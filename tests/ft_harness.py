@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,32 @@ def wait_for_step(path: Path, step: int, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path.name} did not reach step {step} within {timeout} s")
         time.sleep(0.2)
+
+
+def lose_and_restart_group_1(
+    fn: Any, args_for: Callable[[str, str, str], tuple], alone_marker: str, join_timeout_ms: int = 1000
+) -> tuple[list[Any], list[Any]]:
+    """The loss-and-rejoin choreography: group 0 (role ``"survivor"``) and group 1 (``"doomed"``, which must die)
+    start; once every rank of group 0 has written ``alone_marker.format(rank=r)`` (it trains alone), group 1 starts
+    again (``"restarted"``); both run to their end. ``args_for(address, out_dir, role)``: ``fn``'s arguments after
+    ``(rank, group)``. Returns (group 0's results, the restarted group 1's)."""
+    import tempfile
+
+    with lighthouse(min_replicas=1, join_timeout_ms=join_timeout_ms) as address, tempfile.TemporaryDirectory() as out:
+        survivor = start_group(0, out, fn, *args_for(address, out, "survivor"))
+        doomed = start_group(1, out, fn, *args_for(address, out, "doomed"))
+        try:
+            wait(doomed, timeout=180)
+        except Exception:  # noqa: BLE001 -- whichever way the group's ranks die
+            pass
+        else:
+            raise AssertionError("the doomed group ended normally: it never failed")
+        for rank in range(GROUP_WORLD):
+            wait_for_step(Path(out, alone_marker.format(rank=rank)), 1, timeout=120)
+        restarted = start_group(1, out, fn, *args_for(address, out, "restarted"))
+        wait(survivor, timeout=300)
+        wait(restarted, timeout=120)
+        return read(out, 0), read(out, 1)
 
 
 def run_one_group(fn: Any, timeout: float) -> list[Any]:

@@ -12,7 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, lighthouse, read, shard_digest, start_group, wait, wait_for_step
+from ft_harness import (
+    GROUP_WORLD,
+    lighthouse,
+    lose_and_restart_group_1,
+    read,
+    shard_digest,
+    start_group,
+    wait,
+    wait_for_step,
+)
 from toy import (
     RunConfig,
     ToyLM,
@@ -201,17 +210,9 @@ def _trajectory_reference() -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_a_fabric_loop_on_training_batches_keeps_the_trajectory_through_a_kill_and_a_restart() -> None:
-    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
-        survivor = start_group(0, out_dir, _fabric_trajectory, address, False, out_dir)
-        doomed = start_group(1, out_dir, _fabric_trajectory, address, True, out_dir)
-        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
-            wait(doomed, timeout=180)
-        for rank in range(GROUP_WORLD):
-            wait_for_step(Path(out_dir, f"fabric_group0_rank{rank}.alone"), 1, timeout=120)
-        restarted = start_group(1, out_dir, _fabric_trajectory, address, False, out_dir)
-        wait(survivor, timeout=300)
-        wait(restarted, timeout=120)
-        alone, healed = read(out_dir, 0), read(out_dir, 1)
+    alone, healed = lose_and_restart_group_1(
+        _fabric_trajectory, lambda address, out, role: (address, role == "doomed", out), "fabric_group0_rank{rank}.alone"
+    )
     reference = _trajectory_reference()
     for rank in range(GROUP_WORLD):
         assert alone[rank]["committed"] == healed[rank]["committed"] == TRAJECTORY.steps

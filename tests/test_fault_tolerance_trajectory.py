@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,16 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from ft_harness import (
-    GROUP_WORLD,
-    fault_tolerant_trainer,
-    lighthouse,
-    read,
-    run_one_group,
-    start_group,
-    wait,
-    wait_for_step,
-)
+from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lose_and_restart_group_1, run_one_group
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset
 
@@ -253,17 +243,9 @@ def _reference() -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64() -> None:
-    with lighthouse(min_replicas=1) as address, tempfile.TemporaryDirectory() as out_dir:
-        survivor = start_group(0, out_dir, _run_group, address, False, out_dir)
-        doomed = start_group(1, out_dir, _run_group, address, True, out_dir)
-        with pytest.raises(Exception):  # noqa: B017 -- whichever way the group's ranks die
-            wait(doomed, timeout=180)
-        for rank in range(GROUP_WORLD):
-            wait_for_step(Path(out_dir, f"group0_rank{rank}.alone"), 1, timeout=120)
-        restarted = start_group(1, out_dir, _run_group, address, False, out_dir)
-        wait(survivor, timeout=300)
-        wait(restarted, timeout=120)
-        alone, healed = read(out_dir, 0), read(out_dir, 1)
+    alone, healed = lose_and_restart_group_1(
+        _run_group, lambda address, out, role: (address, role == "doomed", out), "group0_rank{rank}.alone"
+    )
     reference = _reference()
     for rank in range(GROUP_WORLD):
         assert alone[rank]["global_step"] == healed[rank]["global_step"] == RUN.steps
