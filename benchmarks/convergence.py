@@ -51,6 +51,9 @@ TARGET_LOSS_RATIO = 1.05
 #: A row "reaches" the reference's final loss within this relative margin: DDP and mics-auto train the same
 #: trajectory to fp32 rounding (~1e-7 apart), which must not read as "never reached". Far below the noise of a run.
 REACH_TOLERANCE = 1e-4
+#: The chart's loss axis stops here: the first steps fall from ln(256) = 5.5 within a few thousand tokens, and the
+#: differences that matter are near the floor.
+LOSS_AXIS_TOP = 2.6
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -336,8 +339,8 @@ def _mb(value: Optional[float]) -> str:
 
 
 def draw_convergence(report: dict[str, Any], path: Path) -> Optional[Path]:
-    """Smoothed loss against tokens (left) and wall-clock (right), one row of panels per bandwidth ratio; the
-    dashed line is mics-auto's final loss (what ``time_to_sync_final_loss_ratio`` reaches for), the dotted one
+    """Smoothed loss against tokens (left) and wall-clock (right), one row of panels per bandwidth ratio (the loss
+    axis cut at :data:`LOSS_AXIS_TOP`); the dashed line is mics-auto's final loss (what ``time_to_sync_final_loss_ratio`` reaches for), the dotted one
     the chain's entropy rate (the best any model can do)."""
     try:
         import matplotlib
@@ -369,7 +372,9 @@ def draw_convergence(report: dict[str, Any], path: Path) -> Optional[Path]:
                 axis.axhline(floor, color="black", linestyle=":", linewidth=0.8, label="entropy rate (floor)")
             axis.set_ylabel(f"training loss (trailing mean of {window} steps)")
             axis.grid(alpha=0.3)
-            axis.set_ylim(bottom=(floor or 0) * 0.9, top=min(6.0, axis.get_ylim()[1]))
+            # the first steps fall from ln(vocab) fast; the comparison happens near the floor
+            bottom = (floor or 0.0) * 0.97
+            axis.set_ylim(bottom=bottom, top=max(bottom + 0.5, min(LOSS_AXIS_TOP, axis.get_ylim()[1])))
         left.set_xlabel("tokens (thousands, all ranks)")
         right.set_xlabel("wall-clock (s)")
         rate = point["network"]["inter_node_rate_bytes_per_s"]
