@@ -79,6 +79,16 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
         def __init__(self) -> None:
             self.steps: list[tuple[int, int]] = []
 
+        def on_train_start(self, trainer, module) -> None:
+            """The first two groups start training together, however long each took to start (a loaded host):
+            otherwise one may finish alone before the other joins."""
+            Path(marks, f"started{group}_{rank}").touch()
+            if role in ("survivor", "doomed"):
+                others = [Path(marks, f"started{other}_{rank}") for other in range(GROUPS)]
+                deadline = time.monotonic() + 120
+                while not all(path.exists() for path in others) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
             manager = trainer.strategy.engine.replica_group.manager
             self.steps.append((trainer.global_step, manager.num_participants()))
@@ -88,8 +98,8 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
             if role == "survivor" and together and manager.num_participants() == 1:
                 Path(marks, f"alone{rank}").write_text(str(trainer.global_step))
                 time.sleep(0.6)
-            elif role == "survivor" and not together:
-                time.sleep(0.3)  # the first group up waits for the other one
+            elif role in ("survivor", "doomed") and not together:
+                time.sleep(0.3)  # a group that synchronised alone first waits for the other one
 
     ft = FaultTolerance(
         address, group, GROUPS, min_replica_groups=min_groups, timeout=20, quorum_timeout=60, check_parameters_every=1
