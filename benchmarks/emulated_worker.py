@@ -407,11 +407,15 @@ class LossClock(Callback):
     """Per optimizer step, on every rank, without any collective (a barrier per step would tie the replica groups
     of a DiLoCo row together between synchronisations and add a cross-node round trip to every row): the time the
     step ended, the mean loss of its micro-batches and the uplink's byte counters. One barrier at the start gives
-    the ranks a common origin; they share the host's monotonic clock."""
+    the ranks a common origin; they share the host's monotonic clock. One more after the last step (its time
+    already taken) before the run's final byte counters: until every rank has finished, a node's other ranks may
+    still be sending the last collective's bytes -- a DiLoCo row's final outer message, a large share of its
+    bytes -- which a counter read as soon as the node's first rank is done would miss."""
 
     def __init__(self) -> None:
         self.start: float = 0.0
         self.start_counters: dict[str, float] = {}
+        self.end_counters: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
         self._last_global_step = 0
 
@@ -431,6 +435,9 @@ class LossClock(Callback):
         self.steps.append({"step": trainer.global_step, "time": time.monotonic(),
                            "loss": sum(losses) / len(losses), **_counters()})
         losses.clear()
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            trainer.strategy.barrier()
+            self.end_counters = _counters()
 
 
 def run_convergence(
@@ -468,7 +475,7 @@ def run_convergence(
     trainer.fit(model, train_dataloaders=loader)
     heldout_loss = trainer.callback_metrics.get("val/loss")
     record = {"rank": trainer.global_rank, "local_rank": trainer.local_rank, "start": clock.start,
-              "start_counters": clock.start_counters, "steps": clock.steps}
+              "start_counters": clock.start_counters, "end_counters": clock.end_counters, "steps": clock.steps}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if trainer.global_rank == 0 and output is not None:
@@ -497,7 +504,8 @@ def summarize_convergence(
     leaders = [r for r in per_rank if r["local_rank"] == 0]
 
     def grown(counter: str) -> list[float]:
-        return [r["steps"][-1][counter] - r["start_counters"][counter] for r in leaders]
+        """Each node's counter growth from the start barrier to the barrier after the last step."""
+        return [r["end_counters"][counter] - r["start_counters"][counter] for r in leaders]
 
     return {
         "strategy": spec.name,
