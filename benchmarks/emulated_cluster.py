@@ -5,7 +5,7 @@ shaped "nodes" made of network namespaces.
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --scaling  # 2, 3, 4 nodes x 2 ranks (weak scaling)
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --smoke [--scaling]  # the main path, ~1 min
-    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # loss vs tokens and wall-clock, ~35 min
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # loss vs tokens and wall-clock, ~20 min
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence --smoke  # its main path, ~2 min
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
