@@ -5,6 +5,7 @@ to end (root, ranks in network namespaces)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -42,7 +43,7 @@ def test_markov_chain_is_learnable_and_reproducible() -> None:
     assert 0.3 < chain.entropy_rate <= math.log(4) + 1e-9 < math.log(32)
     a, b = chain.sample(64, 9, seed=7), chain.sample(64, 9, seed=7)
     assert a.equal(b) and not a.equal(chain.sample(64, 9, seed=8))
-    assert all(chain.table[x, y] > 0 for row in a.tolist() for x, y in zip(row, row[1:]))  # only allowed moves
+    assert all(chain.table[x, y] > 0 for row in a.tolist() for x, y in itertools.pairwise(row))  # only allowed moves
     inputs, targets = SequenceDataset(a)[5]
     assert inputs.tolist() == a[5, :-1].tolist() and targets.tolist() == a[5, 1:].tolist()
 
