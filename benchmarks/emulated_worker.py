@@ -334,26 +334,35 @@ def run_deepspeed(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetu
     dist.barrier()
 
 
-def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
-    if spec.family == "deepspeed":
-        return run_deepspeed(spec, cluster, setup, output)
-    pl.seed_everything(1234, workers=True, verbose=False)
-    probe = StepProbe(setup.accumulate)
-    trainer = pl.Trainer(
+def measured_trainer(
+    spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, max_steps: int, callbacks: list[pl.Callback],
+    **extra: Any,
+) -> pl.Trainer:
+    """The Trainer of one measured run: the strategy under test on this cluster, and nothing the measurement does
+    not need (no logger, checkpoints, progress bar, summary or sanity validation)."""
+    return pl.Trainer(
         accelerator="cpu",
         devices=cluster.ranks_per_node,
         num_nodes=cluster.num_nodes,
         strategy=build_strategy(spec, cluster),
-        max_steps=setup.total_steps,
+        max_steps=max_steps,
         accumulate_grad_batches=setup.accumulate,
-        callbacks=[probe],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **extra,
     )
+
+
+def run(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup, output: Optional[Path]) -> None:
+    if spec.family == "deepspeed":
+        return run_deepspeed(spec, cluster, setup, output)
+    pl.seed_everything(1234, workers=True, verbose=False)
+    probe = StepProbe(setup.accumulate)
+    trainer = measured_trainer(spec, cluster, setup, setup.total_steps, [probe], limit_val_batches=0)
     model = GPTLightningModule(setup.model, warmup_steps=0)
     data = ByteCorpusDataModule(seq_len=setup.model.seq_len, batch_size=setup.micro_batch, max_bytes=setup.corpus_bytes)
     trainer.fit(model, datamodule=data)
@@ -455,21 +464,8 @@ def run_convergence(
     train = SequenceDataset(chain.sample(samples, config.seq_len + 1, settings.data_seed + 1))
     heldout = SequenceDataset(chain.sample(settings.heldout_samples, config.seq_len + 1, settings.data_seed + 2))
     clock = LossClock()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=cluster.ranks_per_node,
-        num_nodes=cluster.num_nodes,
-        strategy=build_strategy(spec, cluster),
-        max_steps=settings.steps,
-        max_epochs=1,  # the training set is exactly the budget: validation runs once, after the last step
-        accumulate_grad_batches=setup.accumulate,
-        callbacks=[clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    # the training set is exactly the budget: validation runs once, after the last step
+    trainer = measured_trainer(spec, cluster, setup, settings.steps, [clock], max_epochs=1)
     model = ConvergenceGPT(config, settings, heldout)
     loader = torch.utils.data.DataLoader(train, batch_size=setup.micro_batch, shuffle=False)
     trainer.fit(model, train_dataloaders=loader)
