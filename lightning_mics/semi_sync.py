@@ -88,9 +88,9 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             f"cross_replica_sync={mode!r} is not one of {list(CROSS_REPLICA_SYNC_MODES)}: 'every_step' (hop 2 every "
             "optimizer step, synchronous) or 'diloco' (replica groups synchronise every sync_every steps)."
         )
+    streaming = [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
     if mode != "diloco":
-        given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None]
-        given += [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
+        given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None] + streaming
         if given:
             raise ValueError(
                 f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica groups: add "
@@ -112,7 +112,6 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         )
     check_streaming_options(every, options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
     ft = options.fault_tolerance
-    streaming = [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
     if ft is not None and streaming:
         raise ValueError(
             f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, or "
@@ -203,12 +202,15 @@ def _like(local: Tensor, like: Tensor) -> Tensor:
 @dataclass
 class PendingFragment:
     """A fragment's average in flight: its index, this rank's pseudo-gradient as sent (what a checkpoint taken
-    meanwhile keeps, to send again on resume), the buffer being averaged and the average under way."""
+    meanwhile keeps, to send again on resume), the buffer being averaged and the average under way; with fault
+    tolerance also the count of contributing groups being averaged beside it (``count``, ``counting``)."""
 
     fragment: int
     sent: Tensor
     buffer: Tensor
     average: Any
+    count: Optional[Tensor] = None
+    counting: Any = None
 
 
 class OuterSync:
@@ -248,7 +250,6 @@ class OuterSync:
         self.names = list(names)
         self.params = list(params)
         self.transport = transport
-        self.every = every
         self.round = round
         self.counter = counter
         #: (start, stop) ranges of ``params``, synchronised in turn
@@ -282,18 +283,10 @@ class OuterSync:
         """Count the inner step; ``delay`` steps before a fragment's turn start its average; at its turn (the H-th
         step without streaming) synchronise it."""
         self.inner_steps += 1
-        if self.round is not None:  # fault tolerance: the whole model, at once (streaming is refused there)
-            if self.inner_steps >= self.every:
-                self._synchronise_fault_tolerant()
-            return
         if self.inner_steps == self.cadence - self.delay:
             self.start_fragment(self.outer_steps % len(self.fragments))
         if self.inner_steps >= self.cadence:
             self.finish_fragment()
-
-    @property
-    def streaming(self) -> bool:
-        return len(self.fragments) > 1 or self.delay > 0 or self.alpha != 0.0
 
     def _members(self, fragment: Optional[int]) -> range:
         start, stop = (0, len(self.params)) if fragment is None else self.fragments[fragment]
@@ -307,58 +300,43 @@ class OuterSync:
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     @torch.no_grad()
-    def synchronise(self) -> None:
-        """Synchronise every fragment now, in turn (the whole model without streaming): the outer step (module
-        docstring) -- average the pseudo-gradients across replicas, step the outer optimizer on the
-        last-synchronised copy, write the result into the parameters."""
-        if self.round is not None:
-            self._synchronise_fault_tolerant()
-            return
-        for _ in self.fragments:
-            if self.pending is None:
-                self.start_fragment(self.outer_steps % len(self.fragments))
-            self.finish_fragment()
-
-    @torch.no_grad()
     def start_fragment(self, fragment: int, sent: Optional[Tensor] = None) -> None:
         """Take ``fragment``'s pseudo-gradient (or ``sent``, one taken before a checkpoint) and start its average
-        across replicas; it runs while the next ``delay`` inner steps compute."""
+        across replicas; it runs while the next ``delay`` inner steps compute. With fault tolerance the round's
+        quorum comes first (a joining group heals there and sends zeros, counted as no contribution)."""
+        contributes = self.round() if self.round is not None else True
         sent = self.pseudo_gradient(fragment) if sent is None else sent
-        buffer = sent.clone()  # averaged in place; ``sent`` stays as this rank sent it, for a checkpoint meanwhile
+        if not contributes:
+            sent.zero_()
+        # averaged in place; with a delay ``sent`` is kept as this rank sent it, for a checkpoint taken meanwhile
+        buffer = sent.clone() if self.delay else sent
         active = self.transport is not None and self.transport.active
-        self.pending = PendingFragment(fragment, sent, buffer, self.transport.start_average(buffer) if active else None)
+        pending = PendingFragment(fragment, sent, buffer, self.transport.start_average(buffer) if active else None)
+        if self.counter is not None:
+            pending.count = torch.tensor([1.0 if contributes else 0.0], device=buffer.device)
+            pending.counting = self.counter.start_average(pending.count)
+        self.pending = pending
 
     @torch.no_grad()
     def finish_fragment(self) -> None:
-        """The fragment's turn: await its average, step the outer optimizer on its last-synchronised copy, mix."""
+        """The fragment's turn: await its average, step the outer optimizer on its last-synchronised copy, mix. With
+        fault tolerance the round commits first; one that does not (a group failed during the average) is dropped:
+        the fragment's parameters go back to the last-synchronised copy, as torchft does."""
         assert self.pending is not None, "start_fragment() runs first"
         pending, self.pending = self.pending, None
         if pending.average is not None:
             pending.average.wait()
+        if pending.count is not None:
+            pending.counting.wait()
+            if not self.transport.commit() or pending.count.item() <= 0:
+                self.dropped_rounds += 1
+                log.warning("DiLoCo: outer round dropped (a replica group failed during its average); every group goes "
+                            "back to the last-synchronised parameters")
+                self.restart_from_anchors(pending.fragment)
+                return
+            # both are averages over the quorum's groups: their ratio is the contributors' mean
+            pending.buffer.div_(pending.count.item())
         self._outer_step(pending.buffer, pending.fragment)
-
-    @torch.no_grad()
-    def _synchronise_fault_tolerant(self) -> None:
-        """The round's quorum (a joining group heals here), the average over the contributing groups, and the outer
-        step if the round commits -- else back to the last-synchronised parameters (class docstring)."""
-        assert self.round is not None
-        contributes = self.round()
-        flat = self.pseudo_gradient()
-        if not contributes:
-            flat.zero_()
-        count = torch.tensor([1.0 if contributes else 0.0], device=flat.device)
-        averaging = self.transport.start_average(flat)
-        counting = self.counter.start_average(count)
-        averaging.wait()
-        counting.wait()
-        if not self.transport.commit() or count.item() <= 0:
-            self.dropped_rounds += 1
-            log.warning("DiLoCo: outer round dropped (a replica group failed during its average); every group goes "
-                        "back to the last-synchronised parameters")
-            self.restart_from_anchors()
-            return
-        flat.div_(count.item())  # both are averages over the quorum's groups: their ratio is the contributors' mean
-        self._outer_step(flat)
 
     @torch.no_grad()
     def _outer_step(self, flat: Tensor, fragment: Optional[int] = None) -> None:
@@ -386,12 +364,12 @@ class OuterSync:
         self.outer_steps += 1
 
     @torch.no_grad()
-    def restart_from_anchors(self) -> None:
-        """A dropped round: the parameters go back to the last-synchronised copy; a new round starts."""
-        for anchor, param in zip(self.anchors, self.params):
-            _local(param).copy_(_local(anchor))
+    def restart_from_anchors(self, fragment: Optional[int] = None) -> None:
+        """A dropped round: the parameters (of ``fragment``; ``None``: all) go back to the last-synchronised copy; a
+        new round starts."""
+        for i in self._members(fragment):
+            _local(self.params[i]).copy_(_local(self.anchors[i]))
         self.inner_steps = 0
-        self.pending = None
 
     def heal_state(self) -> dict[str, Any]:
         """What a joining group takes from this one (this rank's shards): the last-synchronised copy, the outer
@@ -449,7 +427,7 @@ class OuterSync:
 
     def pending_after_load(self) -> Optional[int]:
         """The fragment a checkpoint taken at this point had in flight (its average started, not yet applied)."""
-        if self.round is None and self.delay and self.inner_steps >= self.cadence - self.delay:
+        if self.delay and self.inner_steps >= self.cadence - self.delay:
             return self.outer_steps % len(self.fragments)
         return None
 
