@@ -23,7 +23,17 @@ import pytest
 import torch
 from ft_harness import GROUP_WORLD, lighthouse, lose_and_restart_group_1, read, start_group, wait
 from torch.utils.data import DistributedSampler
-from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset, strip_prefix, trainer_kwargs
+from toy import (
+    Fp64Module,
+    RunConfig,
+    ToyLM,
+    fp64_precision,
+    full_parameters,
+    lm_loss,
+    make_dataset,
+    strip_prefix,
+    trainer_kwargs,
+)
 
 from lightning_mics import FaultTolerance, MiCSStrategy
 from lightning_mics.semi_sync import default_outer_optimizer
@@ -34,23 +44,6 @@ GROUPS = 2
 EVERY = 2  # H: outer rounds of two inner steps
 RUN = RunConfig(world_size=GROUPS * GROUP_WORLD, micro_batch=2, accumulate=1, steps=8, lr=0.1, momentum=0.9)
 LONG_RUN = RunConfig(world_size=GROUPS * GROUP_WORLD, micro_batch=2, accumulate=1, steps=16, lr=0.1, momentum=0.9)
-
-
-class _Fp64Module(ToyModule):
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.model = self.model.double()
-
-
-def _fp64_plugin() -> Any:
-    """MiCS's fp32 plugin leaving the module in fp64 (FSDP2 keeps the parameters' dtype throughout)."""
-    from lightning_mics.precision import MiCSPrecision
-
-    class KeepFp64(MiCSPrecision):
-        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-            return module
-
-    return KeepFp64("32-true")
 
 
 def _global_state(trainer: Any) -> dict[str, Any]:
@@ -105,9 +98,9 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
         address, group, GROUPS, min_replica_groups=min_groups, timeout=20, quorum_timeout=60, check_parameters_every=1
     )
     record = Record()
-    module = _Fp64Module(cfg)
+    module = Fp64Module(cfg)
     strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=EVERY)
-    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": [record], "plugins": [_fp64_plugin()]}
+    kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": [record], "plugins": [fp64_precision()]}
     trainer = pl.Trainer(strategy=strategy, **kwargs)
     trainer.fit(module)
     return {
@@ -216,9 +209,9 @@ def _resume_in_one_group(rank: int, group: int, address: str, root: str) -> dict
         ft = FaultTolerance(address, group, GROUPS, min_replica_groups=1, timeout=20, quorum_timeout=60)
         strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=EVERY)
         kwargs = trainer_kwargs(cfg) | {
-            "devices": GROUP_WORLD, "max_steps": -1, "max_epochs": epochs, "plugins": [_fp64_plugin()]
+            "devices": GROUP_WORLD, "max_steps": -1, "max_epochs": epochs, "plugins": [fp64_precision()]
         }
-        module = _Fp64Module(cfg)
+        module = Fp64Module(cfg)
         trainer = pl.Trainer(strategy=strategy, **kwargs)
         trainer.fit(module, ckpt_path=ckpt_path)
         return trainer, module

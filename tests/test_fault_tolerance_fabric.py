@@ -8,7 +8,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,10 +22,12 @@ from ft_harness import (
     wait_for_step,
 )
 from toy import (
+    Fp64Module,
     RunConfig,
     ToyLM,
     ToyModule,
     assert_matches_reference,
+    fp64_fabric_precision,
     full_parameters,
     global_batches,
     lm_loss,
@@ -128,21 +129,6 @@ def test_a_fabric_group_that_joins_late_heals_at_its_first_forward() -> None:
 TRAJECTORY = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=8, lr=0.2, momentum=0.0)
 
 
-def _fp64_fabric_precision() -> Any:
-    """MiCS's Fabric fp32 plugin leaving the module and its outputs in fp64 (FSDP2 keeps the parameters' dtype
-    throughout; Fabric would cast the logits to fp32)."""
-    from lightning_mics.precision import MiCSFabricPrecision
-
-    class KeepFp64(MiCSFabricPrecision):
-        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-            return module
-
-        def convert_output(self, data: Any) -> Any:
-            return data
-
-    return KeepFp64("32-true")
-
-
 def _fabric_trajectory(rank: int, group: int, address: str, fail: bool, marks: str) -> dict:
     """Group 1 told to fail dies in the last micro-step of its third step with the other group (before its
     backward); the survivor trains alone, noting it, slowly, so that the restarted group heals before the end."""
@@ -151,11 +137,10 @@ def _fabric_trajectory(rank: int, group: int, address: str, fail: bool, marks: s
 
     cfg = TRAJECTORY
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, keep_trajectory=True)
-    strategy = MiCSFabricStrategy(fault_tolerance=ft, precision=_fp64_fabric_precision())
+    strategy = MiCSFabricStrategy(fault_tolerance=ft, precision=fp64_fabric_precision())
     fabric = Fabric(accelerator="cpu", devices=GROUP_WORLD, strategy=strategy)
     fabric.launch()
-    module = ToyModule(cfg)
-    module.model = module.model.double()
+    module = Fp64Module(cfg)
     optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=cfg.lr)
     model, optimizer = fabric.setup(module, optimizer)
     loader = DataLoader(make_dataset(cfg.num_samples), batch_size=cfg.micro_batch)  # in order: no shuffling

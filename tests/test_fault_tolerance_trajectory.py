@@ -24,7 +24,7 @@ import pytest
 import torch
 from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lose_and_restart_group_1, run_one_group
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
-from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset
+from toy import Fp64Module, RunConfig, ToyLM, ToyModule, full_parameters, fp64_precision, lm_loss, make_dataset
 
 from lightning_mics import FaultTolerance
 from lightning_mics.fault_tolerance.trajectory import (
@@ -160,24 +160,6 @@ RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=1
 STEPS_TOGETHER_BEFORE_THE_KILL = 2
 
 
-class _Fp64Module(ToyModule):
-    def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        self.model = self.model.double()
-
-
-def _fp64_plugin() -> Any:
-    """MiCS's fp32 plugin that leaves the module in fp64 (MiCS has no "64-true" flag; FSDP2 keeps the
-    parameters' own dtype for compute, reduction and hop 2)."""
-    from lightning_mics.precision import MiCSPrecision
-
-    class KeepFp64(MiCSPrecision):
-        def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-            return module
-
-    return KeepFp64("32-true")
-
-
 def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -210,9 +192,9 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
     record = Record()
-    module = _Fp64Module(RUN)
+    module = Fp64Module(RUN)
     module.train_dataloader = lambda: DataLoader(make_dataset(RUN.num_samples), batch_size=RUN.micro_batch)
-    trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=[_fp64_plugin()])
+    trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=[fp64_precision()])
     trainer.fit(module)
     cursor = trainer.strategy.engine._training_data.cursor
     return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -267,6 +268,40 @@ def fit_with_mics(
     trainer = pl.Trainer(strategy=strategy, callbacks=list(callbacks), **kwargs)
     trainer.fit(module)
     return trainer
+
+
+class Fp64Module(ToyModule):
+    """``ToyModule`` in fp64, for runs compared with a single-process reference to 1e-10."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        super().__init__(cfg)
+        self.model = self.model.double()
+
+
+def fp64_precision() -> Any:
+    """MiCS's fp32 Trainer plugin that leaves the module in fp64 (MiCS has no "64-true" flag; FSDP2 keeps the
+    parameters' own dtype for compute, reduction and hop 2)."""
+    from lightning_mics.precision import MiCSPrecision
+
+    class KeepFp64(MiCSPrecision):
+        def convert_module(self, module: nn.Module) -> nn.Module:
+            return module
+
+    return KeepFp64("32-true")
+
+
+def fp64_fabric_precision() -> Any:
+    """The same for Fabric, whose module wrapper would also cast the outputs (the logits) to fp32."""
+    from lightning_mics.precision import MiCSFabricPrecision
+
+    class KeepFp64(MiCSFabricPrecision):
+        def convert_module(self, module: nn.Module) -> nn.Module:
+            return module
+
+        def convert_output(self, data: Any) -> Any:
+            return data
+
+    return KeepFp64("32-true")
 
 
 def trainer_kwargs(cfg: RunConfig) -> dict:
