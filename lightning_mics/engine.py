@@ -285,7 +285,9 @@ class MiCSEngine:
                 if "diloco" in state:
                     semi_sync.load_heal_state(state["diloco"])
 
-            self.replica_group = ReplicaGroup(ft, device, serve, heal, configuration, parameter_digest=self._parameter_digest)
+            self.replica_group = ReplicaGroup(
+                ft, device, serve, heal, configuration, parameter_digest=self._parameter_digest
+            )
             if dist.get_rank() == 0:  # in each group's job log
                 log.info(
                     "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "

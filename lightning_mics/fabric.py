@@ -222,7 +222,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise RuntimeError("Set up the model and its optimizer (`fabric.setup(model, optimizer)`) before "
                                "training_batches: the replica group joins there.")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate is the micro-batches per optimizer step of your loop, >= 1; got {accumulate!r}.")
+            raise ValueError(
+                f"accumulate is the micro-batches per optimizer step of your loop, >= 1; got {accumulate!r}."
+            )
         source = getattr(loader, "_dataloader", loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
         world = self.num_nodes * self.num_processes
         data = self._engine.training_data(source, world, self.global_rank, accumulate, self.committed_steps, True)

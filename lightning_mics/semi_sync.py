@@ -93,8 +93,8 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None] + streaming
         if given:
             raise ValueError(
-                f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica groups: add "
-                "cross_replica_sync='diloco', or drop them."
+                f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica "
+                "groups: add cross_replica_sync='diloco', or drop them."
             )
         return
     every = options.sync_every
@@ -114,15 +114,15 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
     ft = options.fault_tolerance
     if ft is not None and streaming:
         raise ValueError(
-            f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, or "
-            "synchronise the whole model at once (leave them at their defaults)."
+            f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, "
+            "or synchronise the whole model at once (leave them at their defaults)."
         )
     if ft is not None:
         if ft.keep_trajectory:
             raise ValueError(
-                "FaultTolerance(keep_trajectory=True) cannot be combined with cross_replica_sync='diloco': each replica "
-                "group takes its inner steps on its own share of the data, and a lost group misses outer rounds rather "
-                "than having its share read by the others. Leave keep_trajectory unset (or False)."
+                "FaultTolerance(keep_trajectory=True) cannot be combined with cross_replica_sync='diloco': each "
+                "replica group takes its inner steps on its own share of the data, and a lost group misses outer "
+                "rounds rather than having its share read by the others. Leave keep_trajectory unset (or False)."
             )
         # unset: fixed shares, the only data assignment DiLoCo has (resolved here, once, for every reader)
         object.__setattr__(options, "fault_tolerance", replace(ft, keep_trajectory=False))
@@ -178,7 +178,8 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, in
         running += numel
         still_to_cut = fragments - 1 - len(bounds)
         after = len(numels) - index - 1  # tensors after this one: each later fragment needs one
-        if still_to_cut and after >= still_to_cut and (running >= total * (len(bounds) + 1) / fragments or after == still_to_cut):
+        reached_its_share = running >= total * (len(bounds) + 1) / fragments
+        if still_to_cut and after >= still_to_cut and (reached_its_share or after == still_to_cut):
             bounds.append((start, index + 1))
             start = index + 1
     bounds.append((start, len(numels)))
@@ -530,12 +531,12 @@ class SemiSync:
             unknown = [p for p in params if id(p) not in name_of]
             if unknown:
                 raise ValueError(
-                    f"cross_replica_sync='diloco': the optimizer steps {len(unknown)} tensor(s) that are not parameters "
-                    "of the model set up with it; DiLoCo synchronises the model's parameters only."
+                    f"cross_replica_sync='diloco': the optimizer steps {len(unknown)} tensor(s) that are not "
+                    "parameters of the model set up with it; DiLoCo synchronises the model's parameters only."
                 )
             sync = OuterSync(
-                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum, counter,
-                *streaming,
+                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum,
+                counter, *streaming,
             )
             self.syncs.append(sync)
             self._optimizers.append(optimizer)
@@ -708,7 +709,9 @@ class SemiSync:
             name, slot = key[len(prefix)], key[len(prefix) + 1]
             anchor = anchor_of.get(name)
             if anchor is None:
-                raise ValueError(f"The checkpoint's outer optimizer state names {name!r}, which this model does not train.")
+                raise ValueError(
+                    f"The checkpoint's outer optimizer state names {name!r}, which this model does not train."
+                )
             if shape == tuple(anchor.shape):
                 value = torch.empty_like(anchor)
             else:
@@ -740,7 +743,8 @@ class SemiSync:
                 for sync in in_flight
                 for i in sync._members(sync.pending_after_load())
             }
-        read_dcp(data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}, SafeLoadPlanner())
+        template = {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}
+        read_dcp(data_dir, template, SafeLoadPlanner())
         for name, value in own["params"].items():
             _local(params[name]).copy_(_local(value))
         for sync in in_flight:

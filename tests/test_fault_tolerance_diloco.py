@@ -66,7 +66,8 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
 
     class Record(pl.Callback):
         """Per step: (global step, groups in the last quorum). ``doomed``: rank 1 dies mid-round after a round
-        with the other group (whichever group started first may have synchronised alone before); ``survivor``: once alone after being together, it notes it and slows down so that
+        with the other group (whichever group started first may have synchronised alone before); ``survivor``:
+        once alone after being together, it notes it and slows down so that
         the restarted group heals before the end."""
 
         def __init__(self) -> None:

@@ -24,10 +24,10 @@ from ft_harness import (
 from toy import (
     Fp64Module,
     RunConfig,
-    ToyLM,
     ToyModule,
     assert_matches_reference,
     fp64_fabric_precision,
+    fp64_sgd_reference,
     full_parameters,
     global_batches,
     lm_loss,
@@ -175,30 +175,17 @@ def _fabric_trajectory(rank: int, group: int, address: str, fail: bool, marks: s
     }
 
 
-def _trajectory_reference() -> dict[str, torch.Tensor]:
-    """Single-process fp64 SGD, step ``d`` on samples ``d * 16 .. d * 16 + 15`` (the loader's order, global batch
-    of 4 shares x 2 micro-steps x 2 samples)."""
-    cfg = TRAJECTORY
-    torch.manual_seed(cfg.seed)
-    model = ToyLM().double()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    tokens, targets = make_dataset(cfg.num_samples).tensors
-    batch = cfg.world_size * cfg.micro_batch * cfg.accumulate
-    for step in range(cfg.steps):
-        rows = slice(step * batch, (step + 1) * batch)
-        optimizer.zero_grad()
-        lm_loss(model, (tokens[rows], targets[rows])).backward()
-        optimizer.step()
-    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_a_fabric_loop_on_training_batches_keeps_the_trajectory_through_a_kill_and_a_restart() -> None:
     alone, healed = lose_and_restart_group_1(
-        _fabric_trajectory, lambda address, out, role: (address, role == "doomed", out), "fabric_group0_rank{rank}.alone"
+        _fabric_trajectory,
+        lambda address, out, role: (address, role == "doomed", out),
+        "fabric_group0_rank{rank}.alone",
     )
-    reference = _trajectory_reference()
+    # step d on samples d * 16 .. d * 16 + 15: the loader's order, global batch of 4 shares x 2 micro-steps x 2
+    in_order = fp64_sgd_reference(TRAJECTORY, list(range(TRAJECTORY.num_samples)))
+    reference = {f"model.{name}": value for name, value in in_order.items()}
     for rank in range(GROUP_WORLD):
         assert alone[rank]["committed"] == healed[rank]["committed"] == TRAJECTORY.steps
         assert alone[rank]["discarded"] >= 1

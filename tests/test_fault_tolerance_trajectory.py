@@ -24,7 +24,16 @@ import pytest
 import torch
 from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lose_and_restart_group_1, run_one_group
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
-from toy import Fp64Module, RunConfig, ToyLM, ToyModule, full_parameters, fp64_precision, lm_loss, make_dataset
+from toy import (
+    Fp64Module,
+    RunConfig,
+    ToyModule,
+    fp64_precision,
+    fp64_sgd_reference,
+    full_parameters,
+    lm_loss,
+    make_dataset,
+)
 
 from lightning_mics import FaultTolerance
 from lightning_mics.fault_tolerance.trajectory import (
@@ -206,29 +215,14 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
     }
 
 
-def _reference() -> dict[str, torch.Tensor]:
-    """Single-process fp64 SGD, step ``d`` on slice ``d`` of the seeded permutation (global batch 16)."""
-    torch.manual_seed(RUN.seed)
-    model = ToyLM().double()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=RUN.lr)
-    tokens, targets = make_dataset(RUN.num_samples).tensors
-    batch = RUN.world_size * RUN.micro_batch * RUN.accumulate
-    order = _epoch_permutation(RUN.num_samples, 0)  # Lightning's DistributedSampler seed, epoch 0
-    for step in range(RUN.steps):
-        chosen = order[step * batch : (step + 1) * batch]
-        optimizer.zero_grad()
-        lm_loss(model, (tokens[chosen], targets[chosen])).backward()
-        optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64() -> None:
     alone, healed = lose_and_restart_group_1(
         _run_group, lambda address, out, role: (address, role == "doomed", out), "group0_rank{rank}.alone"
     )
-    reference = _reference()
+    # step d reads slice d of the seeded permutation (Lightning's DistributedSampler seed, epoch 0)
+    reference = fp64_sgd_reference(RUN, _epoch_permutation(RUN.num_samples, 0))
     for rank in range(GROUP_WORLD):
         assert alone[rank]["global_step"] == healed[rank]["global_step"] == RUN.steps
         assert 1 <= alone[rank]["discarded"] <= 2

@@ -142,7 +142,8 @@ def streaming_reference(
         for s in range(cfg.steps):
             for r, (model, optimizer) in enumerate(zip(models, inner)):
                 optimizer.zero_grad()
-                rows = [x for k in range(r * PARTITION, (r + 1) * PARTITION) for x in per_rank[k][s * cfg.micro_batch : (s + 1) * cfg.micro_batch]]
+                mine = slice(s * cfg.micro_batch, (s + 1) * cfg.micro_batch)
+                rows = [x for k in range(r * PARTITION, (r + 1) * PARTITION) for x in per_rank[k][mine]]
                 lm_loss(model, (tokens[rows], targets[rows])).backward()
                 optimizer.step()
             counter += 1

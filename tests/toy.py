@@ -304,6 +304,23 @@ def fp64_fabric_precision() -> Any:
     return KeepFp64("32-true")
 
 
+def fp64_sgd_reference(cfg: RunConfig, order: list[int]) -> dict[str, torch.Tensor]:
+    """Single-process fp64 SGD on ``ToyLM``: step ``d`` on the samples ``order[d * B : (d + 1) * B]`` of
+    ``make_dataset`` (``B``: the run's global batch), the loss their mean. What a fault-tolerant run that keeps its
+    trajectory must end at, whichever groups were live."""
+    torch.manual_seed(cfg.seed)
+    model = ToyLM().double()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+    tokens, targets = make_dataset(cfg.num_samples).tensors
+    batch = cfg.world_size * cfg.micro_batch * cfg.accumulate
+    for step in range(cfg.steps):
+        chosen = order[step * batch : (step + 1) * batch]
+        optimizer.zero_grad()
+        lm_loss(model, (tokens[chosen], targets[chosen])).backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def trainer_kwargs(cfg: RunConfig) -> dict:
     return dict(
         accelerator="cpu",
