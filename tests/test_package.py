@@ -48,3 +48,75 @@ def test_the_package_holds_no_demo() -> None:
     sources = "\n".join(path.read_text() for path in package.rglob("*.py"))
     for name in DEMO_ONLY + ("torchmetrics",):
         assert f"import {name}" not in sources and f"from {name}" not in sources, name
+
+
+_LOADED_BY = """
+import sys
+{code}
+print(sorted(name for name in ("lightning", "torch.distributed.fsdp") if name in sys.modules))
+"""
+
+_PLAN_HELP = """
+from lightning_mics.plan import console_main
+sys.argv = ["lightning-mics", "plan", "--help"]
+try:
+    console_main()
+except SystemExit as done:
+    assert not done.code, done.code
+"""
+
+
+def _modules_loaded_by(code: str, cwd: Path) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", _LOADED_BY.format(code=code)], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_the_planner_and_plan_help_start_without_lightning_or_fsdp(tmp_path: Path) -> None:
+    """The planner is arithmetic: its CLI must not pay for Lightning's import (or FSDP's)."""
+    assert _modules_loaded_by("import lightning_mics.planner", tmp_path) == "[]"
+    assert _modules_loaded_by(_PLAN_HELP, tmp_path) == "[]"
+    # the check can fail: the package's public classes do load both
+    both = "['lightning', 'torch.distributed.fsdp']"
+    assert _modules_loaded_by("from lightning_mics import MiCSStrategy", tmp_path) == both
+
+
+_REGISTERED = """
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+import lightning_mics
+for name in ("mics", "mics_auto", "mics_zero3", "mics_replicate"):
+    assert name in StrategyRegistry and name in STRATEGY_REGISTRY, name
+from lightning.pytorch import Trainer
+from lightning.fabric import Fabric
+trainer = Trainer(strategy="mics_zero3", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+assert isinstance(trainer.strategy, lightning_mics.MiCSStrategy), type(trainer.strategy)
+assert trainer.strategy.options.partition_size == "world", trainer.strategy.options
+fabric = Fabric(strategy="mics", accelerator="cpu", devices=1)
+assert isinstance(fabric.strategy, lightning_mics.MiCSFabricStrategy), type(fabric.strategy)
+print("registered")
+"""
+
+
+def test_import_lightning_mics_registers_the_strategy_names_whatever_the_import_order(tmp_path: Path) -> None:
+    """``import lightning_mics`` before Lightning (the names wait for Lightning's import), after it, through a
+    public class, or only through a Fabric import: every strategy name is in both registries."""
+    for first in (
+        "import lightning_mics",
+        "import lightning",
+        "from lightning_mics import MiCSStrategy",
+        "import lightning_mics; import lightning.fabric",
+        "import lightning_mics.planner; import lightning_mics; from lightning.pytorch import Trainer",
+    ):
+        code = first + "\n" + _REGISTERED
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0 and "registered" in result.stdout, (first, result.stderr[-2000:])
+
+
+def test_every_public_name_is_loaded_on_first_access() -> None:
+    assert sorted(lightning_mics.__all__) == sorted(lightning_mics._PUBLIC)
+    for name in lightning_mics.__all__:
+        assert getattr(lightning_mics, name) is not None, name
+    assert lightning_mics.MiCSFabricStrategy is not lightning_mics.MiCSStrategy
