@@ -9,8 +9,10 @@ the measured gloo loopback throughput), the Lighthouse on the switch (a host no 
 With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Runs
 of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
 
-1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant: the parameters'
-   largest difference, and the step-time ratio (fault-tolerant / plain);
+1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant
+   (``--quorum-every``): the parameters' largest difference, and the step-time ratio (fault-tolerant / plain,
+   ``overhead``: each mode run twice, interleaved plain / ft / ft / plain, the step intervals of both runs
+   pooled), then once more fault-tolerant with a quorum at every step (``overhead_quorum_every_step``);
 2. fault-tolerant, every rank of node 2 SIGKILLed once it logged step ``--kill-at-step``: seconds from the
    kill to the survivors' next committed step without it, steps discarded, the survivors' committed steps
    during the outage;
@@ -112,6 +114,9 @@ QUICK = Preset(no_failure_steps=40, steps=200, kill_at_step=35, checkpoint_every
 #: kill and the outage, not the rejoin): the test suite's smoke run has 300 s.
 SMOKE = Preset(no_failure_steps=6, steps=100, kill_at_step=8, checkpoint_every=5, restart_delay=2.0,
                probe_seconds=0.5, run_timeout=240.0, goodput_period=0.0, goodput_failures=0, reference_steps=30)
+#: The groups ask for a quorum every this many committed steps: with 0.15-0.25 s steps torchft's per-step quorum
+#: round trip is several percent of the step; a restarted group then waits at most 9 steps (~2 s) to join.
+QUORUM_EVERY = 10
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
@@ -137,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ft-timeout", type=float, default=5.0,
                         help="FaultTolerance(timeout=...): how long a survivor's hop 2 waits for a dead peer (5 s)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
+    parser.add_argument("--quorum-every", type=int, default=QUORUM_EVERY,
+                        help=f"FaultTolerance(quorum_every=...) of every fault-tolerant run (default {QUORUM_EVERY}); "
+                        "the no-failure comparison also runs 1, torchft's quorum at every step")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
@@ -149,8 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if not 0 < args.kill_at_step < args.steps:
         parser.error(f"--kill-at-step must lie between 0 and --steps ({args.steps}), got {args.kill_at_step}.")
-    if min(args.checkpoint_every, args.no_failure_steps, args.batch_size) < 1 or args.restart_delay < 0:
-        parser.error("--checkpoint-every, --no-failure-steps and --batch-size must be positive, --restart-delay >= 0.")
+    if min(args.checkpoint_every, args.no_failure_steps, args.batch_size, args.quorum_every) < 1 or \
+            args.restart_delay < 0:
+        parser.error("--checkpoint-every, --no-failure-steps, --batch-size and --quorum-every must be positive, "
+                     "--restart-delay >= 0.")
     if args.goodput_failures < 0 or (args.goodput_failures > 0 and args.goodput_period <= args.restart_delay):
         parser.error("--goodput-failures must be >= 0, and --goodput-period longer than --restart-delay.")
     setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
@@ -199,6 +209,7 @@ class Bench:
         log_dir = self.work / name
         log_dir.mkdir(parents=True, exist_ok=True)
         nodes = NODES if mode == "plain" else 1
+        fields.setdefault("quorum_every", self.args.quorum_every)
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
                    timeout=self.args.ft_timeout, **fields)
@@ -325,17 +336,21 @@ class RunLog:
     failures: list[str] = field(default_factory=list)  #: restarts that failed themselves (and were retried)
 
 
-def run_no_failure(bench: Bench, mode: str) -> RunLog:
+def run_no_failure(bench: Bench, mode: str, name: str = "", quorum_every: int | None = None) -> RunLog:
     """Run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards at the end.
-    The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum."""
+    The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum.
+    ``name``: the run's directory (default ``<mode>-no-failure``); ``quorum_every``: instead of the option's."""
     steps = bench.args.no_failure_steps
+    name = name or f"{mode}-no-failure"
     fields: dict[str, Any] = {"save_params": True, "digests": True}
+    if quorum_every is not None:
+        fields["quorum_every"] = quorum_every
     lighthouse = None
     if mode == "ft":
         address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT)
-        fields |= {"lighthouse": address, "start_barrier": str(bench.work / f"{mode}-no-failure-barrier")}
+        fields |= {"lighthouse": address, "start_barrier": str(bench.work / f"{name}-barrier")}
         Path(fields["start_barrier"]).mkdir()
-    job = bench.job(f"{mode}-no-failure", mode, steps, **fields)
+    job = bench.job(name, mode, steps, **fields)
     run = RunLog(job.log_dir, job.log_dir, time.time())
     nodes = launch_all(bench, job)
     try:
@@ -632,6 +647,16 @@ def median_step_seconds(run: RunLog, skip: int = 3) -> float:
     return median_interval([row["t"] for row in read_rows(run) if row["node"] == 0][skip:])
 
 
+def pooled_median_step_seconds(runs: list[RunLog], skip: int = 3) -> float:
+    """:func:`median_step_seconds` over the step intervals of several runs together (the interleaved repeats
+    of one mode: a load that drifts during the benchmark weighs on both modes alike)."""
+    intervals = []
+    for run in runs:
+        times = [row["t"] for row in read_rows(run) if row["node"] == 0][skip:]
+        intervals += [b - a for a, b in itertools.pairwise(times)]
+    return statistics.median(intervals)
+
+
 def median_interval(times: list[float]) -> float:
     return statistics.median([b - a for a, b in itertools.pairwise(times)])
 
@@ -665,16 +690,22 @@ def identical_steps(plain: RunLog, ft: RunLog) -> int:
     return len(steps)
 
 
-def no_failure_results(plain: RunLog, ft: RunLog) -> dict[str, Any]:
+def no_failure_results(plains: list[RunLog], fts: list[RunLog], every_step: RunLog | None = None) -> dict[str, Any]:
+    """The no-failure numbers: exactness from the first plain / fault-tolerant pair, step times pooled over every
+    run of a mode (they ran interleaved), and -- with ``every_step`` -- the overhead of a quorum at every step."""
+    plain, ft = plains[0], fts[0]
     to_plain, between_groups = max_abs_diff(plain, ft)
-    plain_step, ft_step = median_step_seconds(plain), median_step_seconds(ft)
+    plain_step, ft_step = pooled_median_step_seconds(plains), pooled_median_step_seconds(fts)
     plain_loss = {(r["node"], r["step"]): r["loss"] for r in read_rows(plain, None) if r["rank"] == 0}
     ft_loss = {(r["node"], r["step"]): r["loss"] for r in read_rows(ft, None) if r["rank"] == 0}
     return {"max_abs_diff": to_plain, "max_abs_diff_between_groups": between_groups, "overhead": ft_step / plain_step,
             "plain_step_seconds": plain_step, "ft_step_seconds": ft_step,
             "loss_max_abs_diff": max(abs(loss - plain_loss[key]) for key, loss in ft_loss.items()),
             "identical_steps": identical_steps(plain, ft),
-            "discarded": max(row["discarded"] for row in read_rows(ft))}
+            "discarded": max(row["discarded"] for row in read_rows(ft)),
+            "runs_step_seconds": {"plain": [median_step_seconds(run) for run in plains],
+                                  "ft": [median_step_seconds(run) for run in fts]},
+            "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step}
 
 
 def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
@@ -1008,8 +1039,18 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
     """The runs, in order, and their numbers."""
     args = bench.args
     schedule = schedule_of(args)
+    # the no-failure step times interleaved, plain / ft / ft / plain (a drifting load weighs on both alike), then
+    # fault tolerance with torchft's quorum at every step; --smoke: one of each
     todo: list[tuple[str, Callable[[], RunLog]]] = [
         ("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft")),
+    ]
+    if not args.smoke:
+        todo += [
+            ("ft-2", lambda: run_no_failure(bench, "ft", "ft-no-failure-2")),
+            ("plain-2", lambda: run_no_failure(bench, "plain", "plain-no-failure-2")),
+            ("ft-quorum-every-step", lambda: run_no_failure(bench, "ft", "ft-no-failure-every-step", quorum_every=1)),
+        ]
+    todo += [
         ("ft-failure", lambda: run_ft_failure(bench)), ("restart-baseline", lambda: run_restart_baseline(bench)),
         ("ft-reference", lambda: run_ft_reference(bench)),
     ]
@@ -1027,7 +1068,10 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
     ft_seconds = seconds_to_final_step(runs["ft-failure"], args.steps)
     baseline_seconds = seconds_to_final_step(runs["restart-baseline"], args.steps)
     results = {
-        "no_failure": no_failure_results(runs["plain"], runs["ft"]),
+        "no_failure": no_failure_results(
+            [runs[k] for k in ("plain", "plain-2") if k in runs], [runs[k] for k in ("ft", "ft-2") if k in runs],
+            runs.get("ft-quorum-every-step"),
+        ),
         "failure": failure_results(runs["ft-failure"], args.steps),
         "rejoin": rejoin_results(runs["ft-failure"]),
         "restart_baseline": {"seconds": baseline_seconds, "events": relative(runs["restart-baseline"]),

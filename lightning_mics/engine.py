@@ -311,7 +311,7 @@ class MiCSEngine:
         """DiLoCo with fault tolerance: the quorum of an outer round, at its synchronisation (a joining group heals
         here), as :meth:`begin_step` runs it at every step otherwise."""
         assert self.replica_group is not None
-        self.replica_group.start_step()
+        self.replica_group.start_step(force_quorum=True)
         self._log_from_first_live_group()
 
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:

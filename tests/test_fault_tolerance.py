@@ -27,6 +27,7 @@ from ft_harness import (
     wait,
     wait_for_step,
 )
+from distributed import run_ranks
 from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters, trainer_kwargs
 
 from lightning_mics import FaultTolerance, MiCSStrategy
@@ -51,6 +52,10 @@ def test_fault_tolerance_reads_the_environment_and_names_what_is_missing(monkeyp
         FaultTolerance(replica_group=3).resolved()
     with pytest.raises(ValueError, match="min_replica_groups=0"):
         FaultTolerance(min_replica_groups=0)
+    with pytest.raises(ValueError, match=r"quorum_every=0\) must be a positive number"):
+        FaultTolerance(quorum_every=0)
+    with pytest.raises(ValueError, match=r"quorum_every=2.5\) must be a whole number"):
+        FaultTolerance(quorum_every=2.5)  # type: ignore[arg-type]
 
 
 def test_the_strategy_takes_fault_tolerance_as_an_object_true_or_a_dict() -> None:
@@ -373,3 +378,92 @@ def test_a_lost_group_costs_a_step_and_its_restart_heals_from_the_survivor() -> 
 
 def test_the_lighthouse_binary_is_installed() -> None:
     assert LIGHTHOUSE.exists() or shutil.which("torchft_lighthouse"), "the [ft] extra brings torchft_lighthouse"
+
+
+class _StubManager:
+    """torchft's Manager as the replica group calls it, without a Lighthouse: one group alone in its quorums,
+    counting the quorums and torchft's commits, with an error that only this rank recorded when told."""
+
+    def __init__(self, **_: Any) -> None:
+        self.step, self.batches, self.error = 0, 0, None
+        self.quorums, self.torchft_commits = 0, 0
+        self._quorum_id = 1
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+        self.error = None
+
+    def should_commit(self) -> bool:
+        self.torchft_commits += 1
+        self.step += self.error is None
+        return self.error is None
+
+    def current_step(self) -> int:
+        return self.step
+
+    def num_participants(self) -> int:
+        return 1
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def errored(self) -> Any:
+        return self.error
+
+    def report_error(self, error: Exception) -> None:
+        self.error = error
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        """The agreement's exchange at the first quorum: one group's average is its own message."""
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(tensor)
+        return future
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "batches_committed": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.batches = state["step"], state["batches_committed"]
+
+    def shutdown(self, wait: bool = False) -> None:
+        pass
+
+
+def _quorum_decisions(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torchft
+
+    from lightning_mics.fault_tolerance import group as group_module
+
+    dist.init_process_group("gloo")
+    torchft.Manager = _StubManager  # the group builds its Manager from ``torchft`` at construction
+    ft = FaultTolerance("http://unused:1", 0, 1, quorum_every=3, check_parameters_every=1000)
+    group = group_module.ReplicaGroup(ft, torch.device("cpu"), state_fn=dict, load_fn=lambda state: None)
+    manager = group.manager
+    asked, committed = [], []
+    for step in range(8):
+        before = manager.quorums
+        group.start_step()
+        asked.append(manager.quorums > before)
+        if step == 4 and rank == 1:
+            manager.report_error(RuntimeError("a failure only rank 1 saw"))
+        committed.append(group.commit())
+        group.last_step_discarded = False  # what undoing Lightning's counters does before the next quorum
+    group.shutdown()
+    return {"asked": asked, "committed": committed, "step": manager.current_step(),
+            "torchft_commits": manager.torchft_commits}
+
+
+@pytest.mark.distributed
+def test_a_quorum_every_third_step_and_after_a_discard_decided_alike_on_every_rank_of_the_group() -> None:
+    """``quorum_every=3``: a quorum at the first step, at committed steps 3 and 6, and right after a discarded
+    step; between quorums the step commits through the group's own all-reduce, advancing torchft's step. An
+    error recorded on rank 1 only discards the step on both ranks, and both ask for the next quorum."""
+    ranks = run_ranks(_quorum_decisions, 2)
+    assert ranks[0] == ranks[1]  # one decision per group
+    result = ranks[0]
+    assert result["committed"] == [True] * 4 + [False] + [True] * 3
+    # committed step at each start: 0 (first), 1, 2, 3, 4 (discarded), 4 (after the discard), 5, 6
+    assert result["asked"] == [True, False, False, True, False, True, False, True]
+    assert result["step"] == 7
+    assert result["torchft_commits"] == 4  # torchft's own commit exactly after each quorum

@@ -169,7 +169,7 @@ RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=1
 STEPS_TOGETHER_BEFORE_THE_KILL = 2
 
 
-def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> dict[str, Any]:
+def _run_group(rank: int, group: int, address: str, fail: bool, marks: str, quorum_every: int) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     class Record(pl.Callback):
@@ -199,7 +199,9 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
             elif manager.num_participants() == 1 and not self.was_together:
                 time.sleep(0.5)  # the first group up waits for the other, or it may reach the end before the kill
 
-    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
+    ft = FaultTolerance(
+        address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, quorum_every=quorum_every
+    )
     record = Record()
     module = Fp64Module(RUN)
     module.train_dataloader = lambda: DataLoader(make_dataset(RUN.num_samples), batch_size=RUN.micro_batch)
@@ -212,14 +214,20 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str) -> d
         "reloaded": cursor.reloaded,
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
         "global_step": trainer.global_step,
+        "quorums_asked": trainer.strategy.engine.replica_group.quorums_asked,
     }
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
-def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64() -> None:
+@pytest.mark.parametrize("quorum_every", [1, 3])
+def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64(quorum_every: int) -> None:
+    """With ``quorum_every=3`` the groups ask for a quorum at every third committed step only (and after the
+    discarded one): the loss is still noticed at once, and the restarted group joins at such a step."""
     alone, healed = lose_and_restart_group_1(
-        _run_group, lambda address, out, role: (address, role == "doomed", out), "group0_rank{rank}.alone"
+        _run_group,
+        lambda address, out, role: (address, role == "doomed", out, quorum_every),
+        "group0_rank{rank}.alone",
     )
     # step d reads slice d of the seeded permutation (Lightning's DistributedSampler seed, epoch 0)
     reference = fp64_sgd_reference(RUN, _epoch_permutation(RUN.num_samples, 0))
@@ -235,6 +243,10 @@ def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in
         assert set(started) == set(range(started[0], RUN.steps))  # from its first step (or heal) to the end
         assert alone[rank]["reloaded"] > 0  # the predictions in flight were corrected, not trained on
         assert min(step for step, *_ in healed[rank]["keys"]) > redone[-1]  # healed: it re-read no step
+        joined_at = min(step for step, _, _, live in healed[rank]["keys"] if live == 2)
+        assert joined_at % quorum_every == 0, joined_at  # the survivor let it in at its next quorum
+        if quorum_every > 1:  # a quorum at the process's first step, after the discard and at multiples of 3
+            assert alone[rank]["quorums_asked"] <= len(set(started)) // quorum_every + 3, alone[rank]["quorums_asked"]
         for result in (alone[rank], healed[rank]):
             for name, expected in reference.items():
                 got = result["params"][name]

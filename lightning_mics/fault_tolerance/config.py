@@ -52,6 +52,13 @@ class FaultTolerance:
     #: the groups and the step, instead of training on silently diverged. The digest is exact integer
     #: arithmetic over the shards' bits, one read of them per check.
     check_parameters_every: int = 10
+    #: the groups ask the Lighthouse for a quorum at every committed step that is a multiple of this (and after
+    #: a discarded step, and at a process's first step); in between they train in the last quorum. A lost group
+    #: is noticed at once either way (its collective fails and the step is discarded, which forces a quorum);
+    #: what waits is a *joining* group, for up to ``quorum_every - 1`` steps -- keep that shorter than
+    #: ``quorum_timeout``. 1 (torchft's own cadence) costs a quorum round trip every step: a few ms, which matters
+    #: only when steps are short (``docs/fault-tolerance.md``, "What a step costs").
+    quorum_every: int = 1
     #: every committed step reads the next global batch of one fixed sample order, split among the live groups
     #: (a lost group's samples are read by the others, a discarded step is re-done on the same samples, a
     #: restarted group continues at the committed step): the run with failures trains what the run without
@@ -61,17 +68,16 @@ class FaultTolerance:
     keep_trajectory: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        for name in ("min_replica_groups", "timeout", "quorum_timeout", "watchdog", "check_parameters_every"):
+        whole = ("min_replica_groups", "check_parameters_every", "quorum_every")
+        for name in ("timeout", "quorum_timeout", "watchdog") + whole:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
         if self.keep_trajectory is not None and not isinstance(self.keep_trajectory, bool):
             raise ValueError(f"FaultTolerance(keep_trajectory={self.keep_trajectory!r}) must be true, false or None.")
-        if not isinstance(self.check_parameters_every, int):
-            raise ValueError(
-                f"FaultTolerance(check_parameters_every={self.check_parameters_every!r}) must be a whole number of "
-                "steps."
-            )
+        for name in whole:
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"FaultTolerance({name}={getattr(self, name)!r}) must be a whole number.")
 
     @property
     def trainer_keeps_trajectory(self) -> bool:

@@ -96,6 +96,13 @@ class ReplicaGroup:
                 f"and give every group its address (FaultTolerance(lighthouse=...) or {LIGHTHOUSE_ENV})."
             ) from error
         self.discarded_steps = 0
+        #: how many times this rank asked the Lighthouse for a quorum (``quorum_every`` makes it fewer than steps)
+        self.quorums_asked = 0
+        #: a step was discarded since the last quorum: the next step asks for one (torchft's commit decision is
+        #: the same on every rank of the group, where an error it recorded may be on one rank only)
+        self._discarded_since_quorum = False
+        #: whether this step ran a quorum (then torchft's own commit ends it; else the group's one-flag all-reduce)
+        self._quorum_this_step = False
         #: whether the last step this group finished was discarded
         self.last_step_discarded = False
         self.closed = False
@@ -110,15 +117,22 @@ class ReplicaGroup:
         learns that this rank is making progress."""
         self._watchdog.kick()
 
-    def start_step(self) -> None:
-        """The quorum for the next optimizer step (a group that joins heals here, before its forward), then the
-        checks torchft does not make: every rank of this group is there (a lost one ends the group at once, not
-        after ``quorum_timeout``), at least ``min_replica_groups`` groups are live (else wait, without
-        training, at most ``quorum_timeout``), every rank of this group healed (or none did), every group in the
-        quorum was started alike, and -- every ``check_parameters_every`` steps -- the groups' parameters are
-        still bit-identical. A failed check ends this group (or, for diverged parameters, the run) with an error
-        that says which."""
+    def start_step(self, force_quorum: bool = False) -> None:
+        """The quorum for the next optimizer step -- at every ``quorum_every``-th committed step, after a
+        discarded one, at this process's first step, or when ``force_quorum`` (a joining group heals here, before
+        its forward; in between the step trains in the last quorum) -- then the checks torchft does not make:
+        every rank of this group is there (a lost one ends the group at once, not after ``quorum_timeout``), at
+        least ``min_replica_groups`` groups are live (else wait, without training, at most ``quorum_timeout``),
+        every rank of this group healed (or none did), every group in the quorum was started alike, and -- every
+        ``check_parameters_every`` steps -- the groups' parameters are still bit-identical. A failed check ends
+        this group (or, for diverged parameters, the run) with an error that says which."""
         self._watchdog.kick()
+        step = self.manager.current_step()
+        self._quorum_this_step = force_quorum or self._needs_quorum(step)
+        if not self._quorum_this_step:  # the last commit's all-reduce was this group's presence check
+            if self._checks_parameters(step):
+                self._check_agreement()
+            return
         self._check_ranks_present()
         self._quorum()
         waited_since = time.monotonic()
@@ -149,6 +163,13 @@ class ReplicaGroup:
             self._log_membership(participants)
         self._participants = participants
 
+    def _needs_quorum(self, step: int) -> bool:
+        """Whether this step asks for a quorum: the same answer in every rank of every group of the last quorum
+        (they are at the same committed step, and a step is discarded by a whole group), except that a group
+        whose step was discarded while another's committed asks alone -- the other's next collective then times
+        out (``timeout``), is discarded too, and both meet in the next quorum."""
+        return self._last_quorum is None or self._discarded_since_quorum or step % self.options.quorum_every == 0
+
     def _same_quorum_as_last_step(self, step: int) -> bool:
         """Whether this step's quorum is the one the last step ran in, with no heal in between: then the groups
         were checked alike when it formed, and the agreement's round trip is skipped (it still runs on
@@ -156,13 +177,20 @@ class ReplicaGroup:
         the same earlier ones, so all groups decide alike. Without torchft's quorum number: never."""
         quorum_id = getattr(self.manager, "_quorum_id", None)
         last, self._last_quorum = self._last_quorum, (quorum_id, step)
-        return quorum_id is not None and last is not None and last[0] == quorum_id and step - last[1] in (0, 1)
+        return (
+            quorum_id is not None
+            and last is not None
+            and last[0] == quorum_id
+            and 0 <= step - last[1] <= self.options.quorum_every
+        )
 
     def _checks_parameters(self, step: int) -> bool:
         every = self.options.check_parameters_every
         return self.parameter_digest is not None and step > 0 and step % every == 0
 
     def _quorum(self) -> None:
+        self.quorums_asked += 1
+        self._discarded_since_quorum = False
         try:
             self.manager.start_quorum()
         except ReplicaGroupRefused:
@@ -183,11 +211,14 @@ class ReplicaGroup:
         try:
             dist.all_reduce(torch.zeros(1, device=self.device))
         except RuntimeError as error:  # DistBackendError included
-            raise ReplicaGroupRankLost(
-                f"fault tolerance: a rank of replica group {self.options.replica_group} was lost ({error}); this "
-                "group ends (its shards are incomplete) while the other groups train on. Relaunch the whole group's "
-                "job: it heals from a live group."
-            ) from error
+            raise self._rank_lost(error) from error
+
+    def _rank_lost(self, error: Exception) -> ReplicaGroupRankLost:
+        return ReplicaGroupRankLost(
+            f"fault tolerance: a rank of replica group {self.options.replica_group} was lost ({error}); this "
+            "group ends (its shards are incomplete) while the other groups train on. Relaunch the whole group's "
+            "job: it heals from a live group."
+        )
 
     def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
         """Refuse a peer started differently before touching any state; else load its state."""
@@ -285,17 +316,47 @@ class ReplicaGroup:
             self._outage_started = None
 
     def commit(self) -> bool:
-        """Whether every rank of every group in the quorum finished the step (then the optimizer may step)."""
-        committed = self.manager.should_commit()
+        """Whether every rank of every group in the quorum finished the step (then the optimizer may step).
+
+        After a quorum this is torchft's ``should_commit`` (its manager server gathers the group's verdicts; it
+        also closes a heal's checkpoint window). On a step that kept the last quorum it is one all-reduce of a
+        flag in this group's own world -- what ``should_commit`` decides, without its round trip to the manager
+        server (several ms a step) -- and torchft's step count is advanced through its public state."""
+        committed = self.manager.should_commit() if self._quorum_this_step else self._commit_within_group()
         self.last_step_discarded = not committed
         if not committed:
             self.discarded_steps += 1
+            self._discarded_since_quorum = True
             log.warning(
                 "fault tolerance: step %d discarded (a replica group failed during it; %d discarded so far)",
                 self.manager.current_step(),
                 self.discarded_steps,
             )
         return committed
+
+    def _commit_within_group(self) -> bool:
+        """torchft's commit rule -- no error recorded on any rank of this group (its process group's included)
+        and enough groups live -- decided by one MIN all-reduce in this group's world; a committed step advances
+        torchft's step and committed-batch counts as ``should_commit`` does. A rank lost since the step began
+        fails the all-reduce: this group ends, saying so."""
+        manager = self.manager
+        error = self.pg.errored()
+        if error is not None:
+            manager.report_error(error)
+        ok = manager.errored() is None and manager.num_participants() >= self.options.min_replica_groups
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except RuntimeError as error:  # DistBackendError included
+            raise self._rank_lost(error) from error
+        if flag.item() <= 0:
+            return False
+        state = manager.state_dict()
+        manager.load_state_dict(
+            {**state, "step": state["step"] + 1,
+             "batches_committed": state["batches_committed"] + manager.num_participants()}
+        )
+        return True
 
     def participation(self) -> tuple[int, Optional[int], int]:
         """After the quorum: (the committed step the groups are at, this group's index among the step's
