@@ -117,6 +117,11 @@ SMOKE = Preset(no_failure_steps=6, steps=100, kill_at_step=8, checkpoint_every=5
 #: The groups ask for a quorum every this many committed steps: with 0.15-0.25 s steps torchft's per-step quorum
 #: round trip is several percent of the step; a restarted group then waits at most 9 steps (~2 s) to join.
 QUORUM_EVERY = 10
+#: The Lighthouse's join timeout: longer than the stretch between two quorums (``--quorum-every`` steps of 0.15-0.25
+#: s), else a restarted group that waits for the survivors' next quorum gets one with whichever survivor asks
+#: first, the others left out (docs/fault-tolerance.md). A lost group is dropped after the heartbeat timeout (2 s)
+#: whatever this is.
+LIGHTHOUSE_JOIN_TIMEOUT_MS = 5000
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
@@ -251,12 +256,13 @@ def launch_all(bench: Bench, job: Job) -> dict[int, list[subprocess.Popen[bytes]
 
 
 def start_lighthouse(bench: Bench, min_replicas: int, port: int) -> tuple[str, subprocess.Popen[bytes]]:
-    """A Lighthouse on the switch (its own host): join timeout 1 s, heartbeat timeout 2 s, as the demo's."""
+    """A Lighthouse on the switch (its own host): join timeout :data:`LIGHTHOUSE_JOIN_TIMEOUT_MS`, heartbeat
+    timeout 2 s, as the demo's."""
     binary = lighthouse_binary()
     assert binary is not None
     bind = f"{bench.lighthouse_host}:{port}"
-    argv = [binary, "--min_replicas", str(min_replicas), "--bind", bind, "--join_timeout_ms", "1000",
-            "--heartbeat_timeout_ms", "2000"]
+    argv = [binary, "--min_replicas", str(min_replicas), "--bind", bind, "--join_timeout_ms",
+            str(LIGHTHOUSE_JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", "2000"]
     log = (bench.work / f"lighthouse-{port}.log").open("wb")
     proc = bench.cluster.spawn_in(bench.cluster.switch_namespace, argv, stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)
@@ -748,7 +754,8 @@ def rejoin_results(run: RunLog) -> dict[str, Any]:
             equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)
     return {"seconds": mine[0]["t"] - restart if mine else None, "bit_identical": equal and compared > 0,
             "first_step": mine[0]["step"] if mine else None, "digests_compared": compared,
-            "survivor_stall_steps": survivor_stall_steps(run, restart, mine[0]["t"] if mine else None)}
+            "survivor_stall_steps": survivor_stall_steps(run, restart, mine[0]["t"] if mine else None),
+            "heal_step_stall_steps": heal_step_stall_steps(run, mine[0]["step"] if mine else None)}
 
 
 def survivor_stall_steps(run: RunLog, restart: float, healed_at: float | None) -> float | None:
@@ -762,6 +769,21 @@ def survivor_stall_steps(run: RunLog, restart: float, healed_at: float | None) -
     step = median_interval(outage) if len(outage) > 2 else median_interval(times)
     gaps = [b - a for a, b in itertools.pairwise(times) if b >= restart and a <= healed_at]
     return max(gaps) / step - 1 if gaps and step > 0 else None
+
+
+def heal_step_stall_steps(run: RunLog, first_step: int | None) -> float | None:
+    """The heal's own cost to the survivors: node 0's gap before its commit of the step the restarted group first
+    committed with it (the step whose quorum healed it), in node 0's median step time, minus one.
+    :func:`survivor_stall_steps` takes the longest gap anywhere from the restart, which also catches steps
+    slow for other reasons while the group starts (a checkpoint save, a quorum)."""
+    if first_step is None:
+        return None
+    rows = commits(read_rows(run), 0)
+    times = [row["t"] for row in rows]
+    for before, row in itertools.pairwise(rows):
+        if row["step"] == first_step:
+            return (row["t"] - before["t"]) / median_interval(times) - 1
+    return None
 
 
 def seconds_to_final_step(run: RunLog, steps: int) -> float:

@@ -73,6 +73,7 @@ class Job:
     record_samples: bool = False  #: ft: log every micro-step's sample indices, loss and commit (module docstring)
     accumulate: int = 1  #: Trainer(accumulate_grad_batches=...)
     quorum_every: int = 1  #: ft: FaultTolerance(quorum_every=...)
+    check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,8 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
         return MiCSStrategy(partition_size=job.ranks_per_node, ranks_per_node=job.ranks_per_node,
                             process_group_backend="gloo")
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
-                        timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every)
+                        timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every,
+                        check_parameters_every=job.check_parameters_every)
     return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo")
 
 

@@ -98,6 +98,22 @@ def fault_tolerance_trajectory_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fault_tolerance_quorum_every_table(results: dict[str, Any]) -> str:
+    """docs/fault-tolerance.md's table of a run with ``--quorum-every`` (the trajectory table, then what a quorum
+    at every step costs against it)."""
+    n, settings = results["no_failure"], results["settings"]
+    runs = n["runs_step_seconds"]
+    lines = fault_tolerance_trajectory_table(results).rstrip("\n").split("\n") + [
+        f"| no failure: step times of the interleaved runs, plain / fault-tolerant (s) | "
+        f"{' '.join(f'{t:.3f}' for t in runs['plain'])} / {' '.join(f'{t:.3f}' for t in runs['ft'])} |",
+        f"| no failure: overhead with a quorum every step instead of every {settings['quorum_every']} "
+        f"(`no_failure.overhead_quorum_every_step`) | {n['overhead_quorum_every_step']:.3f} |",
+        f"| rejoin: survivors' gap before the step the restarted group joined, in step times, minus one "
+        f"(`rejoin.heal_step_stall_steps`) | {results['rejoin']['heal_step_stall_steps']:.2f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
@@ -105,6 +121,10 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fault-tolerance-trajectory": (
         "benchmarks/results/fault_tolerance_trajectory_interleaved/fault_tolerance.json",
         fault_tolerance_trajectory_table,
+    ),
+    "fault-tolerance-quorum-every": (
+        "benchmarks/results/fault_tolerance_quorum_every/fault_tolerance.json",
+        fault_tolerance_quorum_every_table,
     ),
 }
 

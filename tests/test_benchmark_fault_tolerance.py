@@ -96,7 +96,9 @@ def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: P
     assert healed == {"seconds": pytest.approx(8.5 - RESTART), "bit_identical": True, "first_step": 7,
                       "digests_compared": 2 * 2 * 2,  # 2 ranks x 2 peers x steps 7, 8
                       # node 0's longest gap spanning the heal (7.0 -> 8.5) in its median step time (1 s), minus one
-                      "survivor_stall_steps": pytest.approx(0.5)}
+                      "survivor_stall_steps": pytest.approx(0.5),
+                      # node 0's gap before its commit of step 7 (7.0 -> 8.5) in its median step time (1 s), minus one
+                      "heal_step_stall_steps": pytest.approx(0.5)}
     (tmp_path / "other").mkdir()
     assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"))["bit_identical"] is False
 

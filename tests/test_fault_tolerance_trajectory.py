@@ -228,6 +228,9 @@ def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in
         _run_group,
         lambda address, out, role: (address, role == "doomed", out, quorum_every),
         "group0_rank{rank}.alone",
+        # the restarted group waits up to 3 of the survivor's slowed-down steps for its next quorum: the Lighthouse
+        # must not give it a quorum of its own meanwhile (docs/fault-tolerance.md, quorum_every)
+        join_timeout_ms=1000 * 2 * quorum_every,
     )
     # step d reads slice d of the seeded permutation (Lightning's DistributedSampler seed, epoch 0)
     reference = fp64_sgd_reference(RUN, _epoch_permutation(RUN.num_samples, 0))
