@@ -212,6 +212,9 @@ def test_a_heal_refused_for_another_configuration_is_that_error_not_a_lighthouse
     """The heal runs inside torchft's quorum call: its refusal must come out as itself."""
 
     class RefusingManager:
+        def current_step(self) -> int:
+            return 0
+
         def start_quorum(self) -> None:
             raise ReplicaGroupRefused("fault tolerance: replica group 1 cannot heal from the live groups")
 
@@ -219,5 +222,6 @@ def test_a_heal_refused_for_another_configuration_is_that_error_not_a_lighthouse
     group.manager, group.options = RefusingManager(), FaultTolerance("http://h:1", 1, 2)
     group._watchdog = type("Idle", (), {"kick": lambda self: None})()
     group._check_ranks_present = lambda: None  # no world either: the quorum's error path only
+    group.quorums_asked, group._last_quorum, group._discarded_since_quorum = 0, None, False  # a first step
     with pytest.raises(ReplicaGroupRefused, match="cannot heal from the live groups"):
         group.start_step()
