@@ -242,3 +242,55 @@ def test_a_checkpoint_taken_mid_round_resumes_exactly_with_fault_tolerance() -> 
             assert torch.equal(value, resumed["params"][name]), name
         for name, value in uninterrupted["momentum"].items():
             assert torch.equal(value, resumed["momentum"][name]), name
+
+
+class _Averaged:
+    """A finished average (a single group: its own message)."""
+
+    def wait(self) -> None:
+        pass
+
+
+class _RoundTransport:
+    """The round's transport as ``OuterSync`` uses it: averages that are the message itself, and a commit
+    verdict set by the test (torchft's, for a group that did or did not lose a peer during the average)."""
+
+    active = True
+
+    def __init__(self, commits: bool) -> None:
+        self.commits = commits
+
+    def start_average(self, flat: torch.Tensor) -> _Averaged:
+        return _Averaged()
+
+    def commit(self) -> bool:
+        return self.commits
+
+
+@pytest.mark.parametrize("commits, contributors", [(False, 1.0), (True, 0.0), (True, 1.0)])
+def test_a_round_that_does_not_commit_is_dropped_back_to_the_last_synchronised_parameters(
+    commits: bool, contributors: float
+) -> None:
+    """A round whose average failed (no commit) or counted no contributing group is dropped: the parameters go
+    back to the last-synchronised copy, which, like the outer optimizer's state, is left as it was; a committed
+    round steps the outer optimizer on the pseudo-gradient."""
+    from lightning_mics.semi_sync import OuterSync
+
+    param = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    counter = _RoundTransport(commits)
+    sync = OuterSync(["w"], [param], _RoundTransport(commits), every=2, factory=None, round=lambda: True,
+                     counter=counter)
+    counter.start_average = lambda count: (count.fill_(contributors), _Averaged())[1]  # the groups' mean count
+    anchor_before = sync.anchors[0].detach().clone()
+    with torch.no_grad():
+        param.sub_(torch.tensor([0.5, -0.5, 1.0]))  # the inner steps of the round
+    sync.start_fragment(0)
+    sync.finish_fragment()
+    dropped = not commits or contributors == 0
+    assert sync.dropped_rounds == int(dropped)
+    if dropped:
+        assert torch.equal(param.detach(), anchor_before) and torch.equal(sync.anchors[0], anchor_before)
+        assert not sync.outer.state  # the outer optimizer never stepped: no momentum
+    else:
+        assert not torch.equal(sync.anchors[0], anchor_before) and sync.outer.state
+        assert torch.equal(param.detach(), sync.anchors[0].detach())  # alpha 0: the parameters are the global ones
