@@ -159,6 +159,7 @@ class MiCSEngine:
                 cross_replica_overlap=o.cross_replica_overlap,
                 cpu_offload=o.cpu_offload,
                 sync_every=sync_every,
+                streaming=(o.num_fragments, o.fragment_sync_delay) if sync_every is not None else (1, 0),
             )
         settings = resolve_layout(
             world_size=world_size,

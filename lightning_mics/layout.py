@@ -410,13 +410,15 @@ def layout_planner(
     cpu_offload: CPUOffloadOption = False,
     cross_replica_overlap: bool = True,
     sync_every: Optional[int] = None,
+    streaming: tuple[int, int] = (1, 0),
 ) -> LayoutPlanner:
     """The planner (:func:`lightning_mics.planner.plan_layout_for`) for ``module`` on this device, as
     :func:`resolve_layout` calls it for ``"auto"`` settings; its choice and the reason go to ``log``.
     ``planner_cluster``: what the planner assumes about the cluster (:mod:`lightning_mics.planner.live`;
     ``"calibrate"`` measures it here, collectively). ``cpu_offload``: only what stays on the device counts
     against its memory; the PCIe copies and the host optimizer step count in time. ``sync_every``: DiLoCo's H
-    (the cross-replica average priced once every H steps, and optimizer states kept inside the partition)."""
+    (the cross-replica average priced once every H steps, and optimizer states kept inside the partition);
+    ``streaming``: streaming DiLoCo's ``(num_fragments, fragment_sync_delay)``."""
     offloading = offload_policy(cpu_offload) is not None
 
     def plan(ranks_per_node: int, partition_size: Optional[int], grad_accumulation: str, uniform_only: bool) -> Any:
@@ -438,6 +440,7 @@ def layout_planner(
             cpu_offload=offloading,
             cross_replica_overlap=hop2_can_overlap(cross_replica_overlap, offloading),  # as resolve_layout decides
             sync_every=sync_every,
+            streaming=streaming,
         )
         if log is not None:
             chosen = choice.estimate

@@ -125,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
         "H optimizer steps instead of a hop 2 at every step. Without it, the plan says when only semi-sync keeps the "
         "GPUs busy",
     )
+    search.add_argument(
+        "--num-fragments",
+        type=int,
+        default=1,
+        metavar="P",
+        help="streaming DiLoCo (with --sync-every): the parameters synchronised in P fragments, one every H / P steps",
+    )
+    search.add_argument(
+        "--fragment-sync-delay",
+        type=int,
+        default=0,
+        metavar="TAU",
+        help="streaming DiLoCo: inner steps each fragment's average runs behind (priced as hidden behind them)",
+    )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
@@ -215,6 +229,8 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             precision=args.precision,
             activation_checkpointing=args.activation_checkpointing,
             sync_every=args.sync_every,
+            num_fragments=args.num_fragments,
+            fragment_sync_delay=args.fragment_sync_delay,
         )
         result = plan(
             cluster,

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional, Union, get_args
+from typing import Any, Literal, Optional, Union, get_args
 
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 
@@ -355,3 +355,20 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
     if layout.cross_replica_per_unit:
         return schedule
     return schedule + _compressed_cross_replica(units, layout)
+
+
+def check_streaming_options(every: int, fragments: Any, delay: Any, alpha: Any) -> None:
+    """One clear error per streaming-DiLoCo setting that does not fit ``sync_every``."""
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
+        raise ValueError(
+            f"num_fragments={fragments!r} must be a positive int dividing sync_every={every}: one fragment is "
+            "synchronised every sync_every / num_fragments steps."
+        )
+    cadence = every // fragments
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < cadence:
+        raise ValueError(
+            f"fragment_sync_delay={delay!r} must be an int in [0, sync_every / num_fragments = {cadence}): a "
+            "fragment's average must land before the next one starts."
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"fragment_update_alpha={alpha!r} must be a number in [0, 1].")

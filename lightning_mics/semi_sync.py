@@ -54,6 +54,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mics.schedule import check_streaming_options
+
 if TYPE_CHECKING:
     from lightning_mics.fault_tolerance.group import ReplicaGroup
     from lightning_mics.layout import MiCSLayout
@@ -145,23 +147,6 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
 
 #: Streaming DiLoCo's options and the values that mean "plain DiLoCo" (the whole model synchronised at once).
 STREAMING_DEFAULTS: dict[str, Any] = {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
-
-
-def check_streaming_options(every: int, fragments: Any, delay: Any, alpha: Any) -> None:
-    """One clear error per streaming-DiLoCo setting that does not fit ``sync_every``."""
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
-        raise ValueError(
-            f"num_fragments={fragments!r} must be a positive int dividing sync_every={every}: one fragment is "
-            "synchronised every sync_every / num_fragments steps."
-        )
-    cadence = every // fragments
-    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < cadence:
-        raise ValueError(
-            f"fragment_sync_delay={delay!r} must be an int in [0, sync_every / num_fragments = {cadence}): a "
-            "fragment's average must land before the next one starts."
-        )
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"fragment_update_alpha={alpha!r} must be a number in [0, 1].")
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:

@@ -198,3 +198,66 @@ def test_the_strategys_planner_gets_diloco_from_the_options() -> None:
     choice = plan_layout_for(module, world_size=8, ranks_per_node=4, device=torch.device("cpu"), sync_every=16)
     assert choice.estimate.sync_every == 16
     assert choice.estimate.layout.optim == choice.estimate.layout.grads
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# streaming DiLoCo: the same bytes in P fragments, each average started tau inner steps before its turn
+
+
+def test_training_spec_refuses_streaming_settings_that_do_not_fit_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="need sync_every"):
+        TrainingSpec(num_fragments=2)
+    with pytest.raises(ValueError, match="num_fragments=3 must be a positive int dividing sync_every=8"):
+        TrainingSpec(sync_every=8, num_fragments=3)
+    with pytest.raises(ValueError, match=r"fragment_sync_delay=4 must be an int in \[0, sync_every / num_fragments"):
+        TrainingSpec(sync_every=8, num_fragments=2, fragment_sync_delay=4)
+
+
+def test_streaming_hides_what_of_each_fragments_average_fits_behind_its_delay() -> None:
+    mics = ShardingSpec(params=8, grads=8, optim=8)
+    slow = replace(CLUSTER, inter_node_bandwidth=1 * GBPS)  # an average that takes many inner steps
+    diloco = estimate(mics, slow, MODEL, replace(FP32, sync_every=64))
+    outer_per_step = diloco.comm_s["post_step"]
+    inner_step = diloco.step_time_s - outer_per_step  # the step without its share of the outer average
+    # the synchronisation is long: a quarter of it takes longer than one inner step can hide
+    assert outer_per_step * 64 / 4 > slow.overlap * inner_step
+    # fragments without a delay send the same bytes, fully exposed: DiLoCo's price
+    fragments = estimate(mics, slow, MODEL, replace(FP32, sync_every=64, num_fragments=4))
+    assert fragments.step_time_s == pytest.approx(diloco.step_time_s, rel=1e-12)
+    assert fragments.inter_node_bytes == pytest.approx(diloco.inter_node_bytes, rel=1e-12)
+    for delay in (1, 4, 15):
+        training = replace(FP32, sync_every=64, num_fragments=4, fragment_sync_delay=delay)
+        streaming = estimate(mics, slow, MODEL, training)
+        fragment_s = outer_per_step * 64 / 4
+        hidden = min(fragment_s, slow.overlap * delay * inner_step) * 4 / 64
+        assert streaming.step_time_s == pytest.approx(diloco.step_time_s - hidden, rel=1e-9), delay
+        assert streaming.inter_node_bytes == pytest.approx(diloco.inter_node_bytes, rel=1e-12)
+        assert streaming.step_time_s >= inner_step - 1e-12  # never faster than no synchronisation at all
+    # a fast link: each fragment's average fits behind one inner step, and the step is the inner step
+    fast = estimate(mics, CLUSTER, MODEL, replace(FP32, sync_every=64, num_fragments=4, fragment_sync_delay=15))
+    fast_diloco = estimate(mics, CLUSTER, MODEL, replace(FP32, sync_every=64))
+    assert fast.step_time_s == pytest.approx(fast_diloco.step_time_s - fast_diloco.comm_s["post_step"], rel=1e-9)
+
+
+def test_plan_cli_and_the_strategys_planner_take_the_streaming_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--cluster", "p4d", "--nodes", "4", "--model", "gpt-1.3b", "--micro-batch", "2", "--accumulation", "4",
+              "--uniform-only", "--top", "3", "--inter-bandwidth", "1Gbps", "--sync-every", "64"]
+    assert plan_main([*common, "--json"]) == 0
+    diloco = json.loads(capsys.readouterr().out)["winner"]
+    assert plan_main([*common, "--num-fragments", "4", "--fragment-sync-delay", "8", "--json"]) == 0
+    streaming = json.loads(capsys.readouterr().out)
+    assert (streaming["training"]["num_fragments"], streaming["training"]["fragment_sync_delay"]) == (4, 8)
+    assert streaming["winner"]["step_time_s"] < diloco["step_time_s"]
+    assert plan_main([*common, "--num-fragments", "4", "--fragment-sync-delay", "8"]) == 0
+    assert "in 4 fragment(s) each started 8 inner step(s) before its turn" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        plan_main([*common, "--num-fragments", "5"])
+    assert "num_fragments=5 must be a positive int dividing sync_every=64" in capsys.readouterr().err
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    plain, streamed = (
+        plan_layout_for(module, world_size=8, ranks_per_node=4, device=torch.device("cpu"), sync_every=16,
+                        streaming=streaming_settings).estimate
+        for streaming_settings in ((1, 0), (4, 3))
+    )
+    assert streamed.step_time_s <= plain.step_time_s

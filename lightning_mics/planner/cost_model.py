@@ -94,7 +94,9 @@ synchronously (it adds to a host gradient), which is counted in full. The optimi
 replicas; after every ``H``-th step one all-reduce of the ``Psi / G`` parameter-delta shard (``b_param``, or the
 compressed wire) across the replicas, after the optimizer step and so fully exposed, priced at ``1 / H`` of
 its time and bytes per step; memory adds the last-synchronised shard and the outer momentum,
-``2 Psi / G * b_param``. Only ``OS = G`` layouts apply.
+``2 Psi / G * b_param``. Only ``OS = G`` layouts apply. Streaming DiLoCo (``TrainingSpec.num_fragments`` P,
+``fragment_sync_delay`` tau) sends the same bytes as P fragments, each started tau inner steps before its turn:
+of each fragment's ``T / P`` up to ``overlap x tau`` inner steps hide (:func:`_hidden_outer_sync_s`).
 
 The ranking (:func:`plan`) puts fitting layouts first, then by predicted optimizer-step time.
 """
@@ -492,6 +494,7 @@ def estimate(
     exposed = _exposed_comm_s(comm, first_forward, compute_micro, model.num_units, cluster, a, hop2)
     exposed += copies.blocking_s
     optimizer_step = _optimizer_step_s(layout, model, training, cluster)
+    exposed -= _hidden_outer_sync_s(schedule, cluster, training, a * compute_micro + exposed + optimizer_step)
     return LayoutEstimate(
         layout=layout,
         hierarchical=use_hierarchical and spans,
@@ -554,6 +557,25 @@ def _costs_by_phase(
         else:
             comm[collective.phase] = comm[collective.phase] + cost
     return comm, first_forward
+
+
+def _hidden_outer_sync_s(
+    schedule: list[Collective], cluster: ClusterSpec, training: TrainingSpec, step_s: float
+) -> float:
+    """Streaming DiLoCo (``num_fragments`` P, ``fragment_sync_delay`` tau): seconds per step of the outer
+    synchronisation that hide behind inner steps. The post-step terms price it fully exposed, ``T / H`` a step;
+    each fragment's average (``T / P``, the same bytes cut P ways) starts tau inner steps before its turn and runs
+    while they compute, so up to ``overlap x tau x`` the inner step (``step_s`` less this synchronisation's share)
+    of it hides -- P times per H steps. tau = 0 hides nothing (DiLoCo, or fragments without a delay)."""
+    delay = training.fragment_sync_delay
+    if training.sync_every is None or delay == 0:
+        return 0.0
+    per_step = sum(c.cost(cluster, hierarchical=False).time_s for c in schedule
+                   if c.phase == "post_step" and c.every_steps > 1)
+    fragments, every = training.num_fragments, training.sync_every
+    fragment_s = per_step * every / fragments
+    hidden = min(fragment_s, cluster.overlap * delay * (step_s - per_step))
+    return hidden * fragments / every
 
 
 def _overlapped_hop2_s(schedule: list[Collective], cluster: ClusterSpec, training: TrainingSpec) -> float:

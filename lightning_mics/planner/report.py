@@ -111,8 +111,10 @@ class Plan:
         if best.sync_every is not None:
             lines.append(
                 f"  semi-synchronous (DiLoCo, sync_every={best.sync_every}): the replicas average their parameter "
-                f"deltas once every {best.sync_every} steps, priced here at 1/{best.sync_every} per step; GPUs "
-                f"computing {100 * best.busy_fraction:.0f}% of the step. Not synchronous training (docs/semi-sync.md)."
+                f"deltas once every {best.sync_every} steps, priced here at 1/{best.sync_every} per step"
+                + self._streaming_text()
+                + f"; GPUs computing {100 * best.busy_fraction:.0f}% of the step. Not synchronous training "
+                "(docs/semi-sync.md)."
             )
         if self.semi_sync_advice is not None:
             lines.append(self.semi_sync_advice.explain())
@@ -165,6 +167,15 @@ class Plan:
             "semi_sync_advice": self.semi_sync_advice.to_dict() if self.semi_sync_advice is not None else None,
             "ranked": [c.to_dict() for c in (self.ranked[:top] if top else self.ranked)],
         }
+
+    def _streaming_text(self) -> str:
+        fragments, delay = self.training.num_fragments, self.training.fragment_sync_delay
+        if fragments == 1 and delay == 0:
+            return ""
+        return (
+            f", in {fragments} fragment(s) each started {delay} inner step(s) before its turn (streaming DiLoCo: "
+            "what of each fragment's average fits behind those steps is priced as hidden)"
+        )
 
     def to_json(self, top: Optional[int] = None) -> str:
         return json.dumps(self.to_dict(top), indent=2)

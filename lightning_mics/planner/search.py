@@ -341,6 +341,7 @@ def plan_layout_for(
     cpu_offload: bool = False,
     cross_replica_overlap: bool = True,
     sync_every: Optional[int] = None,
+    streaming: tuple[int, int] = (1, 0),
 ) -> LayoutChoice:
     """:func:`choose_layout` for a live module on this device: what ``MiCSStrategy(partition_size=
     "auto")``, ``sharding="auto"`` (``uniform_only=False``) and ``grad_accumulation="auto"`` call
@@ -348,7 +349,8 @@ def plan_layout_for(
     ``planner_cluster``, :mod:`lightning_mics.planner.live`); ``None``: :meth:`ClusterSpec.generic`.
     ``cpu_offload``: the strategy's ``cpu_offload`` (the states count against host memory, not the device).
     ``cross_replica_overlap``: the strategy's (hop 2 hidden behind the boundary backward). ``sync_every``: the
-    strategy's DiLoCo H (``cross_replica_sync="diloco"``), ``None`` when synchronous.
+    strategy's DiLoCo H (``cross_replica_sync="diloco"``), ``None`` when synchronous; ``streaming``: its
+    ``(num_fragments, fragment_sync_delay)``.
 
     Raises:
         ValueError: when the module has no parameters yet (built later, in ``configure_model``).
@@ -373,6 +375,8 @@ def plan_layout_for(
             cpu_offload=cpu_offload,
             cross_replica_overlap=cross_replica_overlap,
             sync_every=sync_every,
+            num_fragments=streaming[0],
+            fragment_sync_delay=streaming[1],
         ),
         partition_size=partition_size,
         grad_accumulation=grad_accumulation,

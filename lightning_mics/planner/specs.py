@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
+from lightning_mics.schedule import check_streaming_options
+
 GIB = 1024**3
 GB = 1e9
 
@@ -267,6 +269,11 @@ class TrainingSpec:
     #: semi-synchronous replica groups (``MiCSStrategy(cross_replica_sync="diloco", sync_every=H)``): H, the
     #: optimizer steps between two averages across replicas; ``None``: a hop 2 at every step (synchronous)
     sync_every: Optional[int] = None
+    #: streaming DiLoCo (``num_fragments``): the parameters synchronised in this many fragments, one every
+    #: ``sync_every / num_fragments`` steps
+    num_fragments: int = 1
+    #: streaming DiLoCo (``fragment_sync_delay``): inner steps each fragment's average runs behind
+    fragment_sync_delay: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation"):
@@ -276,6 +283,10 @@ class TrainingSpec:
         every = self.sync_every
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"TrainingSpec.sync_every (DiLoCo's H) must be a positive int or None, got {every!r}.")
+        if every is None and (self.num_fragments, self.fragment_sync_delay) != (1, 0):
+            raise ValueError("TrainingSpec: num_fragments and fragment_sync_delay (streaming DiLoCo) need sync_every.")
+        if every is not None:
+            check_streaming_options(every, self.num_fragments, self.fragment_sync_delay, 0.0)
         if every is not None and self.cpu_offload:
             raise ValueError("TrainingSpec: sync_every (DiLoCo) with cpu_offload is not built; drop one of the two.")
         if not isinstance(self.cpu_offload, bool):
