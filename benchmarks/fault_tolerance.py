@@ -1020,6 +1020,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("no failure: max abs diff to plain `mics`", f"{n['max_abs_diff']:.3g}"),
         ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
          f"{n['plain_step_seconds']:.3f} s)")),
+        ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
         ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
         ("node lost: steps discarded", str(f["steps_discarded"])),
         ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
@@ -1028,6 +1029,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
         ("rejoin: survivors' longest stall while it healed, in steps (`rejoin.survivor_stall_steps`)",
          _num(r.get("survivor_stall_steps"))),
+        ("rejoin: survivors' gap before the step it joined, in steps (`rejoin.heal_step_stall_steps`)",
+         _num(r.get("heal_step_stall_steps"))),
         ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
         ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
     ]
