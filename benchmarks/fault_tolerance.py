@@ -150,6 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quorum-every", type=int, default=QUORUM_EVERY,
                         help=f"FaultTolerance(quorum_every=...) of every fault-tolerant run (default {QUORUM_EVERY}); "
                         "the no-failure comparison also runs 1, torchft's quorum at every step")
+    parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
+                        help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
+                        "group fetches the shards in the background and replays the steps it missed)")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
@@ -215,6 +218,7 @@ class Bench:
         log_dir.mkdir(parents=True, exist_ok=True)
         nodes = NODES if mode == "plain" else 1
         fields.setdefault("quorum_every", self.args.quorum_every)
+        fields.setdefault("heal", self.args.heal)
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
                    timeout=self.args.ft_timeout, **fields)
@@ -739,29 +743,37 @@ def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
 
 
 def rejoin_results(run: RunLog) -> dict[str, Any]:
-    """Run (3)'s numbers: the restarted node's first commit, and its digests vs the survivors' (per rank,
-    at every step both committed after the heal)."""
+    """Run (3)'s numbers: the restarted node's first commit, its first commit with its shards current (a catch-up
+    heal downloads them meanwhile; the blocking one has them at once), and its digests vs the survivors' (per
+    rank, at every step both committed after the heal, from its shards being current)."""
     restart = run.events["restart"]
     mine = [r for r in commits(read_rows(run), VICTIM) if r["t"] > restart]
+    current = [r for r in mine if r.get("current", True)]
     compared, equal = 0, True
     for rank in range(RANKS_PER_NODE):
         rows = read_rows(run, rank)
-        healed = {r["step"]: r["digest"] for r in rows if r["node"] == VICTIM and r["t"] > restart}
+        healed = {r["step"]: r["digest"] for r in rows
+                  if r["node"] == VICTIM and r["t"] > restart and r.get("current", True)}
         for node in (n for n in range(NODES) if n != VICTIM):
             peer = {r["step"]: r["digest"] for r in rows if r["node"] == node}
             common = sorted(set(healed) & set(peer))
             compared += len(common)
             equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)
+    contributing = [r for r in mine if r.get("contributes", True)]
     return {"seconds": mine[0]["t"] - restart if mine else None, "bit_identical": equal and compared > 0,
             "first_step": mine[0]["step"] if mine else None, "digests_compared": compared,
-            "survivor_stall_steps": survivor_stall_steps(run, restart, mine[0]["t"] if mine else None),
+            "seconds_to_current": current[0]["t"] - restart if current else None,
+            "steps_catching_up": current[0]["step"] - mine[0]["step"] if current and mine else None,
+            "first_contributing_step": contributing[0]["step"] if contributing else None,
+            "survivor_stall_steps": survivor_stall_steps(run, restart, current[0]["t"] if current else None),
             "heal_step_stall_steps": heal_step_stall_steps(run, mine[0]["step"] if mine else None)}
 
 
 def survivor_stall_steps(run: RunLog, restart: float, healed_at: float | None) -> float | None:
     """How long the survivors stood still while the restarted group healed: node 0's longest gap between two
-    commits that spans any of [restart, the restarted group's first commit], in its median step time during the
-    outage, minus one (0: no step lost to the heal). ``None`` when the group never rejoined."""
+    commits that spans any of [restart, the restarted group's first commit with its shards current -- with a
+    catch-up heal, after its background download and replay], in its median step time during the outage, minus
+    one (0: no step lost to the heal). ``None`` when the group never rejoined."""
     if healed_at is None:
         return None
     times = [row["t"] for row in commits(read_rows(run), 0)]
@@ -1026,6 +1038,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
          f"{f['outage_seconds']:.1f} s")),
         ("rejoin: seconds from the restart to its first committed step", _num(r["seconds"])),
+        ("rejoin: seconds from the restart to its shards being current (`rejoin.seconds_to_current`)",
+         _num(r.get("seconds_to_current"))),
+        ("rejoin: steps it took part in while catching up (`rejoin.steps_catching_up`)",
+         "-" if r.get("steps_catching_up") is None else str(r["steps_catching_up"])),
         ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
         ("rejoin: survivors' longest stall while it healed, in steps (`rejoin.survivor_stall_steps`)",
          _num(r.get("survivor_stall_steps"))),

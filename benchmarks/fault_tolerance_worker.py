@@ -11,9 +11,10 @@ others), with Lightning's usual environment (``MASTER_ADDR``, ``MASTER_PORT``, `
 
 Each rank appends one JSON line per training batch to ``<log_dir>/node<n>.rank<r>.jsonl``: wall time, the
 committed step (torchft's step; plain: the global step), Lightning's global step, the live groups, the
-steps discarded so far, the loss and -- when asked -- a SHA-256 of this rank's shards of the model and the
-optimizer states (what "bit-identical after the heal" is checked on). A line is written and closed at once,
-so that a SIGKILL loses nothing already logged.
+steps discarded so far, whether this group's shards are current (``current``: false while a catch-up heal
+downloads them) and its gradients count (``contributes``), the loss and -- when asked -- a SHA-256 of this
+rank's shards of the model and the optimizer states (what "bit-identical after the heal" is checked on). A
+line is written and closed at once, so that a SIGKILL loses nothing already logged.
 
 With ``record_samples`` (fault tolerance, whose training data keeps its trajectory) each rank also appends one
 line per training micro-step to ``<log_dir>/samples.node<n>.rank<r>.jsonl``: the micro-batch trained on
@@ -73,6 +74,7 @@ class Job:
     record_samples: bool = False  #: ft: log every micro-step's sample indices, loss and commit (module docstring)
     accumulate: int = 1  #: Trainer(accumulate_grad_batches=...)
     quorum_every: int = 1  #: ft: FaultTolerance(quorum_every=...)
+    heal: str = "blocking"  #: ft: FaultTolerance(heal=...)
     check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
 
 
@@ -135,7 +137,8 @@ class StepLog(pl.Callback):
         if replica_group is not None:
             manager = replica_group.manager
             line |= {"step": manager.current_step(), "live": manager.num_participants(),
-                     "discarded": replica_group.discarded_steps}
+                     "discarded": replica_group.discarded_steps, "current": replica_group.catch_up is None,
+                     "contributes": replica_group.contributes}
         else:
             line |= {"step": trainer.global_step, "live": self.job.num_groups, "discarded": 0}
         if self.job.digests:
@@ -177,7 +180,7 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
         return MiCSStrategy(partition_size=job.ranks_per_node, ranks_per_node=job.ranks_per_node,
                             process_group_backend="gloo")
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
-                        timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every,
+                        timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every, heal=job.heal,
                         check_parameters_every=job.check_parameters_every)
     return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo")
 

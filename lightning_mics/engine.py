@@ -219,6 +219,13 @@ class MiCSEngine:
         """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
         ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
         never both."""
+        ft = self.options.fault_tolerance
+        if loss_scaling and ft is not None and ft.heal == "catch_up":
+            raise ValueError(
+                "FaultTolerance(heal='catch_up') replays the optimizer steps a joining group missed from their "
+                "gradients, but a loss scaler (precision='16-mixed') skips the steps whose gradients overflowed, "
+                "which a replay cannot tell: use heal='blocking', or precision='bf16-mixed' (no loss scaling)."
+            )
         layout = self.layout()
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)
@@ -275,7 +282,9 @@ class MiCSEngine:
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
             ft = ft.resolved()
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
-            configuration = GroupConfiguration.of(layout | dict(run) | {"num_replica_groups": ft.num_replica_groups})
+            configuration = GroupConfiguration.of(
+                layout | dict(run) | {"num_replica_groups": ft.num_replica_groups, "heal": ft.heal}
+            )
             semi_sync = self.semi_sync
 
             def serve() -> dict[str, Any]:  # DiLoCo: the outer state travels with the training state
@@ -315,6 +324,13 @@ class MiCSEngine:
         self.replica_group.start_step(force_quorum=True)
         self._log_from_first_live_group()
 
+    def finish_catch_up_now(self) -> None:
+        """Before an evaluation or the end of training: a group still catching up (``heal="catch_up"``) waits for
+        its snapshot and replays the steps it missed now, so that what it evaluates or hands back is the live
+        groups' model. A collective of the group."""
+        if self.replica_group is not None:
+            self.replica_group.finish_catch_up(wait=True)
+
     def data_share(self, world_size: int, rank: int, across_groups: bool = True) -> tuple[int, int]:
         """(number of data shares, this rank's): one per rank of the world -- and with ``fault_tolerance``
         and ``across_groups`` (training data), of every replica group's world, this group's shares at its
@@ -336,6 +352,7 @@ class MiCSEngine:
         if self.replica_group is not None and not self._step_open:
             if counters is not None:
                 counters.undo_if_discarded(self.replica_group)
+            self.replica_group.finish_catch_up()
             self.replica_group.start_step()
             self._log_from_first_live_group()
             if counters is not None:
@@ -434,6 +451,8 @@ class MiCSEngine:
         hook = self.step_hook(optimizer)
         if hook is not None:
             hook.after_step()
+        if self.replica_group is not None:
+            self.replica_group.keep_for_catch_up(optimizer)
 
     def clip_gradients(
         self, params: Any, optimizer: Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool

@@ -281,6 +281,14 @@ class MiCSOptions:
         check_planner_cluster(self.planner_cluster, plans=self.plans_anything)
         check_cpu_offload_option(self.cpu_offload, self.cross_replica_dtype, self.fault_tolerance, sharding)
         check_semi_sync_options(self)
+        if self.fault_tolerance is not None and self.fault_tolerance.heal == "catch_up" and (
+            self.cross_replica_sync != "every_step"
+        ):
+            raise ValueError(
+                f"FaultTolerance(heal='catch_up') replays the averaged gradients of the steps a joining group missed; "
+                f"with cross_replica_sync={self.cross_replica_sync!r} the groups average parameters once per round "
+                "instead, and a joining group heals at the round's synchronisation: use heal='blocking' there."
+            )
 
     @property
     def plans_anything(self) -> bool:

@@ -353,6 +353,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        self._engine.finish_catch_up_now()  # a group catching up evaluates (and ends with) the live groups' model
         self.sync_buffers()  # as at the start of test and predict, and at the end of fit (one model after it)
 
     on_test_start = on_predict_start = on_train_end = on_validation_start

@@ -52,17 +52,19 @@ def test_bad_link_settings_get_one_clear_error(argv: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
-def _write_run(directory: Path, healed_digest: str = "same") -> bench.RunLog:
+def _write_run(directory: Path, healed_digest: str = "same", catching_up: bool = False) -> bench.RunLog:
     """3 nodes x 2 ranks, one line per rank and step: node 2 is killed after step 4 (t=4.5); the survivors
     discard the step it hit (t=5.2), commit steps 5-6 alone, and node 2, restarted at t=7.5, heals and
-    commits steps 7-8 with them."""
+    commits steps 7-8 with them -- with ``catching_up``, its shards are stale in step 7 (other digests) and
+    current from step 8, and it contributes from step 9 (the survivors' commit of step 8 comes late)."""
     lines: dict[tuple[int, int], list[dict]] = {(n, r): [] for n in range(3) for r in range(2)}
 
-    def log(node: int, t: float, step: int, live: int, discarded: int, digest: str = "same") -> None:
+    def log(node: int, t: float, step: int, live: int, discarded: int, digest: str = "same", current: bool = True,
+            contributes: bool = True) -> None:
         for rank in range(2):
             lines[node, rank].append(
                 {"t": t, "node": node, "rank": rank, "step": step, "live": live, "discarded": discarded,
-                 "digest": f"{digest}{rank}{step}", "loss": 1.0}
+                 "digest": f"{digest}{rank}{step}", "loss": 1.0, "current": current, "contributes": contributes}
             )
 
     for step in range(1, 5):
@@ -73,9 +75,16 @@ def _write_run(directory: Path, healed_digest: str = "same") -> bench.RunLog:
         log(node, 6.0, 5, 2, 1)
         log(node, 7.0, 6, 2, 1)
         log(node, 8.5, 7, 3, 1)
-        log(node, 9.5, 8, 3, 1)
-    log(2, 8.5, 7, 3, 0, healed_digest)
-    log(2, 9.5, 8, 3, 0, healed_digest)
+        log(node, 11.5 if catching_up else 9.5, 8, 3, 1)
+        if catching_up:
+            log(node, 12.5, 9, 3, 1)
+    if catching_up:
+        log(2, 8.5, 7, 3, 0, "stale", current=False, contributes=False)
+        log(2, 11.5, 8, 3, 0, healed_digest, contributes=False)
+        log(2, 12.5, 9, 3, 0, healed_digest)
+    else:
+        log(2, 8.5, 7, 3, 0, healed_digest)
+        log(2, 9.5, 8, 3, 0, healed_digest)
     for (node, rank), rows in lines.items():
         (directory / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return bench.RunLog("ft-failure", str(directory), 0.0, events={"kill": KILL, "restart": RESTART})
@@ -95,12 +104,29 @@ def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: P
     healed = bench.rejoin_results(_write_run(tmp_path / "same"))
     assert healed == {"seconds": pytest.approx(8.5 - RESTART), "bit_identical": True, "first_step": 7,
                       "digests_compared": 2 * 2 * 2,  # 2 ranks x 2 peers x steps 7, 8
+                      "seconds_to_current": pytest.approx(8.5 - RESTART), "steps_catching_up": 0,
+                      "first_contributing_step": 7,
                       # node 0's longest gap spanning the heal (7.0 -> 8.5) in its median step time (1 s), minus one
                       "survivor_stall_steps": pytest.approx(0.5),
                       # node 0's gap before its commit of step 7 (7.0 -> 8.5) in its median step time (1 s), minus one
                       "heal_step_stall_steps": pytest.approx(0.5)}
     (tmp_path / "other").mkdir()
     assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"))["bit_identical"] is False
+
+
+def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path: Path) -> None:
+    """Its stale step is not compared (its digests differ by design), its time to current counts the download,
+    and the survivors' stall window runs until then: their late commit of step 8 is in it."""
+    (tmp_path / "catching-up").mkdir()
+    healed = bench.rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True))
+    assert healed["bit_identical"] is True and healed["digests_compared"] == 2 * 2 * 2  # steps 8, 9
+    assert healed["seconds"] == pytest.approx(8.5 - RESTART)
+    assert healed["seconds_to_current"] == pytest.approx(11.5 - RESTART) and healed["steps_catching_up"] == 1
+    assert healed["first_contributing_step"] == 9
+    assert healed["survivor_stall_steps"] == pytest.approx(2.0)  # 8.5 -> 11.5 in 1 s steps, minus one
+    (tmp_path / "drifted").mkdir()
+    drifted = bench.rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True))
+    assert drifted["bit_identical"] is False
 
 
 # ------------------------------------------------------------------------------------ trajectory

@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -169,7 +169,9 @@ RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=1
 STEPS_TOGETHER_BEFORE_THE_KILL = 2
 
 
-def _run_group(rank: int, group: int, address: str, fail: bool, marks: str, quorum_every: int) -> dict[str, Any]:
+def _run_group(
+    rank: int, group: int, address: str, fail: bool, marks: str, quorum_every: int, heal: str
+) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     class Record(pl.Callback):
@@ -180,12 +182,17 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str, quor
         def __init__(self) -> None:
             self.keys: list[tuple[int, int, tuple[int, ...], int]] = []
             self.was_together = False
+            #: the first step this group's gradients counted in after joining two groups (catch-up heal)
+            self.contributed_from: Optional[int] = None
 
         def on_before_backward(self, trainer, module, loss) -> None:
             key = trainer.strategy.engine._training_data.cursor.current
             manager = trainer.strategy.engine.replica_group.manager
             self.keys.append((key.step, key.micro, key.shares, manager.num_participants()))
             self.was_together |= manager.num_participants() == 2
+            group_ = trainer.strategy.engine.replica_group
+            if manager.num_participants() == 2 and group_.contributes and self.contributed_from is None:
+                self.contributed_from = key.step
             together = {step for step, _, _, live in self.keys if live == 2}
             last_micro = key.micro == RUN.accumulate - 1
             if fail and rank == 1 and len(together) > STEPS_TOGETHER_BEFORE_THE_KILL and last_micro:
@@ -200,7 +207,7 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str, quor
                 time.sleep(0.5)  # the first group up waits for the other, or it may reach the end before the kill
 
     ft = FaultTolerance(
-        address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, quorum_every=quorum_every
+        address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, quorum_every=quorum_every, heal=heal
     )
     record = Record()
     module = Fp64Module(RUN)
@@ -215,18 +222,24 @@ def _run_group(rank: int, group: int, address: str, fail: bool, marks: str, quor
         "discarded": trainer.strategy.engine.replica_group.discarded_steps,
         "global_step": trainer.global_step,
         "quorums_asked": trainer.strategy.engine.replica_group.quorums_asked,
+        "replayed": trainer.strategy.engine.replica_group.replayed_steps,
+        "contributed_from": record.contributed_from,
     }
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("quorum_every", [1, 3])
-def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64(quorum_every: int) -> None:
+@pytest.mark.parametrize("quorum_every, heal", [(1, "blocking"), (3, "blocking"), (3, "catch_up")])
+def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in_fp64(
+    quorum_every: int, heal: str
+) -> None:
     """With ``quorum_every=3`` the groups ask for a quorum at every third committed step only (and after the
-    discarded one): the loss is still noticed at once, and the restarted group joins at such a step."""
+    discarded one): the loss is still noticed at once, and the restarted group joins at such a step. With
+    ``heal="catch_up"`` it joins without its shards, fetches them in the background while the survivor reads
+    every share, then replays the steps it missed -- and ends exactly where the blocking heal does."""
     alone, healed = lose_and_restart_group_1(
         _run_group,
-        lambda address, out, role: (address, role == "doomed", out, quorum_every),
+        lambda address, out, role: (address, role == "doomed", out, quorum_every, heal),
         "group0_rank{rank}.alone",
         # the restarted group waits up to 3 of the survivor's slowed-down steps for its next quorum: the Lighthouse
         # must not give it a quorum of its own meanwhile (docs/fault-tolerance.md, quorum_every)
@@ -250,6 +263,15 @@ def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in
         assert joined_at % quorum_every == 0, joined_at  # the survivor let it in at its next quorum
         if quorum_every > 1:  # a quorum at the process's first step, after the discard and at multiples of 3
             assert alone[rank]["quorums_asked"] <= len(set(started)) // quorum_every + 3, alone[rank]["quorums_asked"]
+        if heal == "catch_up":  # it replayed the step it joined in (at least), then read shares from a quorum on
+            assert healed[rank]["replayed"] >= 1, healed[rank]
+            contributed = healed[rank]["contributed_from"]
+            assert contributed is not None and contributed > joined_at and contributed % quorum_every == 0
+            keys = alone[rank]["keys"]
+            while_catching_up = {shares for step, _, shares, _ in keys if joined_at <= step < contributed}
+            assert while_catching_up == {(0, 1)}, keys  # the survivor read both shares meanwhile
+        else:
+            assert healed[rank]["replayed"] == 0
         for result in (alone[rank], healed[rank]):
             for name, expected in reference.items():
                 got = result["params"][name]

@@ -116,21 +116,38 @@ def run_configuration(
 
 
 #: Where each group's entries sit in the agreement message: configuration digests, presence counts, parameter
-#: digests (each group writes only its own slots, so the sum over groups holds every group's values).
+#: digests, catching-up flags (each group writes only its own slots, so the sum over groups holds every group's
+#: values).
 _COUNTS = MAX_REPLICA_GROUPS * DIGEST_CHUNKS
 _PARAMETERS = _COUNTS + MAX_REPLICA_GROUPS
+_CATCHING_UP = _PARAMETERS + MAX_REPLICA_GROUPS * DIGEST_CHUNKS
 
 
-def agreement_message(group: int, chunks: Sequence[int], parameter_chunks: Optional[Sequence[int]] = None) -> Tensor:
+def agreement_message(
+    group: int, chunks: Sequence[int], parameter_chunks: Optional[Sequence[int]] = None, catching_up: bool = False
+) -> Tensor:
     """This group's entry of the quorum's agreement: its configuration digest in its own slot, a 1 in its count
-    slot and, on a step that checks them, its parameter digest (:func:`parameter_digest_chunks`)."""
-    message = torch.zeros(_PARAMETERS + MAX_REPLICA_GROUPS * DIGEST_CHUNKS, dtype=torch.float64)
+    slot, on a step that checks them its parameter digest (:func:`parameter_digest_chunks`), and a 1 in its
+    catching-up slot while its shards are not yet the live groups' (:mod:`~.catch_up`)."""
+    message = torch.zeros(_CATCHING_UP + MAX_REPLICA_GROUPS, dtype=torch.float64)
     message[group * DIGEST_CHUNKS : (group + 1) * DIGEST_CHUNKS] = torch.tensor(chunks, dtype=torch.float64)
     message[_COUNTS + group] = 1.0
     if parameter_chunks is not None:
         start = _PARAMETERS + group * DIGEST_CHUNKS
         message[start : start + DIGEST_CHUNKS] = torch.tensor(parameter_chunks, dtype=torch.float64)
+    message[_CATCHING_UP + group] = 1.0 if catching_up else 0.0
     return message
+
+
+def present_groups(summed: Tensor) -> list[int]:
+    """The groups of the quorum (each index that sent exactly one message), ascending."""
+    return _present(summed)
+
+
+def catching_up_groups(summed: Tensor) -> frozenset[int]:
+    """The groups of the quorum whose shards are not yet the live groups': they contribute nothing this quorum."""
+    flags = summed[_CATCHING_UP : _CATCHING_UP + MAX_REPLICA_GROUPS].round().long().tolist()
+    return frozenset(group for group in _present(summed) if flags[group] > 0)
 
 
 def _counts(summed: Tensor) -> list[int]:
@@ -203,7 +220,8 @@ def tensor_digest_chunks(shards: Sequence[Tensor]) -> list[int]:
 def drift_verdict(summed: Tensor, step: int) -> Optional[str]:
     """Why the run must end because the groups' parameters differ at torchft ``step`` (``None``: they agree, or
     this step checked none). Names the groups that differ from the majority."""
-    digests = {group: _slot(summed, _PARAMETERS, group) for group in _present(summed)}
+    stale = catching_up_groups(summed)  # their shards are a snapshot away from the others', by design
+    digests = {group: _slot(summed, _PARAMETERS, group) for group in _present(summed) if group not in stale}
     if len(digests) < 2 or len(set(digests.values())) == 1 or not any(any(d) for d in digests.values()):
         return None
     reference, holders = _majority(digests)

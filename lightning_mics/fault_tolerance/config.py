@@ -13,14 +13,18 @@ NUM_REPLICA_GROUPS_ENV = "MICS_NUM_REPLICA_GROUPS"
 #: A configuration digest crosses as two 16-bit integers in float64: their sums over every group stay exact
 #: (through torchft's average and back), so every group reads back every other group's digest.
 DIGEST_CHUNKS = 2
-#: The agreement message has slots per possible group -- its configuration digest, its presence count and its
-#: parameter digest -- the same length in every group whatever its options say (an all-reduce of unequal
-#: lengths would fail in the transport, not with a clear error): 10 KB a step.
+#: The agreement message has slots per possible group -- its configuration digest, its presence count, its
+#: parameter digest and whether it is catching up -- the same length in every group whatever its options say
+#: (an all-reduce of unequal lengths would fail in the transport, not with a clear error): 12 KB a quorum.
 MAX_REPLICA_GROUPS = 256
-AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (2 * DIGEST_CHUNKS + 1) * 8
+AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (2 * DIGEST_CHUNKS + 2) * 8
 #: On a configuration mismatch the groups exchange their configurations as text, each in this many bytes, so
 #: that a refused group is told which settings differ.
 CONFIGURATION_BYTES = 16384
+
+
+#: How a joining group heals (:attr:`FaultTolerance.heal`).
+HEAL_MODES = ("blocking", "catch_up")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,15 @@ class FaultTolerance:
     #: (default): on with the Trainer; with Fabric each group reads its own share unless this is ``True``, and
     #: then the loop takes its micro-batches from ``MiCSFabricStrategy.training_batches(loader, accumulate)``.
     keep_trajectory: Optional[bool] = None
+    #: how a joining group takes the training state from a live one. ``"blocking"`` (torchft's way): at the
+    #: quorum that admits it, before the step -- every live group waits for the transfer, which takes longer
+    #: than a step when the state is large. ``"catch_up"``: at that quorum only the small state crosses
+    #: (schedulers, step counts, hyper-parameters); the shards are copied by the serving group into host memory
+    #: and fetched in the background while the joining group takes part in the steps without contributing --
+    #: it reads no share of the data, sends zeros in hop 2 and keeps each committed step's averaged gradients.
+    #: Once every rank has its snapshot the group loads it and replays the kept steps (bit-identical to the
+    #: live groups), and it contributes from the next quorum on (:mod:`~.catch_up`).
+    heal: str = "blocking"
 
     def __post_init__(self) -> None:
         whole = ("min_replica_groups", "check_parameters_every", "quorum_every")
@@ -75,6 +88,8 @@ class FaultTolerance:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
         if self.keep_trajectory is not None and not isinstance(self.keep_trajectory, bool):
             raise ValueError(f"FaultTolerance(keep_trajectory={self.keep_trajectory!r}) must be true, false or None.")
+        if self.heal not in HEAL_MODES:
+            raise ValueError(f"FaultTolerance(heal={self.heal!r}) must be one of {', '.join(map(repr, HEAL_MODES))}.")
         for name in whole:
             if not isinstance(getattr(self, name), int):
                 raise ValueError(f"FaultTolerance({name}={getattr(self, name)!r}) must be a whole number.")

@@ -23,3 +23,8 @@ class TooFewReplicaGroups(RuntimeError):
 
 class ReplicaGroupsDiverged(RuntimeError):
     """The groups' parameters differ although they must be bit-identical: the run ends (see the message)."""
+
+
+class CatchUpFailed(RuntimeError):
+    """A catching-up group could not fetch its snapshot (the serving group was lost meanwhile, or the transfer
+    timed out): the group ends; relaunched, it heals anew from a live group."""

@@ -19,13 +19,18 @@ from lightning_mics.fault_tolerance.agreement import (
     GroupConfiguration,
     agreement_message,
     agreement_verdict,
+    catching_up_groups,
     check_healed_whole,
     configurations_differ,
     drift_verdict,
+    present_groups,
     reference_group,
 )
+from lightning_mics.fault_tolerance.catch_up import CatchUp, SnapshotServer
 from lightning_mics.fault_tolerance.config import LIGHTHOUSE_ENV, FaultTolerance
+from lightning_mics.fault_tolerance.heal_state import split_shards
 from lightning_mics.fault_tolerance.errors import (
+    CatchUpFailed,
     LighthouseUnavailable,
     ReplicaGroupRankLost,
     ReplicaGroupRefused,
@@ -66,6 +71,17 @@ class ReplicaGroup:
         #: this rank's parameter shards as digest chunks (:func:`~.agreement.parameter_digest_chunks`), compared
         #: across groups every ``check_parameters_every`` steps; ``None``: not compared
         self.parameter_digest = parameter_digest
+        self._load_fn = load_fn
+        #: ``heal="catch_up"``: this rank's snapshot server (it serves a joining group's same rank)
+        self.snapshots = SnapshotServer() if options.heal == "catch_up" else None
+        #: while this group catches up after joining: the snapshot downloading and the steps kept meanwhile
+        self.catch_up: Optional[CatchUp] = None
+        #: optimizer steps replayed by this group's last catch-up
+        self.replayed_steps = 0
+        #: the groups of the last quorum and those of them that contribute nothing in it (catching up), from its
+        #: agreement -- the same sets in every group of the quorum
+        self._quorum_groups: tuple[int, ...] = ()
+        self.not_contributing: frozenset[int] = frozenset()
         _forget_earlier_manager()
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -75,7 +91,7 @@ class ReplicaGroup:
             self.manager = Manager(
                 pg=pg,
                 load_state_dict=lambda state: self._heal(state, load_fn),
-                state_dict=lambda: {"configuration": self.configuration.items, "state": state_fn()},
+                state_dict=lambda: self._serve(state_fn),
                 min_replica_size=options.min_replica_groups,
                 use_async_quorum=False,  # heal before the forward, so no step trains on stale weights
                 timeout=timeout,
@@ -156,7 +172,8 @@ class ReplicaGroup:
         same_quorum = self._same_quorum_as_last_step(step)
         if not same_quorum:  # a heal (and a group started unlike the others) can only come with a new quorum
             check_healed_whole(step, self.device)
-        if not same_quorum or self._checks_parameters(step):
+        # with catch-up heals, at every quorum: who contributes can change without a new membership
+        if not same_quorum or self._checks_parameters(step) or self.snapshots is not None:
             self._check_agreement()
         participants = self.manager.num_participants()
         if participants != self._participants:
@@ -220,8 +237,28 @@ class ReplicaGroup:
             "job: it heals from a live group."
         )
 
+    def _serve(self, state_fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """What a joining group's same rank receives at the quorum (in torchft's quorum thread, while this
+        rank's training waits for the quorum): this group's configuration and its training state -- with
+        ``heal="catch_up"`` all of it but the shards, which this rank serves from a snapshot instead."""
+        if self.catch_up is not None:
+            raise RuntimeError(
+                "fault tolerance: this group is still catching up (its shards are a snapshot behind the live "
+                "groups'), so it cannot serve a joining group; that group's heal fails and it heals again at its "
+                "next quorum"
+            )
+        state = state_fn()
+        message: dict[str, Any] = {"configuration": self.configuration.items, "state": state}
+        if self.snapshots is not None:
+            small, shards = split_shards(state)
+            step = self.manager.current_step()
+            message["state"] = small
+            message["snapshot"] = {"address": self.snapshots.publish(step, shards), "step": step}
+        return message
+
     def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
-        """Refuse a peer started differently before touching any state; else load its state."""
+        """Refuse a peer started differently before touching any state; else load its state -- or, from a peer
+        serving a snapshot, all but the shards, and start catching up."""
         theirs = GroupConfiguration(tuple(received["configuration"]))
         differences = self.configuration.differences(theirs)
         if differences:
@@ -231,7 +268,62 @@ class ReplicaGroup:
                 "with the same configuration."
             )
         load_fn(received["state"])
+        snapshot = received.get("snapshot")
+        if snapshot is not None:
+            self.catch_up = CatchUp(snapshot["address"], snapshot["step"], self.options.timeout)
+            log.warning(
+                "fault tolerance: joined at step %d; fetching a live group's shards in the background meanwhile "
+                "(catch-up heal)", self.manager.current_step()
+            )
+            return
         log.warning("fault tolerance: healed from a live replica group at step %d", self.manager.current_step())
+
+    def finish_catch_up(self, wait: bool = False) -> None:
+        """At the start of a step while catching up: once every rank of the group has its snapshot (one tiny
+        all-reduce of this group's world, every step until then), load it and replay the kept steps. The group
+        contributes from its next quorum on. A rank whose download failed ends the whole group, saying why.
+        ``wait``: first wait for this rank's download (up to ``timeout``) -- before an evaluation or the end of
+        training, which must see the live groups' shards."""
+        catch_up = self.catch_up
+        if catch_up is None:
+            return
+        if wait:
+            catch_up.wait(self.options.timeout)
+        flags = torch.tensor([float(catch_up.downloaded), float(not catch_up.failed)], device=self.device)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        except RuntimeError as error:  # DistBackendError included
+            raise self._rank_lost(error) from error
+        done, ok = flags.tolist()
+        if not done:
+            return
+        if not ok:
+            raise CatchUpFailed(
+                f"fault tolerance: replica group {self.options.replica_group} could not fetch its shards from the "
+                f"live group serving them ({catch_up.error or 'another rank of this group failed'}; snapshot "
+                f"{catch_up.address}). This group ends; relaunch it and it heals anew."
+            )
+        self._load_fn(catch_up.snapshot())
+        self.replayed_steps = catch_up.replay()
+        self.catch_up = None
+        log.warning(
+            "fault tolerance: caught up at step %d: loaded the snapshot of step %d and replayed %d step(s); this "
+            "group contributes from its next quorum", self.manager.current_step(), catch_up.step, self.replayed_steps
+        )
+
+    def keep_for_catch_up(self, optimizer: Any) -> None:
+        """After ``optimizer`` stepped: while catching up, a committed step's gradients and hyper-parameters are
+        kept for the replay (the step itself updated shards that the snapshot will replace)."""
+        if self.catch_up is not None and not self.last_step_discarded:
+            self.catch_up.keep(optimizer)
+
+    @property
+    def contributes(self) -> bool:
+        """Whether this group's gradients count in this quorum's steps (not while it catches up)."""
+        return self.options.replica_group not in self.not_contributing
+
+    def _contributors(self) -> list[int]:
+        return [group for group in self._quorum_groups if group not in self.not_contributing]
 
     def _check_agreement(self) -> None:
         """Every group of the quorum publishes its index, configuration digest and, on a checking step, its
@@ -242,11 +334,17 @@ class ReplicaGroup:
         step = self.manager.current_step()
         checks_parameters = self._checks_parameters(step)
         parameters = self.parameter_digest() if checks_parameters else None  # type: ignore[misc]
-        message = agreement_message(group, self.configuration.digest_chunks(), parameters).to(self.device)
+        message = agreement_message(
+            group, self.configuration.digest_chunks(), parameters, catching_up=self.catch_up is not None
+        ).to(self.device)
         self.manager.allreduce(message).wait()
         if self.manager.errored() is not None:
             return  # the step is discarded anyway; the next one checks again
         summed = message.cpu() * self.manager.num_participants()  # torchft averaged
+        self._quorum_groups = tuple(present_groups(summed))
+        self.not_contributing = catching_up_groups(summed)
+        if self.snapshots is not None and self.snapshots.serving and not self.not_contributing:
+            self.snapshots.release()  # nobody catches up from it any more
         verdict = agreement_verdict(summed, group)
         if configurations_differ(summed):  # every group runs this exchange, or none
             theirs = self._exchange_configurations().get(reference_group(summed))
@@ -360,15 +458,28 @@ class ReplicaGroup:
 
     def participation(self) -> tuple[int, Optional[int], int]:
         """After the quorum: (the committed step the groups are at, this group's index among the step's
-        participants or ``None``, how many participate) -- what decides the step's data
-        (:mod:`~.trajectory`)."""
-        return self.manager.current_step(), self.manager.participating_rank(), self.manager.num_participants()
+        contributing groups or ``None``, how many contribute -- what hop 2 averages over) -- what decides the
+        step's data (:mod:`~.trajectory`). Every group of the quorum contributes but those catching up; then the
+        contributors are numbered in group order."""
+        step = self.manager.current_step()
+        if not self.not_contributing:
+            return step, self.manager.participating_rank(), self.manager.num_participants()
+        contributors = self._contributors()
+        mine = self.options.replica_group
+        return step, contributors.index(mine) if mine in contributors else None, len(contributors)
+
+    def contributing_groups(self) -> int:
+        """How many groups' gradients this step's hop 2 sums (all of the quorum but those catching up)."""
+        return len(self._contributors()) if self.not_contributing else self.manager.num_participants()
 
     @property
     def leads(self) -> bool:
         """Whether this group is the first of the current quorum: it logs and writes checkpoints for all (group 0
         while it is live, else the next) -- the same answer on every rank of a group, and on one group of the
-        quorum."""
+        quorum. A group catching up does not lead."""
+        if self.not_contributing:
+            contributors = self._contributors()
+            return bool(contributors) and contributors[0] == self.options.replica_group
         return self.manager.participating_rank() == 0
 
     @property
@@ -389,6 +500,8 @@ class ReplicaGroup:
         if not self.closed:
             self.closed = True
             self._watchdog.stop()
+            if self.snapshots is not None:
+                self.snapshots.close()
             self.manager.shutdown(wait=False)
 
 

@@ -51,12 +51,14 @@ def optimizer_local_state(optimizer: Optimizer) -> dict[str, Any]:
 
 def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -> None:
     """Give ``optimizer`` a peer's states: created first if it never stepped, then copied into in place, so
-    that they stay DTensors on this group's mesh; hyper-parameters (learning rate) too."""
-    if received["state"] and not optimizer.state:
-        compat.init_optimizer_state(optimizer)
-    own = optimizer.state_dict()
-    copy_local_state_(own["state"], received["state"])
-    for group, peer in zip(optimizer.param_groups, received["param_groups"]):
+    that they stay DTensors on this group's mesh; hyper-parameters (learning rate) too. Either part may be
+    missing (a catching-up heal loads the hyper-parameters first and the states later)."""
+    if "state" in received:
+        if received["state"] and not optimizer.state:
+            compat.init_optimizer_state(optimizer)
+        own = optimizer.state_dict()
+        copy_local_state_(own["state"], received["state"])
+    for group, peer in zip(optimizer.param_groups, received.get("param_groups", ())):
         group.update({key: value for key, value in peer.items() if key != "params"})
 
 
@@ -83,13 +85,27 @@ def load_training_state(
     schedulers: Sequence[Any],
     set_global_step: Callable[[int], None],
 ) -> None:
-    """Heal from a peer's :func:`training_state`, in place (every rank of the group loads its own shards)."""
-    copy_local_state_(model_state, state["model"])
-    for optimizer, received in zip(optimizers, state["optimizers"]):
+    """Heal from a peer's :func:`training_state`, in place (every rank of the group loads its own shards), or
+    from either part of it that :func:`split_shards` made: what is missing is left as it is."""
+    if "model" in state:
+        copy_local_state_(model_state, state["model"])
+    for optimizer, received in zip(optimizers, state.get("optimizers", ())):
         load_optimizer_local_state(optimizer, received)
-    for scheduler, received in zip(schedulers, state["schedulers"]):
+    for scheduler, received in zip(schedulers, state.get("schedulers", ())):
         scheduler.load_state_dict(received)
-    set_global_step(state["global_step"])
+    if "global_step" in state:
+        set_global_step(state["global_step"])
+
+
+def split_shards(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A :func:`training_state` as (everything but the shards, the shards): the model's and the optimizers'
+    per-parameter states are what grows with the model; the rest (hyper-parameters, schedulers, step count,
+    a semi-synchronous round's state) is small and is what a catching-up heal moves at the quorum."""
+    optimizers = state.get("optimizers", ())
+    small = {key: value for key, value in state.items() if key != "model"}
+    small["optimizers"] = [{"param_groups": optimizer["param_groups"]} for optimizer in optimizers]
+    shards = {"model": state.get("model", {}), "optimizers": [{"state": o["state"]} for o in optimizers]}
+    return small, shards
 
 
 def state_hooks(

@@ -110,17 +110,20 @@ class _Nothing:
 
 
 class _ManagedAverage:
-    """torchft's all-reduce (it averages over the quorum's groups, in its callback); a 16-bit ``message``
-    is written back into ``flat`` on completion."""
+    """torchft's all-reduce (it averages over the quorum's groups, in its callback -- or, with ``divisor``, sums
+    and the average is taken here: over the contributing groups, when a catching-up one sent zeros); a 16-bit
+    ``message`` is written back into ``flat`` on completion."""
 
-    def __init__(self, flat: Tensor, message: Tensor, work: Any) -> None:
-        self.flat, self.message, self.work = flat, message, work
+    def __init__(self, flat: Tensor, message: Tensor, work: Any, divisor: Optional[int] = None) -> None:
+        self.flat, self.message, self.work, self.divisor = flat, message, work, divisor
 
     def advance(self) -> None:
         """One collective."""
 
     def wait(self) -> None:
         self.work.wait()
+        if self.divisor is not None:
+            self.message.div_(self.divisor)
         if self.message is not self.flat:
             self.flat.copy_(self.message)
 
@@ -142,7 +145,7 @@ class _ManagedGatherAverage:
         total = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
         for message in self.gathered:
             total += wire_codec.decode(message, self.flat.numel())
-        self.flat.copy_(total.div_(len(self.gathered)))
+        self.flat.copy_(total.div_(self.group.contributing_groups()))
 
 
 class ManagedTransport:
@@ -169,10 +172,15 @@ class ManagedTransport:
         manager = self.group.manager
         if manager.errored() is not None:
             return _Nothing()
+        if not self.group.contributes:  # catching up: its gradients come from stale shards; it only receives
+            flat.zero_()
         if self.wire is not None and self.wire.dtype is None:  # int8
             return self._start_gather(flat)
         message = flat if self.wire is None else flat.to(self.wire.dtype)
-        return _ManagedAverage(flat, message, manager.allreduce(message))
+        contributors = self.group.contributing_groups()
+        if contributors == manager.num_participants():
+            return _ManagedAverage(flat, message, manager.allreduce(message))
+        return _ManagedAverage(flat, message, manager.allreduce(message, reduce_op=dist.ReduceOp.SUM), contributors)
 
     def _start_gather(self, flat: Tensor) -> InFlight:
         started = self.group.start_all_gather(wire_codec.encode(flat))
