@@ -150,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quorum-every", type=int, default=QUORUM_EVERY,
                         help=f"FaultTolerance(quorum_every=...) of every fault-tolerant run (default {QUORUM_EVERY}); "
                         "the no-failure comparison also runs 1, torchft's quorum at every step")
+    parser.add_argument("--checkpoints", choices=("async", "sync"), default="async",
+                        help="how the runs that checkpoint write (MiCSStrategy(async_save=...)); default async: a "
+                        "save then stalls training for the copy only, which keeps the saves out of the survivors' "
+                        "stall while a group heals")
     parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
                         help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
                         "group fetches the shards in the background and replays the steps it missed)")
@@ -219,6 +223,7 @@ class Bench:
         nodes = NODES if mode == "plain" else 1
         fields.setdefault("quorum_every", self.args.quorum_every)
         fields.setdefault("heal", self.args.heal)
+        fields.setdefault("async_save", self.args.checkpoints == "async")
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
                    timeout=self.args.ft_timeout, **fields)
@@ -742,10 +747,11 @@ def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
     }
 
 
-def rejoin_results(run: RunLog) -> dict[str, Any]:
+def rejoin_results(run: RunLog, checkpoint_every: int = 0) -> dict[str, Any]:
     """Run (3)'s numbers: the restarted node's first commit, its first commit with its shards current (a catch-up
-    heal downloads them meanwhile; the blocking one has them at once), and its digests vs the survivors' (per
-    rank, at every step both committed after the heal, from its shards being current)."""
+    heal downloads them meanwhile; the blocking one has them at once), its digests vs the survivors' (per rank,
+    at every step both committed after the heal, from its shards being current), and what the heal cost the
+    survivors (:func:`survivor_gaps`: ``checkpoint_every``, the survivors' saves, are taken out of it)."""
     restart = run.events["restart"]
     mine = [r for r in commits(read_rows(run), VICTIM) if r["t"] > restart]
     current = [r for r in mine if r.get("current", True)]
@@ -760,41 +766,96 @@ def rejoin_results(run: RunLog) -> dict[str, Any]:
             compared += len(common)
             equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)
     contributing = [r for r in mine if r.get("contributes", True)]
+    healed_at = current[0]["t"] if current else None
+    joining = [e["t"] for e in read_events(run, VICTIM) if e["t"] > restart and e["event"] == "train_start"]
+    heal_began = joining[0] if joining else restart
+    gaps = survivor_gaps(run, checkpoint_every)
     return {"seconds": mine[0]["t"] - restart if mine else None, "bit_identical": equal and compared > 0,
             "first_step": mine[0]["step"] if mine else None, "digests_compared": compared,
-            "seconds_to_current": current[0]["t"] - restart if current else None,
+            "seconds_to_current": healed_at - restart if healed_at is not None else None,
             "steps_catching_up": current[0]["step"] - mine[0]["step"] if current and mine else None,
             "first_contributing_step": contributing[0]["step"] if contributing else None,
-            "survivor_stall_steps": survivor_stall_steps(run, restart, current[0]["t"] if current else None),
-            "heal_step_stall_steps": heal_step_stall_steps(run, mine[0]["step"] if mine else None)}
+            "seconds_starting": heal_began - restart,
+            "checkpoint_save_seconds": gaps.save_seconds,
+            "survivor_stall_steps": survivor_stall_steps(gaps, heal_began, healed_at),
+            "survivor_stall_steps_as_before": survivor_stall_steps(
+                gaps, restart, healed_at, outage=(run.events["kill"], restart)),
+            "heal_step_stall_steps": heal_step_stall_steps(gaps, mine[0]["step"] if mine else None)}
 
 
-def survivor_stall_steps(run: RunLog, restart: float, healed_at: float | None) -> float | None:
+def read_events(run: RunLog, node: int) -> list[dict[str, Any]]:
+    """Node ``node`` rank 0's events (``events.node<n>.rank0.jsonl``, see the worker), in time order."""
+    path = Path(run.log_dir) / f"events.node{node}.rank0.jsonl"
+    if not path.exists():
+        return []
+    return sorted((json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")),
+                  key=lambda event: event["t"])
+
+
+@dataclass
+class SurvivorGaps:
+    """Node 0's commits (``rows``) and the time between each and the one before (``gaps[i]``: before
+    ``rows[i + 1]``); ``saved[i]``: whether that gap holds a checkpoint save (written after the row of a step
+    that is a multiple of ``checkpoint_every``: Lightning runs ModelCheckpoint after the step logger); and
+    ``save_seconds``: what a save adds to a step, from this run (median gap with a save minus without)."""
+
+    rows: list[dict[str, Any]]
+    gaps: list[float]
+    saved: list[bool]
+    save_seconds: float
+
+    def corrected(self, i: int) -> float:
+        """Gap ``i`` without its checkpoint save: the survivors' saves are no cost of the heal."""
+        return self.gaps[i] - self.save_seconds if self.saved[i] else self.gaps[i]
+
+
+def survivor_gaps(run: RunLog, checkpoint_every: int) -> SurvivorGaps:
+    rows = commits(read_rows(run), 0)
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rows)]
+    saved = [checkpoint_every > 0 and a.get("global_step", 0) % checkpoint_every == 0 for a in rows[:-1]]
+    with_save = [g for g, s in zip(gaps, saved) if s]
+    without = [g for g, s in zip(gaps, saved) if not s]
+    excess = statistics.median(with_save) - statistics.median(without) if len(with_save) > 1 and without else 0.0
+    return SurvivorGaps(rows, gaps, saved, max(excess, 0.0))
+
+
+def survivor_stall_steps(gaps: SurvivorGaps, began: float, healed_at: float | None,
+                         outage: tuple[float, float] | None = None) -> float | None:
     """How long the survivors stood still while the restarted group healed: node 0's longest gap between two
-    commits that spans any of [restart, the restarted group's first commit with its shards current -- with a
-    catch-up heal, after its background download and replay], in its median step time during the outage, minus
-    one (0: no step lost to the heal). ``None`` when the group never rejoined."""
+    commits that spans any of [``began``, the restarted group's first commit with its shards current -- with a
+    catch-up heal, after its background download and replay], a checkpoint save taken out, in node 0's median
+    step time in that window, minus one (0: no step lost to the heal). ``began`` is when the restarted processes
+    were set up and asked for their first quorum: their start before (imports, loading the checkpoint) is no
+    heal, and on this host its CPU time is taken from the survivors' two cores, which a separate node would not
+    take. ``outage`` (kill, restart): the definition this benchmark had first -- from the restart, saves left in,
+    in the survivors' median step during the outage (when 4 of the 6 ranks share the cores: shorter steps).
+    ``None`` when the group never rejoined."""
     if healed_at is None:
         return None
-    times = [row["t"] for row in commits(read_rows(run), 0)]
-    outage = [t for t in times if run.events["kill"] < t < restart]
-    step = median_interval(outage) if len(outage) > 2 else median_interval(times)
-    gaps = [b - a for a, b in itertools.pairwise(times) if b >= restart and a <= healed_at]
-    return max(gaps) / step - 1 if gaps and step > 0 else None
+    times = [row["t"] for row in gaps.rows]
+    spans = [i for i, (a, b) in enumerate(itertools.pairwise(times)) if b >= began and a <= healed_at]
+    if not spans:
+        return None
+    if outage is not None:
+        during = [t for t in times if outage[0] < t < outage[1]]
+        step = median_interval(during) if len(during) > 2 else median_interval(times)
+        return max(gaps.gaps[i] for i in spans) / step - 1
+    window = [gaps.corrected(i) for i in spans]
+    step = statistics.median(window) if len(window) > 2 else median_interval(times)
+    return max(window) / step - 1 if step > 0 else None
 
 
-def heal_step_stall_steps(run: RunLog, first_step: int | None) -> float | None:
+def heal_step_stall_steps(gaps: SurvivorGaps, first_step: int | None) -> float | None:
     """The heal's own cost to the survivors: node 0's gap before its commit of the step the restarted group first
-    committed with it (the step whose quorum healed it), in node 0's median step time, minus one.
-    :func:`survivor_stall_steps` takes the longest gap anywhere from the restart, which also catches steps
-    slow for other reasons while the group starts (a checkpoint save, a quorum)."""
+    committed with it (the step whose quorum healed it), a checkpoint save taken out, in node 0's median step
+    time, minus one. :func:`survivor_stall_steps` takes the longest gap anywhere while the group heals, which
+    also catches steps slow for other reasons (a quorum, the joining processes' start on this host's cores)."""
     if first_step is None:
         return None
-    rows = commits(read_rows(run), 0)
-    times = [row["t"] for row in rows]
-    for before, row in itertools.pairwise(rows):
+    times = [row["t"] for row in gaps.rows]
+    for i, row in enumerate(gaps.rows[1:]):
         if row["step"] == first_step:
-            return (row["t"] - before["t"]) / median_interval(times) - 1
+            return gaps.corrected(i) / median_interval(times) - 1
     return None
 
 
@@ -1114,7 +1175,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
             runs.get("ft-quorum-every-step"),
         ),
         "failure": failure_results(runs["ft-failure"], args.steps),
-        "rejoin": rejoin_results(runs["ft-failure"]),
+        "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
         "restart_baseline": {"seconds": baseline_seconds, "events": relative(runs["restart-baseline"]),
                              "failures": runs["restart-baseline"].failures},
         "ft": {"seconds": ft_seconds, "events": relative(runs["ft-failure"]), "failures": runs["ft-failure"].failures,

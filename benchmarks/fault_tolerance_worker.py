@@ -75,6 +75,7 @@ class Job:
     accumulate: int = 1  #: Trainer(accumulate_grad_batches=...)
     quorum_every: int = 1  #: ft: FaultTolerance(quorum_every=...)
     heal: str = "blocking"  #: ft: FaultTolerance(heal=...)
+    async_save: bool = False  #: MiCSStrategy(async_save=...): checkpoints written in the background
     check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
 
 
@@ -115,8 +116,12 @@ class StepLog(pl.Callback):
         self.samples_path = Path(job.log_dir) / f"samples.node{node}.rank{local_rank}.jsonl"
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every group's Manager exists (and heartbeats) before any group asks for its first quorum, so the
-        first quorum holds every group -- not whichever started first."""
+        """Notes when this process is set up and about to ask for its first quorum, in
+        ``events.node<n>.rank<r>.jsonl`` (a restarted group's heal starts here). With a start barrier: every
+        group's Manager exists (and heartbeats) before any group asks for its first quorum, so the first quorum
+        holds every group -- not whichever started first."""
+        with (Path(self.job.log_dir) / f"events.node{self.node}.rank{self.local_rank}.jsonl").open("a") as handle:
+            handle.write(json.dumps({"t": time.time(), "event": "train_start", "pid": os.getpid()}) + "\n")
         if self.job.start_barrier is None:
             return
         barrier = Path(self.job.start_barrier)
@@ -178,11 +183,11 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
     """Plain MiCS over every node (partition = one node), or one replica group of the fault-tolerant job."""
     if job.mode == "plain":
         return MiCSStrategy(partition_size=job.ranks_per_node, ranks_per_node=job.ranks_per_node,
-                            process_group_backend="gloo")
+                            process_group_backend="gloo", async_save=job.async_save)
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
                         timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every, heal=job.heal,
                         check_parameters_every=job.check_parameters_every)
-    return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo")
+    return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo", async_save=job.async_save)
 
 
 def run(job: Job, node: int, local_rank: int) -> None:

@@ -105,7 +105,8 @@ def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: P
     assert healed == {"seconds": pytest.approx(8.5 - RESTART), "bit_identical": True, "first_step": 7,
                       "digests_compared": 2 * 2 * 2,  # 2 ranks x 2 peers x steps 7, 8
                       "seconds_to_current": pytest.approx(8.5 - RESTART), "steps_catching_up": 0,
-                      "first_contributing_step": 7,
+                      "first_contributing_step": 7, "seconds_starting": 0.0, "checkpoint_save_seconds": 0.0,
+                      "survivor_stall_steps_as_before": pytest.approx(0.5),
                       # node 0's longest gap spanning the heal (7.0 -> 8.5) in its median step time (1 s), minus one
                       "survivor_stall_steps": pytest.approx(0.5),
                       # node 0's gap before its commit of step 7 (7.0 -> 8.5) in its median step time (1 s), minus one
@@ -118,12 +119,48 @@ def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path
     """Its stale step is not compared (its digests differ by design), its time to current counts the download,
     and the survivors' stall window runs until then: their late commit of step 8 is in it."""
     (tmp_path / "catching-up").mkdir()
+    # the restarted processes were set up and asked for their first quorum at t=8.0
+    (tmp_path / "catching-up" / "events.node2.rank0.jsonl").write_text(
+        json.dumps({"t": 1.0, "event": "train_start", "pid": 1}) + "\n"  # the first launch: before the restart
+        + json.dumps({"t": 8.0, "event": "train_start", "pid": 2}) + "\n"
+    )
     healed = bench.rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True))
+    assert healed["seconds_starting"] == pytest.approx(8.0 - RESTART)
     assert healed["bit_identical"] is True and healed["digests_compared"] == 2 * 2 * 2  # steps 8, 9
     assert healed["seconds"] == pytest.approx(8.5 - RESTART)
     assert healed["seconds_to_current"] == pytest.approx(11.5 - RESTART) and healed["steps_catching_up"] == 1
     assert healed["first_contributing_step"] == 9
-    assert healed["survivor_stall_steps"] == pytest.approx(2.0)  # 8.5 -> 11.5 in 1 s steps, minus one
+    # node 0's gaps from 8.0 to 11.5: 7.0 -> 8.5, 8.5 -> 11.5, 11.5 -> 12.5; the longest in their median, minus one
+    assert healed["survivor_stall_steps"] == pytest.approx(3.0 / 1.5 - 1)
+    # the earlier definition: from the restart, in the median step of the whole run (the outage has two commits)
+    assert healed["survivor_stall_steps_as_before"] == pytest.approx(2.0)
+
+
+def test_the_survivors_checkpoint_saves_are_taken_out_of_the_heal_stall() -> None:
+    """Node 0 commits every second, a save every 3 steps adds 0.5 s to the next gap; the heal step (7) comes
+    after a save and took 1 s more than a step: 0.5 s of it was the save."""
+    times, t = [], 0.0
+    for step in range(1, 12):
+        t += 1.0 + (0.5 if step > 1 and (step - 1) % 3 == 0 else 0.0) + (0.5 if step == 7 else 0.0)
+        times.append(t)
+    rows = [{"t": when, "node": 0, "step": step, "global_step": step} for step, when in zip(range(1, 12), times)]
+    gaps = bench.SurvivorGaps(rows, [b - a for a, b in zip(times, times[1:])],
+                              [row["global_step"] % 3 == 0 for row in rows[:-1]], 0.0)
+    gaps.save_seconds = 0.5
+    assert bench.heal_step_stall_steps(gaps, 7) == pytest.approx(0.5)
+    assert bench.survivor_stall_steps(gaps, times[3], times[8]) == pytest.approx(0.5)
+
+
+def test_what_a_save_costs_is_read_from_the_run(tmp_path: Path) -> None:
+    lines, t = [], 0.0
+    for step in range(1, 31):
+        t += 1.0 + (0.4 if step > 1 and (step - 1) % 5 == 0 else 0.0)
+        lines.append({"t": t, "node": 0, "rank": 0, "step": step, "global_step": step, "live": 3, "discarded": 0,
+                      "digest": "d", "loss": 1.0})
+    (tmp_path / "node0.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    gaps = bench.survivor_gaps(bench.RunLog("x", str(tmp_path), 0.0), checkpoint_every=5)
+    assert gaps.save_seconds == pytest.approx(0.4) and sum(gaps.saved) == 5
+    assert bench.survivor_gaps(bench.RunLog("x", str(tmp_path), 0.0), checkpoint_every=0).save_seconds == 0.0
     (tmp_path / "drifted").mkdir()
     drifted = bench.rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True))
     assert drifted["bit_identical"] is False

@@ -490,3 +490,27 @@ def test_a_save_can_keep_the_data_it_replaces_for_a_reader_that_opened_it(
         save(3)  # the next save removes what the one before kept: at most two generations on disk
         assert not opened.exists()
         assert len([p for p in path.iterdir() if p.name.startswith("state-step")]) == 2
+
+
+def test_background_saves_stage_into_the_last_saves_host_buffers_with_the_new_values() -> None:
+    """A save's states are copied into the previous save's host buffers when the structure is the same (no new
+    allocation), carrying this save's values -- tensors and the rest (a learning rate that moved) alike; a new
+    structure gets new buffers."""
+    from lightning_mics.checkpoint.saving import AsyncCheckpointSaver
+
+    saver = AsyncCheckpointSaver()
+    optim = {"param_groups": [{"lr": 0.1}], "state": {0: {"step": torch.tensor(1.0)}}}
+    payload = {"model": {"w": torch.ones(3)}, "optim": optim}
+    first = saver.stage(payload)
+    assert torch.equal(first["model"]["w"], torch.ones(3)) and first["model"]["w"] is not payload["model"]["w"]
+    payload["model"]["w"].fill_(2.0)
+    payload["optim"]["param_groups"][0]["lr"] = 0.05
+    payload["optim"]["state"][0]["step"].fill_(5.0)
+    assert torch.equal(first["model"]["w"], torch.ones(3))  # a staged copy, not a view of the live state
+    second = saver.stage(payload)
+    assert second["model"]["w"] is first["model"]["w"]  # the same host buffer, refilled
+    assert torch.equal(second["model"]["w"], torch.full((3,), 2.0))
+    assert second["optim"]["state"][0]["step"].item() == 5.0
+    assert second["optim"]["param_groups"][0]["lr"] == 0.05
+    grown = saver.stage({"model": {"w": torch.ones(4)}})
+    assert grown["model"]["w"].shape == (4,)
