@@ -157,6 +157,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
                         help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
                         "group fetches the shards in the background and replays the steps it missed)")
+    parser.add_argument("--catch-up-share", type=float, default=0.25,
+                        help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
+                        "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
+                        "the rest left to hop 2); 0: uncapped")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
@@ -173,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.restart_delay < 0:
         parser.error("--checkpoint-every, --no-failure-steps, --batch-size and --quorum-every must be positive, "
                      "--restart-delay >= 0.")
+    if not 0 <= args.catch_up_share <= 1:
+        parser.error("--catch-up-share must be between 0 (uncapped) and 1.")
     if args.goodput_failures < 0 or (args.goodput_failures > 0 and args.goodput_period <= args.restart_delay):
         parser.error("--goodput-failures must be >= 0, and --goodput-period longer than --restart-delay.")
     setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
@@ -199,6 +205,12 @@ def check_host() -> None:
         )
 
 
+def catch_up_rate(args: argparse.Namespace, link_bytes_per_s: float) -> float | None:
+    """FaultTolerance(catch_up_bytes_per_s=...) of the runs: ``--catch-up-share`` of the link, split among a node's
+    serving ranks (each sends its own snapshot); ``None`` (uncapped) for a share of 0."""
+    return args.catch_up_share * link_bytes_per_s / RANKS_PER_NODE if args.catch_up_share > 0 else None
+
+
 def lighthouse_binary() -> str | None:
     beside = Path(sys.executable).parent / "torchft_lighthouse"
     return str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
@@ -223,6 +235,7 @@ class Bench:
         nodes = NODES if mode == "plain" else 1
         fields.setdefault("quorum_every", self.args.quorum_every)
         fields.setdefault("heal", self.args.heal)
+        fields.setdefault("catch_up_bytes_per_s", getattr(self.args, "catch_up_bytes_per_s", None))
         fields.setdefault("async_save", self.args.checkpoints == "async")
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
@@ -1224,6 +1237,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
         network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args.link)
+        args.catch_up_bytes_per_s = catch_up_rate(args, network.inter_node_rate_bytes_per_s)
         bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())
         results, ft, baseline = measure(bench)
         title = (f"{NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), one replica group per node; GPT "

@@ -75,6 +75,7 @@ class Job:
     accumulate: int = 1  #: Trainer(accumulate_grad_batches=...)
     quorum_every: int = 1  #: ft: FaultTolerance(quorum_every=...)
     heal: str = "blocking"  #: ft: FaultTolerance(heal=...)
+    catch_up_bytes_per_s: float | None = None  #: ft: FaultTolerance(catch_up_bytes_per_s=...)
     async_save: bool = False  #: MiCSStrategy(async_save=...): checkpoints written in the background
     check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
 
@@ -186,6 +187,7 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
                             process_group_backend="gloo", async_save=job.async_save)
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
                         timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every, heal=job.heal,
+                        catch_up_bytes_per_s=job.catch_up_bytes_per_s,
                         check_parameters_every=job.check_parameters_every)
     return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo", async_save=job.async_save)
 

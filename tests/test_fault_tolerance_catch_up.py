@@ -136,6 +136,30 @@ def test_replaying_the_kept_steps_on_the_snapshot_lands_bit_identically_on_the_l
     assert catch_up.kept == []
 
 
+def test_a_capped_snapshot_is_sent_no_faster_than_its_rate() -> None:
+    import io
+    import time
+
+    from lightning_mics.fault_tolerance.catch_up import send_paced
+
+    data = memoryview(bytes(range(256)) * 1024)  # 256 KiB
+    out = io.BytesIO()
+    started = time.monotonic()
+    send_paced(out, data, bytes_per_s=1_000_000)
+    assert out.getvalue() == bytes(data)
+    assert time.monotonic() - started >= 0.19  # its last chunk may leave at 196 ms of 262 KB at 1 MB/s
+    server = SnapshotServer(bytes_per_s=2_000_000)
+    try:
+        address = server.publish(1, {"model": {"w": torch.zeros(200_000)}, "optimizers": []})  # ~800 KB
+        started = time.monotonic()
+        assert torch.equal(fetch_snapshot(address, timeout=10)["model"]["w"], torch.zeros(200_000))
+        assert time.monotonic() - started >= 0.3
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="catch_up_bytes_per_s=0.*positive number of bytes per second"):
+        FaultTolerance(catch_up_bytes_per_s=0)
+
+
 def test_a_snapshot_that_cannot_be_fetched_is_reported_not_hung() -> None:
     server = SnapshotServer()
     try:

@@ -28,6 +28,7 @@ import io
 import logging
 import socket
 import threading
+import time
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,7 +62,9 @@ class SnapshotServer:
     One snapshot at a time (a new heal replaces it); :meth:`release` frees it once no group needs it. The server
     listens on every interface and advertises ``socket.gethostname()``, as torchft's own checkpoint server does."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_s: Optional[float] = None) -> None:
+        #: the most bytes per second a snapshot is sent at (``None``: as fast as the network takes it)
+        self.bytes_per_s = bytes_per_s
         self._lock = threading.Lock()
         self._payload: Any = None
         self._step: Optional[int] = None
@@ -115,12 +118,31 @@ class SnapshotServer:
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(buffer.tell()))
                 self.end_headers()
-                self.wfile.write(buffer.getbuffer())
+                send_paced(self.wfile, buffer.getbuffer(), server.bytes_per_s)
 
             def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per heal is logged instead
                 pass
 
         return Handler
+
+
+#: Bytes written at a time when a snapshot is sent at a capped rate.
+PACING_CHUNK_BYTES = 1 << 16
+
+
+def send_paced(out: Any, data: memoryview, bytes_per_s: Optional[float]) -> None:
+    """Write ``data`` to ``out``, no faster than ``bytes_per_s`` on average (in chunks, sleeping whenever ahead
+    of the rate); all at once when uncapped."""
+    if bytes_per_s is None:
+        out.write(data)
+        return
+    started = time.monotonic()
+    for offset in range(0, len(data), PACING_CHUNK_BYTES):
+        chunk = data[offset : offset + PACING_CHUNK_BYTES]
+        ahead = started + offset / bytes_per_s - time.monotonic()
+        if ahead > 0:
+            time.sleep(ahead)
+        out.write(chunk)
 
 
 def fetch_snapshot(address: str, timeout: float) -> Any:

@@ -79,6 +79,10 @@ class FaultTolerance:
     #: Once every rank has its snapshot the group loads it and replays the kept steps (bit-identical to the
     #: live groups), and it contributes from the next quorum on (:mod:`~.catch_up`).
     heal: str = "blocking"
+    #: ``heal="catch_up"``: the most bytes per second a serving rank sends its snapshot at. The transfer shares
+    #: the network with hop 2: uncapped, it slows the live groups' steps while it runs (the step it starts in
+    #: most); capped at a fraction of the link, it spreads over more steps. ``None``: uncapped.
+    catch_up_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         whole = ("min_replica_groups", "check_parameters_every", "quorum_every")
@@ -88,6 +92,12 @@ class FaultTolerance:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")
         if self.keep_trajectory is not None and not isinstance(self.keep_trajectory, bool):
             raise ValueError(f"FaultTolerance(keep_trajectory={self.keep_trajectory!r}) must be true, false or None.")
+        rate = self.catch_up_bytes_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+            raise ValueError(
+                f"FaultTolerance(catch_up_bytes_per_s={rate!r}) must be a positive number of bytes per second, or "
+                "None (uncapped)."
+            )
         if self.heal not in HEAL_MODES:
             raise ValueError(f"FaultTolerance(heal={self.heal!r}) must be one of {', '.join(map(repr, HEAL_MODES))}.")
         for name in whole:

@@ -73,7 +73,7 @@ class ReplicaGroup:
         self.parameter_digest = parameter_digest
         self._load_fn = load_fn
         #: ``heal="catch_up"``: this rank's snapshot server (it serves a joining group's same rank)
-        self.snapshots = SnapshotServer() if options.heal == "catch_up" else None
+        self.snapshots = SnapshotServer(options.catch_up_bytes_per_s) if options.heal == "catch_up" else None
         #: while this group catches up after joining: the snapshot downloading and the steps kept meanwhile
         self.catch_up: Optional[CatchUp] = None
         #: optimizer steps replayed by this group's last catch-up
