@@ -20,7 +20,8 @@ With ``record_samples`` (fault tolerance, whose training data keeps its trajecto
 line per training micro-step to ``<log_dir>/samples.node<n>.rank<r>.jsonl``: the micro-batch trained on
 (``step``: its data step, torchft's committed-step count at the quorum; ``micro``; ``shares``), this rank's
 sample indices in it (``engine.data_cursor.order.samples(key, rank)``), the loss on them, this group's place in
-the step's quorum (``participant``: ``None`` outside it; ``participants``) and whether the step then committed
+the step's contributing groups (``participant``: ``None`` outside them -- outside the quorum, or catching up
+after a catch-up heal, when its gradient is not summed; ``participants``) and whether the step then committed
 (``committed``: torchft's step count grew past ``step``; ``None`` for a micro-step before the last of an
 accumulated step). Written right after the optimizer step, so that what a rank SIGKILLed mid-step had not
 committed is not there, and what it committed before is.
@@ -164,11 +165,12 @@ class StepLog(pl.Callback):
             return
         key = cursor.current
         manager = replica_group.manager
+        _, participant, participants = replica_group.participation()  # a catching-up group's gradient is not summed
         last_micro = key.micro == cursor.order.accumulate - 1
         record = {"t": time.time(), "node": self.node, "rank": self.local_rank, "pid": os.getpid(),
                   "step": key.step, "micro": key.micro, "shares": list(key.shares),
                   "samples": cursor.order.samples(key, cursor.rank), "loss": _loss(outputs),
-                  "participant": manager.participating_rank(), "participants": manager.num_participants(),
+                  "participant": participant, "participants": participants,
                   "committed": manager.current_step() > key.step if last_micro else None,
                   "reloaded": cursor.reloaded}
         with self.samples_path.open("a") as handle:

@@ -14,7 +14,8 @@ rejoin. Here, as in FT-HSDP (arXiv 2602.00277), the transfer happens beside trai
    and the hyper-parameters they were applied with.
 3. **Once every rank of the group has its snapshot** (agreed at the start of a step) it loads the snapshot and
    replays the kept steps through its optimizers: the same gradients, hyper-parameters and optimizer code as
-   the live groups ran, so its shards are bit-identical to theirs. It contributes from its next quorum on.
+   the live groups ran, so its shards are bit-identical to theirs. It contributes from that step on (while a group
+   catches up, every step has a quorum, whose agreement tells every group who contributes).
 
 The live groups lose only what any quorum with a new member costs (the process group is rebuilt) and the joining
 group's first, cold step. The price is host memory: the serving rank's snapshot until the groups agree the

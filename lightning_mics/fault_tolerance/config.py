@@ -77,7 +77,7 @@ class FaultTolerance:
     #: and fetched in the background while the joining group takes part in the steps without contributing --
     #: it reads no share of the data, sends zeros in hop 2 and keeps each committed step's averaged gradients.
     #: Once every rank has its snapshot the group loads it and replays the kept steps (bit-identical to the
-    #: live groups), and it contributes from the next quorum on (:mod:`~.catch_up`).
+    #: live groups), and it contributes from that step on (:mod:`~.catch_up`).
     heal: str = "blocking"
     #: ``heal="catch_up"``: the most bytes per second a serving rank sends its snapshot at. The transfer shares
     #: the network with hop 2: uncapped, it slows the live groups' steps while it runs (the step it starts in

@@ -184,8 +184,15 @@ class ReplicaGroup:
         """Whether this step asks for a quorum: the same answer in every rank of every group of the last quorum
         (they are at the same committed step, and a step is discarded by a whole group), except that a group
         whose step was discarded while another's committed asks alone -- the other's next collective then times
-        out (``timeout``), is discarded too, and both meet in the next quorum."""
-        return self._last_quorum is None or self._discarded_since_quorum or step % self.options.quorum_every == 0
+        out (``timeout``), is discarded too, and both meet in the next quorum. While a group of the last quorum
+        catches up, every step asks (every group learned it from the same agreement): the joiner contributes from
+        the step after it caught up, not up to ``quorum_every`` steps later."""
+        return (
+            self._last_quorum is None
+            or self._discarded_since_quorum
+            or step % self.options.quorum_every == 0
+            or bool(self.not_contributing)  # a group catching up contributes from the quorum after it caught up
+        )
 
     def _same_quorum_as_last_step(self, step: int) -> bool:
         """Whether this step's quorum is the one the last step ran in, with no heal in between: then the groups
@@ -281,7 +288,8 @@ class ReplicaGroup:
     def finish_catch_up(self, wait: bool = False) -> None:
         """At the start of a step while catching up: once every rank of the group has its snapshot (one tiny
         all-reduce of this group's world, every step until then), load it and replay the kept steps. The group
-        contributes from its next quorum on. A rank whose download failed ends the whole group, saying why.
+        contributes from this step on (its quorum's agreement tells the others). A rank whose download failed ends
+        the whole group, saying why.
         ``wait``: first wait for this rank's download (up to ``timeout``) -- before an evaluation or the end of
         training, which must see the live groups' shards."""
         catch_up = self.catch_up
@@ -308,7 +316,7 @@ class ReplicaGroup:
         self.catch_up = None
         log.warning(
             "fault tolerance: caught up at step %d: loaded the snapshot of step %d and replayed %d step(s); this "
-            "group contributes from its next quorum", self.manager.current_step(), catch_up.step, self.replayed_steps
+            "group contributes from now on", self.manager.current_step(), catch_up.step, self.replayed_steps
         )
 
     def keep_for_catch_up(self, optimizer: Any) -> None:
