@@ -157,6 +157,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
                         help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
                         "group fetches the shards in the background and replays the steps it missed)")
+    parser.add_argument("--only", choices=("all", "rejoin"), default="all",
+                        help="rejoin: runs 2-3 only (a node killed and restarted): the failure and rejoin numbers, "
+                        "in about two minutes (to compare heal settings)")
     parser.add_argument("--catch-up-share", type=float, default=0.25,
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
@@ -1101,12 +1104,14 @@ def draw_timeline(ft: RunLog, baseline: RunLog, steps: int, path: Path, title: s
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The headline numbers, as in docs/fault-tolerance.md."""
-    n, f, r = results["no_failure"], results["failure"], results["rejoin"]
-    rows = [
+    n, f, r = results.get("no_failure"), results["failure"], results["rejoin"]
+    rows = [] if n is None else [
         ("no failure: max abs diff to plain `mics`", f"{n['max_abs_diff']:.3g}"),
         ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
          f"{n['plain_step_seconds']:.3f} s)")),
         ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
+    ]
+    rows += [
         ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
         ("node lost: steps discarded", str(f["steps_discarded"])),
         ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
@@ -1121,9 +1126,14 @@ def markdown_table(results: dict[str, Any]) -> str:
          _num(r.get("survivor_stall_steps"))),
         ("rejoin: survivors' gap before the step it joined, in steps (`rejoin.heal_step_stall_steps`)",
          _num(r.get("heal_step_stall_steps"))),
-        ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
-        ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
+        ("rejoin: the same longest stall as first defined (`rejoin.survivor_stall_steps_as_before`)",
+         _num(r.get("survivor_stall_steps_as_before"))),
     ]
+    if "restart_baseline" in results:
+        rows += [
+            ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
+            ("seconds to the final step: fault tolerance", f"{results['ft']['seconds']:.1f}"),
+        ]
     t = results.get("trajectory")
     if t is not None:
         rows += [
@@ -1150,9 +1160,15 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
-def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog]:
-    """The runs, in order, and their numbers."""
+def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
+    """The runs, in order, and their numbers (``--only rejoin``: runs 2-3 alone)."""
     args = bench.args
+    if args.only == "rejoin":
+        print("[1/1] ft-failure ...", flush=True)
+        run = run_ft_failure(bench)
+        (Path(run.log_dir) / "run.json").write_text(json.dumps(asdict(run)))
+        return ({"failure": failure_results(run, args.steps),
+                 "rejoin": rejoin_results(run, args.checkpoint_every)}, run, None)
     schedule = schedule_of(args)
     # the no-failure step times interleaved, plain / ft / ft / plain (a drifting load weighs on both alike), then
     # fault tolerance with torchft's quorum at every step; --smoke: one of each
@@ -1246,7 +1262,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                  f"step {args.kill_at_step}, restarted {args.restart_delay:g} s later; checkpoints every "
                  f"{args.checkpoint_every} steps")
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        chart = draw_timeline(ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
+        chart = None if baseline is None else draw_timeline(
+            ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "link"}
     report = {
         **results,

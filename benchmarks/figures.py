@@ -114,6 +114,23 @@ def fault_tolerance_quorum_every_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fault_tolerance_catch_up_table(results: dict[str, Any]) -> str:
+    """docs/fault-tolerance.md's table of a run with ``--heal catch_up`` (the quorum-every table, then the
+    catch-up's own numbers and the stall as this benchmark first defined it)."""
+    r = results["rejoin"]
+    lines = fault_tolerance_quorum_every_table(results).rstrip("\n").split("\n") + [
+        f"| rejoin: seconds from the restart to its shards being current (`rejoin.seconds_to_current`) | "
+        f"{r['seconds_to_current']:.1f} |",
+        f"| rejoin: steps it took part in without contributing, catching up (`rejoin.steps_catching_up`) | "
+        f"{r['steps_catching_up']} |",
+        f"| rejoin: what a survivors' checkpoint save adds to a step, taken out of the stall "
+        f"(`rejoin.checkpoint_save_seconds`) | {r['checkpoint_save_seconds']:.3f} s |",
+        f"| rejoin: the longest stall as first defined -- from the restart, saves left in, in the outage's "
+        f"step (`rejoin.survivor_stall_steps_as_before`) | {r['survivor_stall_steps_as_before']:.2f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
@@ -125,6 +142,10 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fault-tolerance-quorum-every": (
         "benchmarks/results/fault_tolerance_quorum_every/fault_tolerance.json",
         fault_tolerance_quorum_every_table,
+    ),
+    "fault-tolerance-catch-up": (
+        "benchmarks/results/fault_tolerance_catch_up/fault_tolerance.json",
+        fault_tolerance_catch_up_table,
     ),
 }
 
