@@ -74,6 +74,11 @@ def fault_tolerance_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _extended(table: str, rows: list[str]) -> str:
+    """A rendered table with ``rows`` added at its end."""
+    return "\n".join(table.rstrip("\n").split("\n") + rows) + "\n"
+
+
 def fault_tolerance_trajectory_table(results: dict[str, Any]) -> str:
     """docs/fault-tolerance.md's table of a run with the trajectory and goodput sections (issue 32)."""
     t, g, r = results["trajectory"], results["goodput"], results["rejoin"]
@@ -103,22 +108,21 @@ def fault_tolerance_quorum_every_table(results: dict[str, Any]) -> str:
     at every step costs against it)."""
     n, settings = results["no_failure"], results["settings"]
     runs = n["runs_step_seconds"]
-    lines = fault_tolerance_trajectory_table(results).rstrip("\n").split("\n") + [
+    return _extended(fault_tolerance_trajectory_table(results), [
         f"| no failure: step times of the interleaved runs, plain / fault-tolerant (s) | "
         f"{' '.join(f'{t:.3f}' for t in runs['plain'])} / {' '.join(f'{t:.3f}' for t in runs['ft'])} |",
         f"| no failure: overhead with a quorum every step instead of every {settings['quorum_every']} "
         f"(`no_failure.overhead_quorum_every_step`) | {n['overhead_quorum_every_step']:.3f} |",
         f"| rejoin: survivors' gap before the step the restarted group joined, in step times, minus one "
         f"(`rejoin.heal_step_stall_steps`) | {results['rejoin']['heal_step_stall_steps']:.2f} |",
-    ]
-    return "\n".join(lines) + "\n"
+    ])
 
 
 def fault_tolerance_catch_up_table(results: dict[str, Any]) -> str:
     """docs/fault-tolerance.md's table of a run with ``--heal catch_up`` (the quorum-every table, then the
     catch-up's own numbers and the stall as this benchmark first defined it)."""
     r = results["rejoin"]
-    lines = fault_tolerance_quorum_every_table(results).rstrip("\n").split("\n") + [
+    return _extended(fault_tolerance_quorum_every_table(results), [
         f"| rejoin: seconds from the restart to its shards being current (`rejoin.seconds_to_current`) | "
         f"{r['seconds_to_current']:.1f} |",
         f"| rejoin: steps it took part in without contributing, catching up (`rejoin.steps_catching_up`) | "
@@ -127,8 +131,7 @@ def fault_tolerance_catch_up_table(results: dict[str, Any]) -> str:
         f"(`rejoin.checkpoint_save_seconds`) | {r['checkpoint_save_seconds']:.3f} s |",
         f"| rejoin: the longest stall as first defined -- from the restart, saves left in, in the outage's "
         f"step (`rejoin.survivor_stall_steps_as_before`) | {r['survivor_stall_steps_as_before']:.2f} |",
-    ]
-    return "\n".join(lines) + "\n"
+    ])
 
 
 #: block name -> (results file, renderer)
