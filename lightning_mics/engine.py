@@ -39,6 +39,7 @@ from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
     GroupConfiguration,
     ReplicaGroup,
+    check_catch_up_heal,
     check_fault_tolerant_layout,
 )
 from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, tensor_digest_chunks
@@ -219,13 +220,7 @@ class MiCSEngine:
         """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
         ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
         never both."""
-        ft = self.options.fault_tolerance
-        if loss_scaling and ft is not None and ft.heal == "catch_up":
-            raise ValueError(
-                "FaultTolerance(heal='catch_up') replays the optimizer steps a joining group missed from their "
-                "gradients, but a loss scaler (precision='16-mixed') skips the steps whose gradients overflowed, "
-                "which a replay cannot tell: use heal='blocking', or precision='bf16-mixed' (no loss scaling)."
-            )
+        check_catch_up_heal(self.options.fault_tolerance, loss_scaling=loss_scaling)
         layout = self.layout()
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)

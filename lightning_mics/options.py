@@ -31,7 +31,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
 from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
-from lightning_mics.fault_tolerance.config import FaultTolerance
+from lightning_mics.fault_tolerance.config import FaultTolerance, check_catch_up_heal
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 from lightning_mics.offload import CPUOffloadOption, check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
@@ -281,14 +281,7 @@ class MiCSOptions:
         check_planner_cluster(self.planner_cluster, plans=self.plans_anything)
         check_cpu_offload_option(self.cpu_offload, self.cross_replica_dtype, self.fault_tolerance, sharding)
         check_semi_sync_options(self)
-        if self.fault_tolerance is not None and self.fault_tolerance.heal == "catch_up" and (
-            self.cross_replica_sync != "every_step"
-        ):
-            raise ValueError(
-                f"FaultTolerance(heal='catch_up') replays the averaged gradients of the steps a joining group missed; "
-                f"with cross_replica_sync={self.cross_replica_sync!r} the groups average parameters once per round "
-                "instead, and a joining group heals at the round's synchronisation: use heal='blocking' there."
-            )
+        check_catch_up_heal(self.fault_tolerance, cross_replica_sync=self.cross_replica_sync)
 
     @property
     def plans_anything(self) -> bool:

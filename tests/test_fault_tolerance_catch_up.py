@@ -196,3 +196,8 @@ def test_heal_is_blocking_or_catch_up_and_catch_up_needs_synchronous_hop_2() -> 
         FaultTolerance(heal="eager")
     with pytest.raises(ValueError, match="use heal='blocking' there"):
         MiCSOptions(fault_tolerance=FaultTolerance(heal="catch_up"), cross_replica_sync="diloco", sync_every=4)
+    from lightning_mics.fault_tolerance import check_catch_up_heal
+
+    with pytest.raises(ValueError, match="loss scaler.*use heal='blocking', or precision='bf16-mixed'"):
+        check_catch_up_heal(FaultTolerance(heal="catch_up"), loss_scaling=True)
+    check_catch_up_heal(FaultTolerance(heal="blocking"), "diloco", loss_scaling=True)  # the blocking heal takes both

@@ -42,6 +42,7 @@ from lightning_mics.fault_tolerance.config import (
     NUM_REPLICA_GROUPS_ENV,
     REPLICA_GROUP_ENV,
     FaultTolerance,
+    check_catch_up_heal,
     check_fault_tolerant_layout,
 )
 from lightning_mics.fault_tolerance.counters import CommittedStepCounters, trainer_state_hooks
@@ -70,6 +71,7 @@ __all__ = [
     "Watchdog",
     "agreement_message",
     "agreement_verdict",
+    "check_catch_up_heal",
     "check_fault_tolerant_layout",
     "check_healed_whole",
     "load_training_state",

@@ -24,7 +24,6 @@ joiner caught up, and the joiner's kept gradients -- one gradient shard per step
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import socket
@@ -39,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from lightning_mics.fault_tolerance.heal_state import hyper_parameters, set_hyper_parameters
 
 log = logging.getLogger("lightning_mics.fault_tolerance")
 
@@ -210,7 +211,7 @@ class CatchUp:
             KeptStep(
                 optimizer,
                 [None if p.grad is None else to_host(p.grad) for p in params],
-                [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups],
+                hyper_parameters(optimizer),
             )
         )
 
@@ -226,25 +227,19 @@ class CatchUp:
         """Step the optimizers again through every kept step, in order, from the loaded snapshot: each with the
         gradients and hyper-parameters the live groups used. The hyper-parameters in effect now are put back
         after. How many steps were replayed."""
-        current = {id(k.optimizer): _hyper_parameters(k.optimizer) for k in self.kept}
+        current = {id(k.optimizer): hyper_parameters(k.optimizer) for k in self.kept}
         for kept in self.kept:
             optimizer = kept.optimizer
             params = [p for group in optimizer.param_groups for p in group["params"]]
             for param, gradient in zip(params, kept.gradients):
                 param.grad = None if gradient is None else _like(param, gradient)
-            for group, values in zip(optimizer.param_groups, kept.hyper_parameters):
-                group.update(values)
+            set_hyper_parameters(optimizer, kept.hyper_parameters)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         for kept in self.kept:
-            for group, values in zip(kept.optimizer.param_groups, current[id(kept.optimizer)]):
-                group.update(values)
+            set_hyper_parameters(kept.optimizer, current[id(kept.optimizer)])
         replayed, self.kept = len(self.kept), []
         return replayed
-
-
-def _hyper_parameters(optimizer: Optimizer) -> list[dict[str, Any]]:
-    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
 
 
 def _like(param: Tensor, local: Tensor) -> Tensor:

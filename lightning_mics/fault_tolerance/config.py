@@ -144,6 +144,27 @@ def _env_int(name: str) -> Optional[int]:
     return int(value)
 
 
+def check_catch_up_heal(
+    options: Optional[FaultTolerance], cross_replica_sync: str = "every_step", loss_scaling: bool = False
+) -> None:
+    """Refuse ``heal="catch_up"`` where a replay of the missed steps' gradients cannot reproduce them: with a
+    semi-synchronous hop 2 (no per-step gradients to replay), or with a loss scaler (its skipped steps)."""
+    if options is None or options.heal != "catch_up":
+        return
+    if cross_replica_sync != "every_step":
+        raise ValueError(
+            f"FaultTolerance(heal='catch_up') replays the averaged gradients of the steps a joining group missed; "
+            f"with cross_replica_sync={cross_replica_sync!r} the groups average parameters once per round "
+            "instead, and a joining group heals at the round's synchronisation: use heal='blocking' there."
+        )
+    if loss_scaling:
+        raise ValueError(
+            "FaultTolerance(heal='catch_up') replays the optimizer steps a joining group missed from their "
+            "gradients, but a loss scaler (precision='16-mixed') skips the steps whose gradients overflowed, "
+            "which a replay cannot tell: use heal='blocking', or precision='bf16-mixed' (no loss scaling)."
+        )
+
+
 def check_fault_tolerant_layout(replication_degree: int, optim_beyond_partition: bool) -> None:
     """Refuse the layouts that cannot lose a group: inside one group's job, the world must be one partition
     (replicas live in other groups) and optimizer states may not be sharded across groups."""

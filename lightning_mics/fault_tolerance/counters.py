@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_mics import _compat as compat
-from lightning_mics.fault_tolerance.heal_state import state_hooks
+from lightning_mics.fault_tolerance.heal_state import hyper_parameters, set_hyper_parameters, state_hooks
 
 if TYPE_CHECKING:
     from lightning_mics.fault_tolerance.group import ReplicaGroup
@@ -39,8 +39,7 @@ class CommittedStepCounters:
             for scheduler, state in zip(self.schedulers, schedulers):
                 scheduler.load_state_dict(state)
             for optimizer, groups in zip(self.optimizers, hyper_parameters):
-                for param_group, values in zip(optimizer.param_groups, groups):
-                    param_group.update(values)
+                set_hyper_parameters(optimizer, groups)
             self.set_global_step(global_step)
             group.last_step_discarded = False
 
@@ -49,12 +48,8 @@ class CommittedStepCounters:
         self._snapshot = (
             self.trainer.global_step,
             copy.deepcopy([scheduler.state_dict() for scheduler in self.schedulers]),
-            [[_hyper_parameters(group) for group in optimizer.param_groups] for optimizer in self.optimizers],
+            [hyper_parameters(optimizer) for optimizer in self.optimizers],
         )
-
-
-def _hyper_parameters(param_group: dict[str, Any]) -> dict[str, Any]:
-    return copy.deepcopy({key: value for key, value in param_group.items() if key != "params"})
 
 
 def trainer_state_hooks(

@@ -484,11 +484,8 @@ class ReplicaGroup:
     def leads(self) -> bool:
         """Whether this group is the first of the current quorum: it logs and writes checkpoints for all (group 0
         while it is live, else the next) -- the same answer on every rank of a group, and on one group of the
-        quorum. A group catching up does not lead."""
-        if self.not_contributing:
-            contributors = self._contributors()
-            return bool(contributors) and contributors[0] == self.options.replica_group
-        return self.manager.participating_rank() == 0
+        quorum. A group catching up does not lead: the first of the step's contributors does."""
+        return self.participation()[1] == 0
 
     @property
     def writes_checkpoints(self) -> bool:

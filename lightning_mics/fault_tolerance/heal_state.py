@@ -3,7 +3,8 @@ schedulers, the step count -- and how it loads them in place."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,20 @@ def copy_local_state_(live: Any, received: Any) -> None:
             copy_local_state_(value, other)
 
 
+def hyper_parameters(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's hyper-parameters -- everything but its parameters -- copied, so that the schedule
+    moving them later does not change what was taken."""
+    return [copy.deepcopy({key: value for key, value in group.items() if key != "params"})
+            for group in optimizer.param_groups]
+
+
+def set_hyper_parameters(optimizer: Optimizer, groups: Sequence[Mapping[str, Any]]) -> None:
+    """Each parameter group's hyper-parameters from ``groups`` (from :func:`hyper_parameters`, or a state dict's
+    ``param_groups``, whose ``params`` are left out)."""
+    for group, values in zip(optimizer.param_groups, groups):
+        group.update({key: value for key, value in values.items() if key != "params"})
+
+
 def optimizer_local_state(optimizer: Optimizer) -> dict[str, Any]:
     """The optimizer's per-parameter states and hyper-parameters, this rank's shards."""
     state = optimizer.state_dict()
@@ -58,8 +73,7 @@ def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -
             compat.init_optimizer_state(optimizer)
         own = optimizer.state_dict()
         copy_local_state_(own["state"], received["state"])
-    for group, peer in zip(optimizer.param_groups, received.get("param_groups", ())):
-        group.update({key: value for key, value in peer.items() if key != "params"})
+    set_hyper_parameters(optimizer, received.get("param_groups", ()))
 
 
 def training_state(
