@@ -157,9 +157,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
                         help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
                         "group fetches the shards in the background and replays the steps it missed)")
-    parser.add_argument("--only", choices=("all", "rejoin"), default="all",
+    parser.add_argument("--only", choices=("all", "rejoin", "no_failure", "trajectory"), default="all",
                         help="rejoin: runs 2-3 only (a node killed and restarted): the failure and rejoin numbers, "
-                        "in about two minutes (to compare heal settings)")
+                        "in about two minutes (to compare heal settings); no_failure: run 1 only (the overhead); "
+                        "trajectory: runs 2-3 and 5 (the failure, rejoin and trajectory numbers)")
+    parser.add_argument("--exact-trajectory", action=argparse.BooleanOptionalAction, default=True,
+                        help="FaultTolerance(exact_trajectory=...) of every fault-tolerant run (default on: the run "
+                        "with a failure bit-identical to the run without; --no-exact-trajectory sums a group's "
+                        "shares in fp32, equal up to rounding)")
     parser.add_argument("--catch-up-share", type=float, default=0.25,
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
@@ -239,6 +244,7 @@ class Bench:
         fields.setdefault("quorum_every", self.args.quorum_every)
         fields.setdefault("heal", self.args.heal)
         fields.setdefault("catch_up_bytes_per_s", getattr(self.args, "catch_up_bytes_per_s", None))
+        fields.setdefault("exact_trajectory", getattr(self.args, "exact_trajectory", False))
         fields.setdefault("async_save", self.args.checkpoints == "async")
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
@@ -925,13 +931,18 @@ def step_samples(records: list[dict[str, Any]]) -> dict[int, list[int]]:
 
 def step_losses(records: list[dict[str, Any]]) -> dict[int, float]:
     """Committed step -> its training loss: the mean over its samples (each rank's loss is the mean over its
-    own samples of the micro-batch, so weighted by their count)."""
-    totals: dict[int, list[float]] = {}
+    own samples of the micro-batch -- or, with ``share_losses``, of each share's -- so weighted by their count),
+    summed exactly (``math.fsum``): the same losses give the same mean whichever group logged which."""
+    import math
+
+    terms: dict[int, list[float]] = {}
+    counts: dict[int, int] = {}
     for record in committed_records(records):
-        total = totals.setdefault(record["step"], [0.0, 0.0])
-        total[0] += record["loss"] * len(record["samples"])
-        total[1] += len(record["samples"])
-    return {step: loss / count for step, (loss, count) in totals.items() if count}
+        n = len(record["samples"])
+        losses = record.get("share_losses") or [record["loss"]]
+        terms.setdefault(record["step"], []).extend(loss * (n / len(losses)) for loss in losses)
+        counts[record["step"]] = counts.get(record["step"], 0) + n
+    return {step: math.fsum(terms[step]) / count for step, count in counts.items() if count}
 
 
 def trajectory_results(reference: list[dict[str, Any]], run: list[dict[str, Any]],
@@ -1104,13 +1115,15 @@ def draw_timeline(ft: RunLog, baseline: RunLog, steps: int, path: Path, title: s
 
 def markdown_table(results: dict[str, Any]) -> str:
     """The headline numbers, as in docs/fault-tolerance.md."""
-    n, f, r = results.get("no_failure"), results["failure"], results["rejoin"]
+    n, f, r = results.get("no_failure"), results.get("failure"), results.get("rejoin")
     rows = [] if n is None else [
         ("no failure: max abs diff to plain `mics`", f"{n['max_abs_diff']:.3g}"),
         ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
          f"{n['plain_step_seconds']:.3f} s)")),
         ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
     ]
+    if f is None or r is None:  # --only no_failure
+        return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
     rows += [
         ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
         ("node lost: steps discarded", str(f["steps_discarded"])),
@@ -1160,6 +1173,18 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
+def trajectory_section(runs: dict[str, RunLog], args: argparse.Namespace) -> dict[str, Any]:
+    """``trajectory.*``: run 2's committed steps against run 5's."""
+    reference = read_sample_records(runs["ft-reference"].log_dir)
+    compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
+    return {
+        **trajectory_results(reference, read_sample_records(runs["ft-failure"].log_dir), compare),
+        "compared": "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no failure), same seed",
+        "reference_steps": args.reference_steps or args.steps,
+        "exact_trajectory": args.exact_trajectory,
+    }
+
+
 def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     """The runs, in order, and their numbers (``--only rejoin``: runs 2-3 alone)."""
     args = bench.args
@@ -1170,22 +1195,26 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         return ({"failure": failure_results(run, args.steps),
                  "rejoin": rejoin_results(run, args.checkpoint_every)}, run, None)
     schedule = schedule_of(args)
+    if args.only == "trajectory":
+        schedule = replace(schedule, failures=0)
     # the no-failure step times interleaved, plain / ft / ft / plain (a drifting load weighs on both alike), then
     # fault tolerance with torchft's quorum at every step; --smoke: one of each
-    todo: list[tuple[str, Callable[[], RunLog]]] = [
-        ("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft")),
-    ]
-    if not args.smoke:
+    todo: list[tuple[str, Callable[[], RunLog]]] = []
+    if args.only in ("all", "no_failure"):
+        todo += [("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft"))]
+    if args.only in ("all", "no_failure") and not args.smoke:
         todo += [
             ("ft-2", lambda: run_no_failure(bench, "ft", "ft-no-failure-2")),
             ("plain-2", lambda: run_no_failure(bench, "plain", "plain-no-failure-2")),
             ("ft-quorum-every-step", lambda: run_no_failure(bench, "ft", "ft-no-failure-every-step", quorum_every=1)),
         ]
-    todo += [
-        ("ft-failure", lambda: run_ft_failure(bench)), ("restart-baseline", lambda: run_restart_baseline(bench)),
-        ("ft-reference", lambda: run_ft_reference(bench)),
-    ]
-    if schedule.failures > 0:
+    if args.only in ("all", "trajectory"):
+        todo.append(("ft-failure", lambda: run_ft_failure(bench)))
+    if args.only == "all":
+        todo.append(("restart-baseline", lambda: run_restart_baseline(bench)))
+    if args.only in ("all", "trajectory"):
+        todo.append(("ft-reference", lambda: run_ft_reference(bench)))
+    if schedule.failures > 0 and args.only == "all":
         todo += [("ft-goodput", lambda: run_ft_goodput(bench, schedule)),
                  ("restart-goodput", lambda: run_restart_goodput(bench, schedule))]
     runs: dict[str, RunLog] = {}
@@ -1196,13 +1225,24 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         (Path(runs[name].log_dir) / "run.json").write_text(json.dumps(asdict(runs[name])))  # kept with --work-dir
         print(f"    {time.monotonic() - began:.0f} s; events: " + ", ".join(
             f"{k} at {t - runs[name].started:.1f} s" for k, t in runs[name].events.items()), flush=True)
+    no_failure = None
+    if "plain" in runs:
+        no_failure = no_failure_results(
+            [runs[k] for k in ("plain", "plain-2") if k in runs], [runs[k] for k in ("ft", "ft-2") if k in runs],
+            runs.get("ft-quorum-every-step"),
+        )
+    if args.only == "no_failure":
+        return {"no_failure": no_failure}, runs["ft"], None
+    if args.only == "trajectory":
+        return {
+            "failure": failure_results(runs["ft-failure"], args.steps),
+            "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
+            "trajectory": trajectory_section(runs, args),
+        }, runs["ft-failure"], None
     ft_seconds = seconds_to_final_step(runs["ft-failure"], args.steps)
     baseline_seconds = seconds_to_final_step(runs["restart-baseline"], args.steps)
     results = {
-        "no_failure": no_failure_results(
-            [runs[k] for k in ("plain", "plain-2") if k in runs], [runs[k] for k in ("ft", "ft-2") if k in runs],
-            runs.get("ft-quorum-every-step"),
-        ),
+        "no_failure": no_failure,
         "failure": failure_results(runs["ft-failure"], args.steps),
         "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
         "restart_baseline": {"seconds": baseline_seconds, "events": relative(runs["restart-baseline"]),
@@ -1211,13 +1251,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
                "speedup_vs_restart_baseline": baseline_seconds / ft_seconds},
     }
     results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
-    reference = read_sample_records(runs["ft-reference"].log_dir)
-    compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
-    results["trajectory"] = {
-        **trajectory_results(reference, read_sample_records(runs["ft-failure"].log_dir), compare),
-        "compared": "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no failure), same seed",
-        "reference_steps": args.reference_steps or args.steps,
-    }
+    results["trajectory"] = trajectory_section(runs, args)
     global_batch = NODES * RANKS_PER_NODE * args.batch_size
     if schedule.failures > 0:
         goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], runs["ft-reference"], runs["plain"],
@@ -1225,6 +1259,8 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         goodput["schedule"]["checkpoint_every"] = args.checkpoint_every
         # the samples the fault-tolerant goodput run read, against the reference's same steps (no losses: its
         # learning-rate schedule differs, max_steps being out of reach)
+        reference = read_sample_records(runs["ft-reference"].log_dir)
+        compare = args.reference_steps or None
         read = trajectory_results(reference, read_sample_records(runs["ft-goodput"].log_dir), compare)
         goodput["trajectory"] = {key: read[key] for key in ("samples_skipped", "samples_repeated", "steps_differing",
                                                             "global_batch_constant", "steps_compared")}

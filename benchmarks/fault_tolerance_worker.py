@@ -79,6 +79,7 @@ class Job:
     catch_up_bytes_per_s: float | None = None  #: ft: FaultTolerance(catch_up_bytes_per_s=...)
     async_save: bool = False  #: MiCSStrategy(async_save=...): checkpoints written in the background
     check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
+    exact_trajectory: bool = False  #: ft: FaultTolerance(exact_trajectory=...)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -173,6 +174,10 @@ class StepLog(pl.Callback):
                   "participant": participant, "participants": participants,
                   "committed": manager.current_step() > key.step if last_micro else None,
                   "reloaded": cursor.reloaded}
+        if cursor.separate_shares:  # exact_trajectory: one pass, and one loss, per share (the loop's is the first)
+            losses = [record["loss"]] + [float(cursor.other_share_losses[share]) for share in key.shares[1:]]
+            record["share_losses"] = losses
+            record["loss"] = sum(losses) / len(losses)
         with self.samples_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -190,7 +195,7 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
                         timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every, heal=job.heal,
                         catch_up_bytes_per_s=job.catch_up_bytes_per_s,
-                        check_parameters_every=job.check_parameters_every)
+                        check_parameters_every=job.check_parameters_every, exact_trajectory=job.exact_trajectory)
     return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo", async_save=job.async_save)
 
 

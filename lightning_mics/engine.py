@@ -20,7 +20,8 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
+from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
 from lightning_mics import process_groups
@@ -40,12 +42,14 @@ from lightning_mics.fault_tolerance import (
     GroupConfiguration,
     ReplicaGroup,
     check_catch_up_heal,
+    check_exact_trajectory,
     check_fault_tolerant_layout,
 )
 from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, tensor_digest_chunks
 from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
-from lightning_mics.grad_sync import clip_grad_norm_
+from lightning_mics.grad_sync import clip_grad_norm_, set_cross_replica_sync
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
+from lightning_mics.hop2.shares import ShareGradients
 from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
 from lightning_mics.launch import check_layout, limit_intra_op_threads, resolve_ranks_per_node
 from lightning_mics.layout import (
@@ -90,6 +94,8 @@ class MiCSEngine:
         #: id), its pipeline
         self._cross_replica: dict[int, StepHook] = {}
         self._model_syncs: dict[int, CrossReplicaPipeline] = {}
+        #: ``exact_trajectory``: the data shares' gradients kept apart (the Trainer's one model)
+        self._share_gradients: Optional[ShareGradients] = None
         #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
         self.replica_group: Optional[ReplicaGroup] = None
         self._step_open = False
@@ -221,6 +227,7 @@ class MiCSEngine:
         ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
         never both."""
         check_catch_up_heal(self.options.fault_tolerance, loss_scaling=loss_scaling)
+        check_exact_trajectory(self.options.fault_tolerance, loss_scaling=loss_scaling)
         layout = self.layout()
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)
@@ -254,12 +261,40 @@ class MiCSEngine:
         if not hop2.run_by_engine:
             return None
         transport: Transport
+        shares: Optional[ShareGradients] = None
         if hop2.managed:
-            assert self.replica_group is not None, "join_fault_domain() runs before the optimizers are attached"
-            transport = ManagedTransport(self.replica_group, layout.settings.cross_replica_wire)
+            group = self.replica_group
+            assert group is not None, "join_fault_domain() runs before the optimizers are attached"
+            exact_over = group.options.num_replica_groups if group.options.exact_trajectory else None
+            transport = ManagedTransport(group, layout.settings.cross_replica_wire, exact_over)
+            if exact_over is not None:
+                shares = self._share_gradients = ShareGradients(module)
         else:
             transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
-        return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped)
+        return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped, shares=shares)
+
+    def use_share(self, share: int) -> None:
+        """``exact_trajectory``: the micro-step's backward accumulates into data share ``share``'s gradients."""
+        if self._share_gradients is not None:
+            self._share_gradients.use(share)
+
+    @contextmanager
+    def training_other_share(self, share: int) -> Iterator[None]:
+        """``exact_trajectory``: around the extra pass (forward and backward) of one more data share of this
+        micro-step -- a lost group's: its gradients accumulate apart (:mod:`lightning_mics.hop2.shares`), and
+        even on the boundary micro-step hop 2 does not start (it starts in the loop's own backward, last)."""
+        shares = self._share_gradients
+        if shares is None:
+            raise RuntimeError("training_other_share needs FaultTolerance(exact_trajectory=True) and an optimizer.")
+        shares.use(share)
+        units = shares.units
+        boundary = [compat.fsdp_requires_all_reduce(unit) for unit in units]
+        set_cross_replica_sync(units, False)
+        try:
+            yield
+        finally:
+            for unit, was in zip(units, boundary):
+                unit.set_requires_all_reduce(was, recurse=False)
 
     # ------------------------------------------------------------------ fault tolerance (torchft)
     def join_fault_domain(
@@ -278,7 +313,10 @@ class MiCSEngine:
             ft = ft.resolved()
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
             configuration = GroupConfiguration.of(
-                layout | dict(run) | {"num_replica_groups": ft.num_replica_groups, "heal": ft.heal}
+                layout
+                | dict(run)
+                | {"num_replica_groups": ft.num_replica_groups, "heal": ft.heal}
+                | {"exact_trajectory": ft.exact_trajectory}
             )
             semi_sync = self.semi_sync
 
@@ -370,7 +408,8 @@ class MiCSEngine:
         ft = ft.resolved()
         assert ft.num_replica_groups is not None and ft.replica_group is not None
         order = sample_order_of(loader, ft.num_replica_groups, world_size, accumulate)
-        self._training_data = TrajectoryDataLoader(loader, DataCursor(order, ft.replica_group, rank, first_step))
+        cursor = DataCursor(order, ft.replica_group, rank, first_step, separate_shares=ft.exact_trajectory)
+        self._training_data = TrajectoryDataLoader(loader, cursor)
         return self._training_data
 
     def micro_batch_to_load(self, step_opened: bool) -> Optional[Any]:

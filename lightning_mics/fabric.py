@@ -172,6 +172,12 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         """This group's torchft Manager, serving and healing the model's and ``optimizer``'s shards."""
         if self._optimizers:
             raise ValueError(_FT_ONE_MODEL)
+        if self.options.fault_tolerance is not None and self.options.fault_tolerance.exact_trajectory:
+            raise ValueError(
+                "FaultTolerance(exact_trajectory=True) runs a lost group's share of each micro-step as an extra pass "
+                "of the training step, which only the Trainer's loop lets the strategy do; with Fabric set "
+                "exact_trajectory=False (keep_trajectory=True still keeps the samples and the global batch)."
+            )
         (module,) = list(self._modules)
         state_fn, load_fn = ft.state_hooks(module, [optimizer])
         keep = self._keeps_trajectory

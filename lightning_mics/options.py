@@ -31,7 +31,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 
 from lightning_mics.buffer_sync import BufferSync, check_buffer_sync
 from lightning_mics.checkpoint import VERIFY_MODES, VerifyMode
-from lightning_mics.fault_tolerance.config import FaultTolerance, check_catch_up_heal
+from lightning_mics.fault_tolerance.config import FaultTolerance, check_catch_up_heal, check_exact_trajectory
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
 from lightning_mics.offload import CPUOffloadOption, check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
@@ -282,6 +282,7 @@ class MiCSOptions:
         check_cpu_offload_option(self.cpu_offload, self.cross_replica_dtype, self.fault_tolerance, sharding)
         check_semi_sync_options(self)
         check_catch_up_heal(self.fault_tolerance, cross_replica_sync=self.cross_replica_sync)
+        check_exact_trajectory(self.fault_tolerance, self.cross_replica_sync, self.cross_replica_dtype)
 
     @property
     def plans_anything(self) -> bool:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from lightning_mics.grad_sync import fsdp_units
 from lightning_mics.layout import accumulation_context
 from lightning_mics.precision import MiCSPrecision, precision_property
 from lightning_mics.wrapping import RootUnit, WrapPlan
+
+if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.trajectory import DataCursor
 
 __all__ = ["MiCSStrategy"]
 
@@ -215,7 +218,31 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         replacement = self._engine.micro_batch_to_load(opened)
         if replacement is not None and args:  # the loader predicted other samples than the quorum decided
             args = (self._to_device(replacement), *args[1:])
+        cursor = self._engine.data_cursor
+        if cursor is not None and cursor.separate_shares and cursor.current is not None:
+            self._train_other_shares(cursor, args[1:], kwargs)
+            self._engine.use_share(cursor.current.shares[0])
         return super().training_step(*args, **kwargs)
+
+    def _train_other_shares(self, cursor: DataCursor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """``FaultTolerance(exact_trajectory=True)``, while this group reads more than its own share (a group is
+        out): one forward and backward per extra share, each on the failure-free micro-batch and into its own
+        gradients, before the loop's pass over the first share. The loss is divided by the accumulation as
+        Lightning divides the loop's; the backward hooks (``on_before_backward``...) run for the loop's pass only."""
+        module = self.lightning_module
+        assert module is not None and cursor.current is not None
+        accumulate = module.trainer.accumulate_grad_batches
+        for share, batch in zip(cursor.current.shares[1:], cursor.other_shares):
+            with self._engine.training_other_share(share):
+                output = super().training_step(self._to_device(batch), *rest, **kwargs)
+                loss = output.get("loss") if isinstance(output, Mapping) else output
+                if loss is None:
+                    raise ValueError(
+                        "FaultTolerance(exact_trajectory=True) trains a lost group's share of each micro-step as an "
+                        "extra pass of training_step, which returned no loss: return the loss on every batch."
+                    )
+                self.precision_plugin.backward(loss / accumulate, module, None)
+                cursor.other_share_losses[share] = loss.detach()
 
     def _to_device(self, batch: Any) -> Any:
         """A batch loaded outside the loader, through the same hooks the Trainer runs on every batch."""

@@ -124,6 +124,19 @@ def lose_and_restart_group_1(
         return read(out, 0), read(out, 1)
 
 
+def run_two_groups(fn: Any, args_for: Callable[[str, str, str], tuple], timeout: float) -> tuple[list[Any], list[Any]]:
+    """Groups 0 and 1 from start to end with nothing failing (a Lighthouse with ``min_replicas=2``: every step has
+    both) -- the failure-free reference of :func:`lose_and_restart_group_1`'s choreography, with the same
+    ``args_for(address, out_dir, role)`` (role ``"together"``)."""
+    import tempfile
+
+    with lighthouse(min_replicas=2) as address, tempfile.TemporaryDirectory() as out:
+        groups = [start_group(g, out, fn, *args_for(address, out, "together")) for g in range(2)]
+        for group in groups:
+            wait(group, timeout=timeout)
+        return read(out, 0), read(out, 1)
+
+
 def run_one_group(fn: Any, timeout: float) -> list[Any]:
     """Group 0 alone with a Lighthouse of its own (``min_replicas=1``): ``fn(rank, 0, lighthouse_address)`` on
     each of its ranks; their results."""

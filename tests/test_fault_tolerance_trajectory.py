@@ -22,7 +22,13 @@ from typing import Any, Optional
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lose_and_restart_group_1, run_one_group
+from ft_harness import (
+    GROUP_WORLD,
+    fault_tolerant_trainer,
+    lose_and_restart_group_1,
+    run_one_group,
+    run_two_groups,
+)
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 from toy import (
     Fp64Module,
@@ -169,8 +175,15 @@ RUN = RunConfig(world_size=2 * GROUP_WORLD, micro_batch=2, accumulate=2, steps=1
 STEPS_TOGETHER_BEFORE_THE_KILL = 2
 
 
+class _AdamW32Module(ToyModule):
+    """fp32 with AdamW: the setting where a last-bit difference of one step grows into another loss curve."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-2, weight_decay=0.01)
+
+
 def _run_group(
-    rank: int, group: int, address: str, fail: bool, marks: str, quorum_every: int, heal: str
+    rank: int, group: int, address: str, fail: bool, marks: str, quorum_every: int, heal: str, exact: bool = False
 ) -> dict[str, Any]:
     import lightning.pytorch as pl
 
@@ -207,12 +220,14 @@ def _run_group(
                 time.sleep(0.5)  # the first group up waits for the other, or it may reach the end before the kill
 
     ft = FaultTolerance(
-        address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, quorum_every=quorum_every, heal=heal
+        address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, quorum_every=quorum_every, heal=heal,
+        exact_trajectory=exact,
     )
     record = Record()
-    module = Fp64Module(RUN)
+    module = _AdamW32Module(RUN) if exact else Fp64Module(RUN)
     module.train_dataloader = lambda: DataLoader(make_dataset(RUN.num_samples), batch_size=RUN.micro_batch)
-    trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=[fp64_precision()])
+    plugins = [] if exact else [fp64_precision()]
+    trainer = fault_tolerant_trainer(RUN, ft, [record], plugins=plugins)
     trainer.fit(module)
     cursor = trainer.strategy.engine._training_data.cursor
     return {
@@ -280,6 +295,28 @@ def test_a_killed_and_restarted_group_leaves_the_training_as_without_failures_in
                 got = result["params"][name]
                 assert got.dtype == torch.float64
                 assert (got - expected).abs().max().item() < 1e-10, name
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_with_exact_trajectory_a_killed_and_restarted_group_ends_bit_identical_to_no_failure_in_fp32_adamw() -> None:
+    """``exact_trajectory=True``: the survivor trains the lost group's share as an extra pass of the failure-free
+    micro-batch, each share's gradient apart, hop 2 summed in fp64 -- so the run with a kill, a discarded step and
+    a catch-up heal ends on exactly the failure-free run's fp32 AdamW parameters (equal bits, not within a
+    tolerance), where summing the shares in fp32 (``exact_trajectory=False``) ends elsewhere."""
+    args = lambda address, out, role: (address, role == "doomed", out, 1, "catch_up", True)  # noqa: E731
+    alone, healed = lose_and_restart_group_1(_run_group, args, "group0_rank{rank}.alone", join_timeout_ms=2000)
+    together = run_two_groups(_run_group, args, timeout=300)
+    for rank in range(GROUP_WORLD):
+        shares_while_alone = {shares for _, _, shares, live in alone[rank]["keys"] if live == 1}
+        assert shares_while_alone == {(0, 1)}, alone[rank]["keys"]  # the survivor trained both shares
+        assert alone[rank]["discarded"] >= 1
+        assert healed[rank]["replayed"] >= 1  # the restarted group caught up by replaying
+        for g, result in enumerate((alone[rank], healed[rank])):
+            for name, expected in together[g][rank]["params"].items():
+                got = result["params"][name]
+                assert got.dtype == torch.float32
+                assert torch.equal(got, expected), (name, rank, (got - expected).abs().max().item())
 
 
 def test_keep_trajectory_is_true_false_or_unset() -> None:

@@ -43,6 +43,7 @@ from lightning_mics.fault_tolerance.config import (
     REPLICA_GROUP_ENV,
     FaultTolerance,
     check_catch_up_heal,
+    check_exact_trajectory,
     check_fault_tolerant_layout,
 )
 from lightning_mics.fault_tolerance.counters import CommittedStepCounters, trainer_state_hooks
@@ -72,6 +73,7 @@ __all__ = [
     "agreement_message",
     "agreement_verdict",
     "check_catch_up_heal",
+    "check_exact_trajectory",
     "check_fault_tolerant_layout",
     "check_healed_whole",
     "load_training_state",

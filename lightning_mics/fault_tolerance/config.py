@@ -83,6 +83,14 @@ class FaultTolerance:
     #: the network with hop 2: uncapped, it slows the live groups' steps while it runs (the step it starts in
     #: most); capped at a fraction of the link, it spreads over more steps. ``None``: uncapped.
     catch_up_bytes_per_s: Optional[float] = None
+    #: the run with failures bit-for-bit the run without them (the Trainer, with ``keep_trajectory``): each data
+    #: share of a micro-step is its own forward and backward of the failure-free micro-batch size -- a group that
+    #: reads a lost group's share too runs an extra pass for it -- each share's gradient accumulates on its own,
+    #: and hop 2 sums the shares in fp64, so no sum depends on which group added which share
+    #: (:mod:`lightning_mics.hop2.shares`). Costs hop 2 twice fp32's bytes. ``False``: the shares a group reads
+    #: are one micro-batch, summed in fp32 -- the same samples and global batch, the loss curve equal up to
+    #: rounding, which training amplifies.
+    exact_trajectory: bool = False
 
     def __post_init__(self) -> None:
         whole = ("min_replica_groups", "check_parameters_every", "quorum_every")
@@ -97,6 +105,13 @@ class FaultTolerance:
             raise ValueError(
                 f"FaultTolerance(catch_up_bytes_per_s={rate!r}) must be a positive number of bytes per second, or "
                 "None (uncapped)."
+            )
+        if not isinstance(self.exact_trajectory, bool):
+            raise ValueError(f"FaultTolerance(exact_trajectory={self.exact_trajectory!r}) must be true or false.")
+        if self.exact_trajectory and self.keep_trajectory is False:
+            raise ValueError(
+                "FaultTolerance(exact_trajectory=True) makes the trajectory that keep_trajectory keeps bit-exact; with "
+                "keep_trajectory=False each group reads its own fixed share and there is none to keep: drop one."
             )
         if self.heal not in HEAL_MODES:
             raise ValueError(f"FaultTolerance(heal={self.heal!r}) must be one of {', '.join(map(repr, HEAL_MODES))}.")
@@ -162,6 +177,33 @@ def check_catch_up_heal(
             "FaultTolerance(heal='catch_up') replays the optimizer steps a joining group missed from their "
             "gradients, but a loss scaler (precision='16-mixed') skips the steps whose gradients overflowed, "
             "which a replay cannot tell: use heal='blocking', or precision='bf16-mixed' (no loss scaling)."
+        )
+
+
+def check_exact_trajectory(
+    options: Optional[FaultTolerance],
+    cross_replica_sync: str = "every_step",
+    cross_replica_dtype: object = None,
+    loss_scaling: bool = False,
+) -> None:
+    """Refuse ``exact_trajectory=True`` where its sums cannot be exact: a compressed or semi-synchronous hop 2,
+    or a loss scaler (whose scaling the extra passes of a lost group's shares would have to repeat)."""
+    if options is None or not options.exact_trajectory:
+        return
+    if cross_replica_sync != "every_step":
+        raise ValueError(
+            f"FaultTolerance(exact_trajectory=True) sums every step's gradients across groups exactly; with "
+            f"cross_replica_sync={cross_replica_sync!r} there is no per-step sum: set exact_trajectory=False."
+        )
+    if cross_replica_dtype is not None:
+        raise ValueError(
+            f"FaultTolerance(exact_trajectory=True) sums hop 2 in fp64; cross_replica_dtype={cross_replica_dtype!r} "
+            "would round each group's gradients first: leave cross_replica_dtype unset, or set exact_trajectory=False."
+        )
+    if loss_scaling:
+        raise ValueError(
+            "FaultTolerance(exact_trajectory=True) does not support a loss scaler (precision='16-mixed'): use "
+            "precision='bf16-mixed' or '32-true', or set exact_trajectory=False."
         )
 
 

@@ -29,6 +29,10 @@ constant and the survivors take the lost group's samples over.
   quorum decided; a wrong one -- for the few micro-batches in flight after a failure, a discarded step or a
   heal -- is replaced by loading the right samples in the training process: slower for those micro-steps,
   never another sample.
+* **Bit-exact** (``FaultTolerance(exact_trajectory=True)``, the Trainer): a group reading several shares gets
+  them as separate micro-batches of the failure-free size (:attr:`DataCursor.separate_shares`); the strategy
+  runs one forward and backward per share, each share's gradient accumulates on its own and hop 2 sums them in
+  fp64 (:mod:`lightning_mics.hop2.shares`), so every sum is the one the failure-free run computes. Weight 1.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class MicroBatchKey:
     step: int
     micro: int
     shares: tuple[int, ...]
+
+    def of_share(self, share: int) -> MicroBatchKey:
+        """The part of this micro-batch that is ``share``'s samples."""
+        return MicroBatchKey(self.step, self.micro, (share,))
 
 
 @dataclass(frozen=True)
@@ -133,8 +141,13 @@ class DataCursor:
     """Where the training data stands, shared by the batch sampler (which predicts what the steps will read)
     and the strategy (which decides it at each quorum). Both run in the training process."""
 
-    def __init__(self, order: GlobalSampleOrder, own_share: int, rank: int, first_step: int = 0) -> None:
+    def __init__(
+        self, order: GlobalSampleOrder, own_share: int, rank: int, first_step: int = 0, separate_shares: bool = False
+    ) -> None:
         self.order = order
+        #: ``exact_trajectory``: each share of a micro-step is its own micro-batch (the first goes to the loop,
+        #: the others are :attr:`other_shares`) and weighs 1 -- hop 2 sums the shares
+        self.separate_shares = separate_shares
         self.own_share = own_share
         self.rank = rank
         #: flat index (``step * accumulate + micro``) of the next micro-batch to train on
@@ -144,11 +157,16 @@ class DataCursor:
         self.weight = 1.0
         self._dispatched = 0
         self._consumed = 0
-        self._delivered: deque[MicroBatchKey] = deque()
+        self._delivered: deque[tuple[MicroBatchKey, list[Any]]] = deque()
         #: micro-batches the prediction got wrong, loaded in the training process instead
         self.reloaded = 0
         #: the micro-batch being trained on (set at each micro-step)
         self.current: Optional[MicroBatchKey] = None
+        #: ``separate_shares``: the batches of the current micro-step's shares after the first (collated, not yet on
+        #: the device), which the strategy trains as extra passes before the loop's own
+        self.other_shares: list[Any] = []
+        #: ``separate_shares``: the losses of the extra passes of the current micro-step, by share (for logs)
+        self.other_share_losses: dict[int, float] = {}
 
     def predict(self) -> MicroBatchKey:
         """The micro-batch the steps will need after those already in flight (for the batch sampler)."""
@@ -161,18 +179,21 @@ class DataCursor:
         self._dispatched = self._consumed = 0
         self._delivered.clear()
 
-    def delivered(self, key: MicroBatchKey) -> None:
-        self._delivered.append(key)
+    def delivered(self, key: MicroBatchKey, other_shares: Optional[list[Any]] = None) -> None:
+        self._delivered.append((key, other_shares or []))
 
     def start_step(self, step: int, participant: Optional[int], participants: int) -> None:
         """At the quorum: the step the groups are at and the shares this group reads in it."""
         self.position = step * self.order.accumulate
         self.shares = shares_of(participant, participants, self.order.num_shares, self.own_share)
-        self.weight = gradient_weight(self.shares, participants, self.order.num_shares)
+        separate = self.separate_shares
+        self.weight = 1.0 if separate else gradient_weight(self.shares, participants, self.order.num_shares)
 
     def take(self) -> tuple[Optional[MicroBatchKey], MicroBatchKey]:
-        """(what the loader delivered for this micro-step, what it must be)."""
-        delivered = self._delivered.popleft() if self._delivered else None
+        """(what the loader delivered for this micro-step, what it must be); with ``separate_shares`` the
+        delivered extra shares' batches are in :attr:`other_shares`."""
+        delivered, self.other_shares = self._delivered.popleft() if self._delivered else (None, [])
+        self.other_share_losses = {}
         self._consumed += 1
         accumulate = self.order.accumulate
         needed = MicroBatchKey(self.position // accumulate, self.position % accumulate, self.shares)
@@ -217,13 +238,20 @@ class KeyedDataset(Dataset):
 
 
 class KeyedCollate:
-    """The user's collate function over the samples, paired with the micro-batch's key."""
+    """The user's collate function over the samples, paired with the micro-batch's key; with ``separate_shares``
+    one collated batch per share (a list), each of the failure-free micro-batch's ``micro_batch`` samples."""
 
-    def __init__(self, collate_fn: Callable[[list], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list], Any], separate_shares: bool = False, micro_batch: int = 0) -> None:
         self.collate_fn = collate_fn
+        self.separate_shares = separate_shares
+        self.micro_batch = micro_batch
 
     def __call__(self, items: list) -> tuple[MicroBatchKey, Any]:
-        return items[0], self.collate_fn(items[1:])
+        key, samples = items[0], items[1:]
+        if not self.separate_shares:
+            return key, self.collate_fn(samples)
+        n = self.micro_batch
+        return key, [self.collate_fn(samples[i * n : (i + 1) * n]) for i in range(len(key.shares))]
 
 
 class TrajectoryDataLoader(DataLoader):
@@ -248,20 +276,31 @@ class TrajectoryDataLoader(DataLoader):
         super().__init__(
             KeyedDataset(source.dataset),
             batch_sampler=PredictingBatchSampler(cursor),
-            collate_fn=KeyedCollate(source.collate_fn),
+            collate_fn=KeyedCollate(source.collate_fn, cursor.separate_shares, cursor.order.micro_batch),
             **kwargs,
         )
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self.cursor.restart()
         for key, batch in super().__iter__():
-            self.cursor.delivered(key)
-            yield batch
+            if self.cursor.separate_shares:
+                self.cursor.delivered(key, batch[1:])
+                yield batch[0]
+            else:
+                self.cursor.delivered(key)
+                yield batch
 
     def load(self, key: MicroBatchKey) -> Any:
-        """Micro-batch ``key`` loaded here, in the training process (a prediction was wrong)."""
+        """Micro-batch ``key`` loaded here, in the training process (a prediction was wrong); with
+        ``separate_shares`` the first share's batch, the others' in the cursor's ``other_shares``."""
         self.cursor.reloaded += 1
-        return self.source_collate([self.source_dataset[i] for i in self.cursor.order.samples(key, self.cursor.rank)])
+        collate = KeyedCollate(self.source_collate, self.cursor.separate_shares, self.cursor.order.micro_batch)
+        samples = [self.source_dataset[i] for i in self.cursor.order.samples(key, self.cursor.rank)]
+        _, batch = collate([key, *samples])
+        if not self.cursor.separate_shares:
+            return batch
+        self.cursor.other_shares = batch[1:]
+        return batch[0]
 
 
 def sample_order_of(loader: DataLoader, num_shares: int, ranks_per_group: int, accumulate: int) -> GlobalSampleOrder:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_mics import _compat as compat
 from lightning_mics.grad_sync import fsdp_units, local_shard
+from lightning_mics.hop2.shares import ShareGradients
 from lightning_mics.hop2.transport import InFlight, Transport
 
 
@@ -110,10 +111,14 @@ class CrossReplicaPipeline:
     """Hop 2 of ``module`` over ``transport``, per FSDP unit behind backward (``overlapped``) or as one message
     after it (module docstring). The engine's :class:`StepHook`."""
 
-    def __init__(self, module: nn.Module, transport: Transport, overlapped: bool) -> None:
+    def __init__(
+        self, module: nn.Module, transport: Transport, overlapped: bool, shares: Optional[ShareGradients] = None
+    ) -> None:
         self.module = module
         self.transport = transport
         self.overlapped = overlapped
+        #: ``exact_trajectory``: the data shares' gradients kept apart, packed as their fp64 sum
+        self.shares = shares
         #: per unit, in module order: the parameters it manages that train
         self._unit_params: list[list[Tensor]] = []
         self._units: list[FSDPModule] = []
@@ -166,7 +171,10 @@ class CrossReplicaPipeline:
     def _start(self, key: int, params: list[Tensor]) -> None:
         if not params:
             return
-        flat = pack_gradient_shards(params)
+        if self.shares is None:
+            flat = pack_gradient_shards(params)
+        else:
+            flat = self.shares.pack(params, [padded_shard_numel(p) for p in params])
         average = self.transport.start_average(flat)
         for earlier in self._in_flight.values():  # the earlier messages' next stage, one message behind
             earlier.average.advance()
@@ -196,12 +204,16 @@ class CrossReplicaPipeline:
             if message.flat.is_cuda:  # allocated on FSDP2's reduce-scatter stream, last read on this one
                 message.flat.record_stream(torch.cuda.current_stream())
         self._in_flight.clear()
+        if self.shares is not None:
+            self.shares.clear()
 
     def drop_gradients(self) -> None:
         """A step that does not count: without gradients the optimizer step changes nothing (parameters and
         optimizer states)."""
         for param in self.module.parameters():
             param.grad = None
+        if self.shares is not None:
+            self.shares.clear()
 
     @property
     def units_in_flight(self) -> int:

@@ -159,9 +159,14 @@ class ManagedTransport:
     block) and all-gathered: the all-gather receives G - 1 messages where a ring all-reduce moves
     2 (G - 1) / G buffers, so int8 halves bf16's bytes for 2 groups, equals them for 4 and costs more beyond."""
 
-    def __init__(self, group: ReplicaGroup, wire: Optional[WireFormat]) -> None:
+    def __init__(
+        self, group: ReplicaGroup, wire: Optional[WireFormat], exact_over_shares: Optional[int] = None
+    ) -> None:
         self.group = group
         self.wire = wire
+        #: ``exact_trajectory``: buffers are the fp64 sums of each group's data shares; summed across groups and
+        #: divided by the job's number of shares (every step reads all of them), whoever contributed which
+        self.exact_over_shares = exact_over_shares
 
     @property
     def active(self) -> bool:
@@ -177,6 +182,9 @@ class ManagedTransport:
         if self.wire is not None and self.wire.dtype is None:  # int8
             return self._start_gather(flat)
         message = flat if self.wire is None else flat.to(self.wire.dtype)
+        if self.exact_over_shares is not None:
+            work = manager.allreduce(message, reduce_op=dist.ReduceOp.SUM)
+            return _ManagedAverage(flat, message, work, self.exact_over_shares)
         contributors = self.group.contributing_groups()
         if contributors == manager.num_participants():
             return _ManagedAverage(flat, message, manager.allreduce(message))
