@@ -900,23 +900,36 @@ def read_sample_records(log_dir: str | Path) -> list[dict[str, Any]]:
 def committed_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records of committed attempts of steps, with this group in the step's quorum (a group outside it --
     ``participant`` ``None`` -- trains nothing: its gradient is not summed). An attempt is one process's
-    consecutive micro-steps of one step (micro 0 onwards); it committed when its last record says so."""
-    out: list[dict[str, Any]] = []
-    attempt: list[dict[str, Any]] = []
-
-    def close() -> None:
-        if attempt and attempt[-1].get("committed") is True:
-            out.extend(r for r in attempt if r.get("participant") is not None)
-        attempt.clear()
-
+    consecutive micro-steps of one step (micro 0 onwards); it committed when the commit line after it says so
+    (or, in records written before those lines existed, its last record). An attempt with neither -- its process
+    was killed between its group's commit and its own line, or stopped at the end -- committed when an attempt of
+    another group at the same step, in a quorum of as many groups, did: a step commits in all of its quorum's
+    groups or in none."""
+    attempts: list[tuple[list[dict[str, Any]], list[bool | None]]] = []
     previous: tuple[Any, ...] | None = None
     for record in records:
         process = (record["node"], record["rank"], record.get("pid"))
+        if "commit" in record:  # the outcome of this process's attempt of that step
+            if attempts and previous == (process, record["step"]):
+                attempts[-1][1][0] = record["commit"]
+            continue
         if previous is None or process != previous[0] or record["step"] != previous[1] or record["micro"] == 0:
-            close()
-        attempt.append(record)
+            attempts.append(([], [None]))
+        attempts[-1][0].append(record)
+        if record.get("committed") is not None:
+            attempts[-1][1][0] = record["committed"]
         previous = (process, record["step"])
-    close()
+    committed_by = {(rows[0]["step"], rows[0].get("participants"), rows[0]["node"])
+                    for rows, outcome in attempts if outcome[0] is True}
+    out: list[dict[str, Any]] = []
+    for rows, outcome in attempts:
+        first = rows[0]
+        done = outcome[0]
+        if done is None:
+            done = any(step == first["step"] and live == first.get("participants") and node != first["node"]
+                       for step, live, node in committed_by)
+        if done:
+            out.extend(r for r in rows if r.get("participant") is not None)
     return out
 
 

@@ -22,9 +22,10 @@ line per training micro-step to ``<log_dir>/samples.node<n>.rank<r>.jsonl``: the
 sample indices in it (``engine.data_cursor.order.samples(key, rank)``), the loss on them, this group's place in
 the step's contributing groups (``participant``: ``None`` outside them -- outside the quorum, or catching up
 after a catch-up heal, when its gradient is not summed; ``participants``) and whether the step then committed
-(``committed``: torchft's step count grew past ``step``; ``None`` for a micro-step before the last of an
-accumulated step). Written right after the optimizer step, so that what a rank SIGKILLed mid-step had not
-committed is not there, and what it committed before is.
+(in a line of its own after the step: ``{"commit": true|false}``, torchft's step count grew past ``step``). The
+record is written before the backward, the commit line after the optimizer step: a rank SIGKILLed between its
+group's commit and its own log line still has its samples recorded, and the analysis takes the commit of such
+an attempt from the other groups of its quorum (a step commits in all of them or in none).
 """
 
 from __future__ import annotations
@@ -108,6 +109,16 @@ def shard_digest(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer
     return digest.hexdigest()
 
 
+class LossKeepingGPT(GPTLightningModule):
+    """The example GPT, keeping its last training loss: the loop's own pass is the last one before its backward
+    (``exact_trajectory`` runs a lost group's shares first), where the sample record is written."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        output = super().training_step(batch, batch_idx)
+        self.last_training_loss = output["loss"] if isinstance(output, dict) else output
+        return output
+
+
 class StepLog(pl.Callback):
     """One JSON line per training batch (see the module docstring); the optional start barrier."""
 
@@ -152,27 +163,28 @@ class StepLog(pl.Callback):
         if self.job.digests:
             line["digest"] = shard_digest(pl_module, [o for o in trainer.optimizers])
         if self.job.record_samples:
-            self.record_samples(trainer, outputs)
+            self.record_commit(trainer)
         with self.path.open("a") as handle:
             handle.write(json.dumps(line) + "\n")
 
-    def record_samples(self, trainer: pl.Trainer, outputs: Any) -> None:
-        """This micro-step's line of ``samples.node<n>.rank<r>.jsonl`` (module docstring): what the rank trained
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self.job.record_samples:
+            self.record_samples(trainer, pl_module)
+
+    def record_samples(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """This micro-step's line of ``samples.node<n>.rank<r>.jsonl`` (module docstring): what the rank trains
         on, read from the strategy's data cursor (the loader's ``batch`` may be a prediction the quorum
-        overruled), and whether the step committed."""
+        overruled), before its backward."""
         engine = trainer.strategy.engine
         cursor, replica_group = engine.data_cursor, engine.replica_group
         if cursor is None or cursor.current is None or replica_group is None:
             return
         key = cursor.current
-        manager = replica_group.manager
         _, participant, participants = replica_group.participation()  # a catching-up group's gradient is not summed
-        last_micro = key.micro == cursor.order.accumulate - 1
         record = {"t": time.time(), "node": self.node, "rank": self.local_rank, "pid": os.getpid(),
                   "step": key.step, "micro": key.micro, "shares": list(key.shares),
-                  "samples": cursor.order.samples(key, cursor.rank), "loss": _loss(outputs),
-                  "participant": participant, "participants": participants,
-                  "committed": manager.current_step() > key.step if last_micro else None,
+                  "samples": cursor.order.samples(key, cursor.rank), "loss": float(pl_module.last_training_loss),
+                  "participant": participant, "participants": participants, "committed": None,
                   "reloaded": cursor.reloaded}
         if cursor.separate_shares:  # exact_trajectory: one pass, and one loss, per share (the loop's is the first)
             losses = [record["loss"]] + [float(cursor.other_share_losses[share]) for share in key.shares[1:]]
@@ -180,6 +192,19 @@ class StepLog(pl.Callback):
             record["loss"] = sum(losses) / len(losses)
         with self.samples_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+    def record_commit(self, trainer: pl.Trainer) -> None:
+        """After a step's last micro-step: whether it committed, in a line of its own."""
+        cursor, replica_group = trainer.strategy.engine.data_cursor, trainer.strategy.engine.replica_group
+        if cursor is None or cursor.current is None or replica_group is None:
+            return
+        key = cursor.current
+        if key.micro != cursor.order.accumulate - 1:
+            return
+        line = {"node": self.node, "rank": self.local_rank, "pid": os.getpid(), "step": key.step,
+                "commit": replica_group.manager.current_step() > key.step}
+        with self.samples_path.open("a") as handle:
+            handle.write(json.dumps(line) + "\n")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.job.save_params:
@@ -213,7 +238,7 @@ def run(job: Job, node: int, local_rank: int) -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
     )
     config = GPTConfig(**job.model)
-    model = GPTLightningModule(config, warmup_steps=2)
+    model = LossKeepingGPT(config, warmup_steps=2)
     data = ByteCorpusDataModule(seq_len=config.seq_len, batch_size=job.batch_size, max_bytes=job.corpus_bytes)
     resume = "last" if job.checkpoint_dir is not None else None
     trainer.fit(model, datamodule=data, ckpt_path=resume)

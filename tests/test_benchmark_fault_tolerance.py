@@ -321,3 +321,26 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
     assert results["ratio_ft_over_restart"] == pytest.approx(0.9 / 0.2)
     assert results["committed_samples_per_second"]["fault_tolerance"] == pytest.approx(18 * 24 / 10)
     assert results["schedule"]["window_seconds"] == 10.0
+
+
+def _with_commit_lines(records: list[dict]) -> list[dict]:
+    """The worker's format: the record before the backward (``committed`` unknown), then a commit line."""
+    out: list[dict] = []
+    for record in records:
+        out.append({**record, "committed": None})
+        out.append({k: record[k] for k in ("node", "rank", "pid", "step")} | {"commit": record["committed"]})
+    return out
+
+
+def test_a_group_killed_between_its_commit_and_its_commit_line_counts_as_its_quorum_decided() -> None:
+    """Group 2 committed step 2 with the others and was killed before writing that it did; it had also started
+    the 3-group attempt of step 3 (discarded, no commit line either). Its step-2 samples were trained (the other
+    groups of that 3-group quorum committed it); its step-3 attempt's were not (they did not)."""
+    run = _with_commit_lines(_records(10, kill_at=3))
+    last_commit = max(i for i, r in enumerate(run) if r["node"] == 2 and r.get("commit") is not None and r["step"] == 2)
+    del run[last_commit]
+    run += [{**r, "step": 3, "samples": _samples(3, 2, r["rank"]), "committed": None}
+            for r in run if r["node"] == 2 and r["step"] == 2 and "commit" not in r]
+    results = bench.trajectory_results(_records(10), run)
+    assert results["samples_skipped"] == 0 and results["samples_repeated"] == 0
+    assert results["global_batch_constant"] is True and results["max_loss_diff"] == 0.0
