@@ -265,10 +265,10 @@ class MiCSEngine:
         if hop2.managed:
             group = self.replica_group
             assert group is not None, "join_fault_domain() runs before the optimizers are attached"
-            exact_over = group.options.num_replica_groups if group.options.exact_trajectory else None
-            transport = ManagedTransport(group, layout.settings.cross_replica_wire, exact_over)
-            if exact_over is not None:
-                shares = self._share_gradients = ShareGradients(module)
+            exact = group.options.exact_trajectory
+            transport = ManagedTransport(group, layout.settings.cross_replica_wire, in_share_order=exact)
+            if exact:
+                shares = self._share_gradients = ShareGradients(module, lambda: group.share_holders()[1])
         else:
             transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
         return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped, shares=shares)

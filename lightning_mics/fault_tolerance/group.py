@@ -100,7 +100,7 @@ class ReplicaGroup:
                 rank=dist.get_rank(),
                 world_size=dist.get_world_size(),
                 lighthouse_addr=options.lighthouse,
-                replica_id=f"mics_group_{options.replica_group}",
+                replica_id=self._replica_id(options.replica_group),
                 init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
             )
         except RuntimeError as error:
@@ -387,6 +387,51 @@ class ReplicaGroup:
         except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
             self.manager.report_error(error)
             return None
+
+    def start_all_to_all(self, message: Tensor) -> Optional[tuple[Tensor, Any]]:
+        """Start an all-to-all of ``message`` (``[quorum groups, ...]``: block ``q`` goes to quorum rank ``q``)
+        over torchft's process group: ``(received, future)`` (block ``q`` from quorum rank ``q``), or ``None``
+        as :meth:`start_all_gather`."""
+        from torch.distributed.distributed_c10d import AllToAllOptions
+
+        if self.manager.errored() is not None:
+            return None
+        received = torch.empty_like(message)
+        try:
+            work = self.pg.alltoall_base(received, message, [], [], AllToAllOptions())
+            return received, self.manager.wrap_future(work.get_future(), None)
+        except RuntimeError as error:
+            self.manager.report_error(error)
+            return None
+
+    def share_holders(self) -> tuple[list[tuple[int, int]], int]:
+        """``exact_trajectory``'s sum in share order: for each data share of the job, (the quorum rank of the group
+        reading it in this step, its place among that group's shares), and the most shares one group reads. The
+        contributors are numbered as :meth:`participation` numbers them: by quorum rank when every group of the
+        quorum contributes, else in group order -- then mapped to quorum ranks, which torchft orders by replica
+        id (checked: a different order would mix shares up, so it raises)."""
+        shares = self.options.num_replica_groups
+        assert shares is not None
+        _, _, contributors = self.participation()
+        if not self.not_contributing:
+            ranks = list(range(contributors))
+        else:
+            by_quorum_rank = sorted(self._quorum_groups, key=lambda group: self._replica_id(group))
+            mine = self.options.replica_group
+            if mine not in by_quorum_rank or by_quorum_rank.index(mine) != self.manager.participating_rank():
+                raise RuntimeError(
+                    f"fault tolerance: torchft ranked this quorum's groups otherwise than by replica id "
+                    f"({by_quorum_rank}, this group {mine} at rank {self.manager.participating_rank()}): "
+                    "exact_trajectory cannot place the data shares; set exact_trajectory=False."
+                )
+            ranks = [by_quorum_rank.index(group) for group in self._contributors()]
+        return [(ranks[share % contributors], share // contributors) for share in range(shares)], -(
+            -shares // contributors
+        )
+
+    @staticmethod
+    def _replica_id(group: int) -> str:
+        return f"mics_group_{group}"
 
     def _exchange_configurations(self) -> dict[int, GroupConfiguration]:
         """Every group's configuration as text, by group index (an all-gather through torchft; only on a

@@ -117,7 +117,7 @@ class CrossReplicaPipeline:
         self.module = module
         self.transport = transport
         self.overlapped = overlapped
-        #: ``exact_trajectory``: the data shares' gradients kept apart, packed as their fp64 sum
+        #: ``exact_trajectory``: the data shares' gradients kept apart, packed one row per share
         self.shares = shares
         #: per unit, in module order: the parameters it manages that train
         self._unit_params: list[list[Tensor]] = []
@@ -174,7 +174,7 @@ class CrossReplicaPipeline:
         if self.shares is None:
             flat = pack_gradient_shards(params)
         else:
-            flat = self.shares.pack(params, [padded_shard_numel(p) for p in params])
+            flat = self.shares.pack(params, [padded_shard_numel(p) for p in params])  # [shares, n]: row 0 gets the sum
         average = self.transport.start_average(flat)
         for earlier in self._in_flight.values():  # the earlier messages' next stage, one message behind
             earlier.average.advance()
@@ -200,7 +200,7 @@ class CrossReplicaPipeline:
             self._start(-1, [p for p in self.module.parameters() if p.grad is not None])
         for message in self._in_flight.values():
             message.average.wait()
-            unpack_gradient_shards(message.flat, message.params)
+            unpack_gradient_shards(message.flat if message.flat.dim() == 1 else message.flat[0], message.params)
             if message.flat.is_cuda:  # allocated on FSDP2's reduce-scatter stream, last read on this one
                 message.flat.record_stream(torch.cuda.current_stream())
         self._in_flight.clear()

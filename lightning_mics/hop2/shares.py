@@ -1,5 +1,5 @@
-"""Each data share's gradient accumulated on its own and summed across shares in fp64: what makes a run with a
-lost group bit-identical to the run without (``FaultTolerance(exact_trajectory=True)``).
+"""Each data share's gradient accumulated on its own and summed across shares in one fixed order: what makes a
+run with a lost group bit-identical to the run without (``FaultTolerance(exact_trajectory=True)``).
 
 Why: with a group lost, a survivor reads its own share of each micro-step and the lost group's. Summed into one
 gradient -- one larger micro-batch, or one accumulator -- the same numbers are added in another order than the
@@ -7,19 +7,20 @@ failure-free run adds them, fp32 rounds differently in the last bit, and trainin
 that step by step into another loss curve. Kept apart, every share's gradient is exactly the one its own group
 would have computed: the same samples, micro-batch shape, parameters and kernels (one forward and backward per
 share), accumulated over the micro-steps in the same order (its own accumulator), reduce-scattered inside the
-partition the same way. What is left is the sum across shares, which the failure-free run does in hop 2 over
-groups and the survivor partly at home: done in fp64 -- each share's fp32 gradient widened, summed, divided by
-the number of shares and rounded to fp32 once -- it no longer depends on which group added which share, since
-a sum of a few fp32 numbers is exact in fp64 unless their exponents lie more than ~28 binary orders apart (and
-even then the fp32 result differs only if the fp64 sum falls on a rounding boundary of fp32).
+partition the same way. What is left is the sum across shares, which a ring all-reduce adds in an order that
+depends on how many groups take part. Here every slice of the buffer is summed by one group in share order
+(``share 0 + share 1 + ...``, in fp32), whoever read which share: an all-to-all sends each group's shares'
+slices to the slice's owner, which sums them and divides by the number of shares, and an all-gather returns
+the slices (:class:`~lightning_mics.hop2.transport.ManagedTransport`) -- the bytes of a ring all-reduce while
+every group reads one share.
 
-The price: hop 2 crosses in fp64 (twice fp32's bytes), and a survivor keeps one more gradient shard per extra
-share it reads while a group is out.
+The price: a survivor keeps one more gradient shard per extra share it reads while a group is out, and sends
+its shares' slices each (more bytes only then).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -27,16 +28,14 @@ from torch import Tensor, nn
 
 from lightning_mics.grad_sync import fsdp_units, local_shard
 
-#: The dtype shares are summed in across groups.
-EXACT_SUM_DTYPE = torch.float64
-
-
 class ShareGradients:
     """The gradient accumulators of the data shares one group trains in a step, one at a time in the parameters'
     ``.grad`` (where FSDP2 accumulates the reduce-scattered micro-steps) and the others set aside."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, slots: Callable[[], int]) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
+        #: rows of a packed message in this step: the most shares one group reads (the quorum's say)
+        self.slots = slots
         #: the model's FSDP units (whose boundary flag an extra share's pass turns off)
         self.units = fsdp_units(module)
         #: the share whose accumulator is in ``.grad`` (``None``: no share chosen since the last step)
@@ -61,20 +60,23 @@ class ShareGradients:
         return len(self._aside)
 
     def pack(self, params: Sequence[Tensor], padded_numel: Sequence[int]) -> Tensor:
-        """``params``' gradient shards, every share's summed in fp64, in one flat buffer at the padded offsets
-        (zeros in the padding) -- :func:`~lightning_mics.hop2.pipeline.pack_gradient_shards` across shares."""
+        """``params``' gradient shards of each share this group read in the step, one row per share in ascending
+        share order (the order the shares are dealt to a group in; zero rows beyond this group's
+        shares; as many as :attr:`slots` says), each at the padded offsets of
+        :func:`~lightning_mics.hop2.pipeline.pack_gradient_shards` (zeros in the padding)."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        device = local_shard(params[0]).device
-        flat = torch.zeros(sum(padded_numel), dtype=EXACT_SUM_DTYPE, device=device)
-        offset = 0
-        for param, numel in zip(params, padded_numel):
-            grads = [param.grad] + [aside[index[id(param)]] for aside in self._aside.values()]
-            for grad in grads:
+        first = local_shard(params[0])
+        rows = torch.zeros(self.slots(), sum(padded_numel), dtype=first.dtype, device=first.device)
+        used = sorted([*([] if self.current is None else [self.current]), *self._aside])
+        for row, share in enumerate(used or [None]):  # no share chosen: .grad is the one
+            offset = 0
+            for param, numel in zip(params, padded_numel):
+                grad = param.grad if share == self.current else self._aside[share][index[id(param)]]
                 if grad is not None:
                     shard = local_shard(grad).reshape(-1)
-                    flat[offset : offset + shard.numel()] += shard
-            offset += numel
-        return flat
+                    rows[row, offset : offset + shard.numel()].copy_(shard)
+                offset += numel
+        return rows
 
     def clear(self) -> None:
         """The step's sum is taken (or the step dropped): forget the shares set aside."""

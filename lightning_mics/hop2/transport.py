@@ -148,6 +148,56 @@ class _ManagedGatherAverage:
         self.flat.copy_(total.div_(self.group.contributing_groups()))
 
 
+class _ShareOrderSum:
+    """``exact_trajectory``: the average of every data share's row, each element summed in share order
+    (``share 0 + share 1 + ...`` in fp32, then divided by the number of shares) whichever group read which share
+    -- the same bits as in the failure-free run (:mod:`lightning_mics.hop2.shares`). Stage 1: an all-to-all
+    gives each quorum rank its slice of every group's rows; it sums its slice's shares in order. Stage 2 (at
+    :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``. While every
+    group reads one share, the bytes of a ring all-reduce."""
+
+    def __init__(self, rows: Tensor, group: ReplicaGroup) -> None:
+        self.rows, self.group = rows, group
+        self.holders, slots = group.share_holders()
+        quorum = group.manager.num_participants()
+        self.numel = rows.shape[1]
+        self.slice = -(-self.numel // quorum)
+        padded = torch.zeros(slots, quorum * self.slice, dtype=rows.dtype, device=rows.device)
+        padded[: rows.shape[0], : self.numel].copy_(rows)
+        # [quorum, slots, slice]: block q (every row's slice q) goes to quorum rank q
+        self.first = group.start_all_to_all(padded.view(slots, quorum, self.slice).transpose(0, 1).contiguous())
+        self.second: Optional[tuple[list[Tensor], Any]] = None
+        self.advanced = False
+
+    def advance(self) -> None:
+        """Sum this rank's slice in share order once the all-to-all is in, and start the all-gather."""
+        if self.advanced:
+            return
+        self.advanced = True
+        if self.first is None:
+            return
+        received, future = self.first
+        future.wait()
+        if self.group.manager.errored() is not None:
+            return  # a failure: the step will not commit
+        (rank, slot), *rest = self.holders
+        total = received[rank, slot].clone()
+        for rank, slot in rest:
+            total += received[rank, slot]
+        total.div_(len(self.holders))
+        self.second = self.group.start_all_gather(total)
+
+    def wait(self) -> None:
+        self.advance()
+        if self.second is None:
+            return
+        gathered, future = self.second
+        future.wait()
+        if self.group.manager.errored() is not None:
+            return
+        self.rows[0].copy_(torch.cat(gathered)[: self.numel])
+
+
 class ManagedTransport:
     """Hop 2 through this replica group's torchft Manager (:class:`lightning_mics.fault_tolerance.ReplicaGroup`):
     averaged over the groups in this step's quorum, and the step commits only if every rank of every group
@@ -160,13 +210,13 @@ class ManagedTransport:
     2 (G - 1) / G buffers, so int8 halves bf16's bytes for 2 groups, equals them for 4 and costs more beyond."""
 
     def __init__(
-        self, group: ReplicaGroup, wire: Optional[WireFormat], exact_over_shares: Optional[int] = None
+        self, group: ReplicaGroup, wire: Optional[WireFormat], in_share_order: bool = False
     ) -> None:
         self.group = group
         self.wire = wire
-        #: ``exact_trajectory``: buffers are the fp64 sums of each group's data shares; summed across groups and
-        #: divided by the job's number of shares (every step reads all of them), whoever contributed which
-        self.exact_over_shares = exact_over_shares
+        #: ``exact_trajectory``: buffers are ``[shares, n]``, one row per data share this group read; the average
+        #: over the job's shares is summed in share order, whoever read which (:class:`_ShareOrderSum`), into row 0
+        self.in_share_order = in_share_order
 
     @property
     def active(self) -> bool:
@@ -182,9 +232,8 @@ class ManagedTransport:
         if self.wire is not None and self.wire.dtype is None:  # int8
             return self._start_gather(flat)
         message = flat if self.wire is None else flat.to(self.wire.dtype)
-        if self.exact_over_shares is not None:
-            work = manager.allreduce(message, reduce_op=dist.ReduceOp.SUM)
-            return _ManagedAverage(flat, message, work, self.exact_over_shares)
+        if self.in_share_order:
+            return _ShareOrderSum(flat, self.group)
         contributors = self.group.contributing_groups()
         if contributors == manager.num_participants():
             return _ManagedAverage(flat, message, manager.allreduce(message))
