@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_mics.fault_tolerance.config import check_exact_trajectory
 from lightning_mics.schedule import check_streaming_options
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             "or synchronise the whole model at once (leave them at their defaults)."
         )
     if ft is not None:
+        check_exact_trajectory(ft, "diloco")
         if ft.keep_trajectory:
             raise ValueError(
                 "FaultTolerance(keep_trajectory=True) cannot be combined with cross_replica_sync='diloco': each "

@@ -86,10 +86,10 @@ class FaultTolerance:
     #: the run with failures bit-for-bit the run without them (the Trainer, with ``keep_trajectory``): each data
     #: share of a micro-step is its own forward and backward of the failure-free micro-batch size -- a group that
     #: reads a lost group's share too runs an extra pass for it -- each share's gradient accumulates on its own,
-    #: and hop 2 sums the shares in fp64, so no sum depends on which group added which share
-    #: (:mod:`lightning_mics.hop2.shares`). Costs hop 2 twice fp32's bytes. ``False``: the shares a group reads
-    #: are one micro-batch, summed in fp32 -- the same samples and global batch, the loss curve equal up to
-    #: rounding, which training amplifies.
+    #: and hop 2 sums the shares in share order, so no sum depends on which group added which share
+    #: (:mod:`lightning_mics.hop2.shares`); hop 2 as two collectives of a ring all-reduce's bytes in all.
+    #: ``False``: the shares a group reads are one micro-batch, summed in fp32 -- the same samples and global
+    #: batch, the loss curve equal up to rounding, which training amplifies.
     exact_trajectory: bool = False
 
     def __post_init__(self) -> None:
@@ -197,8 +197,9 @@ def check_exact_trajectory(
         )
     if cross_replica_dtype is not None:
         raise ValueError(
-            f"FaultTolerance(exact_trajectory=True) sums hop 2 in fp64; cross_replica_dtype={cross_replica_dtype!r} "
-            "would round each group's gradients first: leave cross_replica_dtype unset, or set exact_trajectory=False."
+            "FaultTolerance(exact_trajectory=True) sums hop 2 in the gradients' dtype, in share order; "
+            f"cross_replica_dtype={cross_replica_dtype!r} would round each group's gradients first: leave "
+            "cross_replica_dtype unset, or set exact_trajectory=False."
         )
     if loss_scaling:
         raise ValueError(

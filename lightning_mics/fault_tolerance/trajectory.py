@@ -32,7 +32,7 @@ constant and the survivors take the lost group's samples over.
 * **Bit-exact** (``FaultTolerance(exact_trajectory=True)``, the Trainer): a group reading several shares gets
   them as separate micro-batches of the failure-free size (:attr:`DataCursor.separate_shares`); the strategy
   runs one forward and backward per share, each share's gradient accumulates on its own and hop 2 sums them in
-  fp64 (:mod:`lightning_mics.hop2.shares`), so every sum is the one the failure-free run computes. Weight 1.
+  share order (:mod:`lightning_mics.hop2.shares`), so every sum is the one the failure-free run computes. Weight 1.
 """
 
 from __future__ import annotations

@@ -148,12 +148,16 @@ class _ManagedGatherAverage:
         self.flat.copy_(total.div_(self.group.contributing_groups()))
 
 
+#: :class:`_ShareOrderSum`'s all-gather starts when this many more messages have started after it.
+LAG_BEFORE_SECOND_STAGE = 2
+
+
 class _ShareOrderSum:
     """``exact_trajectory``: the average of every data share's row, each element summed in share order
     (``share 0 + share 1 + ...`` in fp32, then divided by the number of shares) whichever group read which share
     -- the same bits as in the failure-free run (:mod:`lightning_mics.hop2.shares`). Stage 1: an all-to-all
     gives each quorum rank its slice of every group's rows; it sums its slice's shares in order. Stage 2 (at
-    :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``. While every
+    the second :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``. While every
     group reads one share, the bytes of a ring all-reduce."""
 
     def __init__(self, rows: Tensor, group: ReplicaGroup) -> None:
@@ -167,13 +171,17 @@ class _ShareOrderSum:
         # [quorum, slots, slice]: block q (every row's slice q) goes to quorum rank q
         self.first = group.start_all_to_all(padded.view(slots, quorum, self.slice).transpose(0, 1).contiguous())
         self.second: Optional[tuple[list[Tensor], Any]] = None
-        self.advanced = False
+        self.advances = 0
 
     def advance(self) -> None:
-        """Sum this rank's slice in share order once the all-to-all is in, and start the all-gather."""
-        if self.advanced:
-            return
-        self.advanced = True
+        """At the second message started after this one (the same point on every rank): wait for the all-to-all,
+        sum this rank's slice in share order and start the all-gather. Not at the first: waiting there would
+        hold backward until the all-to-all just queued behind the previous message's has crossed."""
+        self.advances += 1
+        if self.advances == LAG_BEFORE_SECOND_STAGE:
+            self._second_stage()
+
+    def _second_stage(self) -> None:
         if self.first is None:
             return
         received, future = self.first
@@ -188,7 +196,9 @@ class _ShareOrderSum:
         self.second = self.group.start_all_gather(total)
 
     def wait(self) -> None:
-        self.advance()
+        if self.advances < LAG_BEFORE_SECOND_STAGE:
+            self.advances = LAG_BEFORE_SECOND_STAGE
+            self._second_stage()
         if self.second is None:
             return
         gathered, future = self.second

@@ -1,0 +1,193 @@
+"""``FaultTolerance(exact_trajectory=True)``'s parts: the data shares' gradients kept apart and packed one row per
+share, the sum across groups in share order (the same bits whichever group read which share), the mapping of
+shares to quorum ranks, the loader's separate share batches and the option's refusals. The end-to-end proof (a
+group killed and restarted in fp32 with AdamW, equal bits with the failure-free run) is in
+``test_fault_tolerance_trajectory.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mics import FaultTolerance, MiCSOptions
+from lightning_mics.fault_tolerance.group import ReplicaGroup
+from lightning_mics.fault_tolerance.trajectory import DataCursor, GlobalSampleOrder, MicroBatchKey, TrajectoryDataLoader
+from lightning_mics.hop2.shares import ShareGradients
+from lightning_mics.hop2.transport import _ShareOrderSum
+
+
+# ------------------------------------------------------------------------ the sum in share order
+class _World:
+    """The quorum's collectives, run in one process: each rank's start is recorded, a wait delivers once every
+    rank has started (the test starts every rank before it waits on any)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self.all_to_all: dict[int, torch.Tensor] = {}
+        self.all_gather: dict[int, torch.Tensor] = {}
+
+
+class _Future:
+    def __init__(self, fill: Any) -> None:
+        self.fill = fill
+
+    def wait(self) -> None:
+        self.fill()
+
+
+class _Group:
+    """What :class:`_ShareOrderSum` uses of a :class:`ReplicaGroup`, for quorum rank ``rank`` of ``world``."""
+
+    def __init__(self, world: _World, rank: int, holders: list[tuple[int, int]], slots: int) -> None:
+        self.world, self.rank, self.holders, self.slots = world, rank, holders, slots
+        self.manager = SimpleNamespace(num_participants=lambda: world.ranks, errored=lambda: None)
+
+    def share_holders(self) -> tuple[list[tuple[int, int]], int]:
+        return self.holders, self.slots
+
+    def start_all_to_all(self, message: torch.Tensor) -> tuple[torch.Tensor, _Future]:
+        self.world.all_to_all[self.rank] = message
+        received = torch.empty_like(message)
+
+        def fill() -> None:
+            for q in range(self.world.ranks):
+                received[q] = self.world.all_to_all[q][self.rank]
+
+        return received, _Future(fill)
+
+    def start_all_gather(self, message: torch.Tensor) -> tuple[list[torch.Tensor], _Future]:
+        self.world.all_gather[self.rank] = message
+        gathered = [torch.empty_like(message) for _ in range(self.world.ranks)]
+
+        def fill() -> None:
+            for q in range(self.world.ranks):
+                gathered[q].copy_(self.world.all_gather[q])
+
+        return gathered, _Future(fill)
+
+
+def _share_order_average(rows_per_rank: list[torch.Tensor], holders: list[tuple[int, int]]) -> list[torch.Tensor]:
+    world = _World(len(rows_per_rank))
+    slots = max(rows.shape[0] for rows in rows_per_rank)
+    sums = [_ShareOrderSum(rows, _Group(world, rank, holders, slots)) for rank, rows in enumerate(rows_per_rank)]
+    for running in sums:  # what the pipeline does as two more messages start: the second stage starts at the second
+        running.advance()
+        assert running.second is None
+        running.advance()
+    for running in sums:
+        running.wait()
+    return [rows[0].clone() for rows in rows_per_rank]
+
+
+def _awkward_shares(n: int = 1001) -> list[torch.Tensor]:
+    """Three shares' gradients whose fp32 sum depends on the order they are added in."""
+    generator = torch.Generator().manual_seed(3)
+    scales = (1.0, 3e-4, 7e3)
+    return [torch.randn(n, generator=generator) * scale for scale in scales]
+
+
+def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read_which_share() -> None:
+    s0, s1, s2 = _awkward_shares()
+    assert not torch.equal((s0 + s2) + s1, (s0 + s1) + s2)  # the order matters for these numbers
+    # every group live: group g reads share g
+    together = _share_order_average([s0[None].clone(), s1[None].clone(), s2[None].clone()],
+                                    holders=[(0, 0), (1, 0), (2, 0)])
+    # group 2 lost: quorum rank 0 reads shares 0 and 2 (rows 0 and 1), rank 1 share 1 (its second row zeros)
+    alone = _share_order_average([torch.stack([s0, s2]), torch.stack([s1, torch.zeros_like(s1)])],
+                                 holders=[(0, 0), (1, 0), (0, 1)])
+    expected = ((s0 + s1) + s2) / 3
+    for result in together + alone:
+        assert torch.equal(result, expected)
+
+
+# ------------------------------------------------------------------------ shares kept apart
+def test_each_share_accumulates_apart_and_packs_into_its_own_row_in_share_order() -> None:
+    model = nn.Linear(3, 2)
+    shares = ShareGradients(model, slots=lambda: 2)
+    params = list(model.parameters())
+
+    def backward(scale: float) -> None:
+        model(torch.ones(1, 3) * scale).sum().backward()
+
+    shares.use(2)  # the first share of the step takes .grad as it is (None)
+    backward(1.0)
+    shares.use(0)
+    backward(10.0)
+    shares.use(2)
+    backward(1.0)  # accumulates onto share 2's gradient, not share 0's
+    shares.use(0)
+    backward(10.0)
+    assert shares.others == 1
+    numel = [p.numel() for p in params]
+    rows = shares.pack(params, numel)
+    weight_share0, weight_share2 = rows[0, :6].view(2, 3), rows[1, :6].view(2, 3)
+    assert torch.equal(weight_share0, torch.full((2, 3), 20.0)) and torch.equal(weight_share2, torch.full((2, 3), 2.0))
+    shares.clear()
+    assert shares.others == 0 and shares.current is None
+
+
+def test_shares_are_placed_on_the_quorum_ranks_that_read_them() -> None:
+    def holders(num_shares: int, quorum_groups: tuple[int, ...], catching_up: tuple[int, ...], mine: int, rank: int):
+        contributors = [g for g in quorum_groups if g not in catching_up]
+        mine_index = contributors.index(mine) if mine in contributors else None
+        stub = SimpleNamespace(
+            options=SimpleNamespace(num_replica_groups=num_shares, replica_group=mine),
+            participation=lambda: (0, rank if not catching_up else mine_index, len(contributors)),
+            not_contributing=catching_up,
+            _quorum_groups=quorum_groups,
+            _contributors=lambda: contributors,
+            manager=SimpleNamespace(participating_rank=lambda: rank),
+            _replica_id=ReplicaGroup._replica_id,
+        )
+        return ReplicaGroup.share_holders(stub)
+
+    assert holders(3, (0, 1, 2), (), 0, 0) == ([(0, 0), (1, 0), (2, 0)], 1)
+    assert holders(3, (0, 1), (), 1, 1) == ([(0, 0), (1, 0), (0, 1)], 2)  # a lost group's share read by rank 0
+    # group 1 catching up (quorum ranks by replica id: 0, 1, 2): contributors 0 and 2 read every share
+    assert holders(3, (0, 1, 2), (1,), 2, 2) == ([(0, 0), (2, 0), (0, 1)], 2)
+    # with 11 groups torchft ranks "mics_group_10" before "mics_group_2": the mapping follows it
+    groups = tuple(range(11))
+    placed, slots = holders(11, groups, (3,), 10, 2)
+    assert slots == 2 and placed[0] == (0, 0) and placed[2] == (3, 0)  # contributor 2 is group 10 at rank 2
+    with pytest.raises(RuntimeError, match="exact_trajectory=False"):
+        holders(11, groups, (3,), 10, 5)  # torchft said otherwise: refuse rather than mix shares up
+
+
+# ------------------------------------------------------------------------ the data
+def test_the_loader_delivers_each_share_of_a_micro_step_as_its_own_failure_free_batch() -> None:
+    order = GlobalSampleOrder(num_samples=48, num_shares=3, ranks_per_group=2, micro_batch=2, accumulate=1, seed=5)
+    dataset = TensorDataset(torch.arange(48))
+    cursor = DataCursor(order, own_share=0, rank=1, separate_shares=True)
+    cursor.start_step(0, participant=0, participants=2)  # group 2 lost: this group reads shares 0 and 2
+    loader = TrajectoryDataLoader(DataLoader(dataset, batch_size=2), cursor)
+    batch = next(iter(loader))
+    delivered, needed = cursor.take()
+    assert needed.shares == (0, 2) and cursor.weight == 1.0
+    assert batch[0].tolist() == order.samples(MicroBatchKey(0, 0, (0,)), 1)
+    (other,) = cursor.other_shares
+    assert other[0].tolist() == order.samples(needed.of_share(2), 1)
+    reloaded = loader.load(MicroBatchKey(1, 0, (0, 2)))  # a wrong prediction: loaded here, shares apart too
+    assert reloaded[0].tolist() == order.samples(MicroBatchKey(1, 0, (0,)), 1)
+    assert cursor.other_shares[0][0].tolist() == order.samples(MicroBatchKey(1, 0, (2,)), 1)
+
+
+# ------------------------------------------------------------------------ the option
+def test_exact_trajectory_is_refused_where_its_sums_cannot_be_exact() -> None:
+    with pytest.raises(ValueError, match="true or false"):
+        FaultTolerance(exact_trajectory="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="keep_trajectory=False"):
+        FaultTolerance(exact_trajectory=True, keep_trajectory=False)
+    ft = FaultTolerance(lighthouse="http://x:1", replica_group=0, num_replica_groups=2, exact_trajectory=True)
+    with pytest.raises(ValueError, match="cross_replica_dtype"):
+        MiCSOptions(fault_tolerance=ft, cross_replica_dtype="bf16")
+    with pytest.raises(ValueError, match="exact_trajectory=False"):
+        MiCSOptions(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=10)
+    from lightning_mics.fault_tolerance import check_exact_trajectory
+
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        check_exact_trajectory(ft, loss_scaling=True)
