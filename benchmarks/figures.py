@@ -57,7 +57,7 @@ def fault_tolerance_table(results: dict[str, Any]) -> str:
     ft, baseline = results["ft"], results["restart_baseline"]
     steps = results.get("settings", {}).get("no_failure_steps")
     identical = f"{n['identical_steps']} of {steps or n['identical_steps'] + n.get('differing_steps', 0)}"
-    identical += " steps identical" if n["identical_steps"] else " steps identical: the first sum differs in its last bits"
+    identical += " steps identical" + ("" if n["identical_steps"] else ": the first sum differs in its last bits")
     lines = [
         "| measure | value |",
         "|---|---:|",
