@@ -22,6 +22,7 @@ import difflib
 import inspect
 import sys
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -224,8 +225,8 @@ class MiCSOptions:
 
     def __post_init__(self) -> None:
         ft = self.fault_tolerance
-        if ft is True or isinstance(ft, dict):
-            object.__setattr__(self, "fault_tolerance", FaultTolerance(**({} if ft is True else ft)))
+        if ft is True or isinstance(ft, Mapping):  # a dict, or Hydra's DictConfig when instantiated without _convert_
+            object.__setattr__(self, "fault_tolerance", FaultTolerance(**({} if ft is True else dict(ft))))
         elif ft is not None and not isinstance(ft, FaultTolerance):
             raise TypeError(
                 f"fault_tolerance must be a lightning_mics.FaultTolerance, True (from the environment), a dict of its "

@@ -184,3 +184,14 @@ def test_invalid_overrides_fail_with_a_clear_error() -> None:
     load_train_script().validate_trainer_numbers(config("trainer.max_steps=7", "trainer.gradient_clip_val=0.5"))
     with pytest.raises(Exception, match="divisible by n_heads=5"):  # Hydra wraps it, message kept
         instantiate(config("model.config.n_heads=5").model.config)
+
+
+@pytest.mark.parametrize("convert", ["all", "none"])
+def test_fault_tolerance_fields_from_the_command_line_with_or_without_converting_the_config(convert: str) -> None:
+    """``strategy.fault_tolerance`` as a dict of FaultTolerance's fields -- exact_trajectory and the catch-up heal
+    included -- whether instantiate hands it over as a dict or as Hydra's own DictConfig."""
+    override = ('strategy.fault_tolerance={lighthouse: "http://lighthouse:29510", replica_group: 1, '
+                'num_replica_groups: 3, heal: catch_up, exact_trajectory: true}')
+    strategy = instantiate(config(override).strategy, _convert_=convert)
+    ft = strategy.options.fault_tolerance
+    assert (ft.replica_group, ft.num_replica_groups, ft.heal, ft.exact_trajectory) == (1, 3, "catch_up", True)
