@@ -191,3 +191,13 @@ def test_exact_trajectory_is_refused_where_its_sums_cannot_be_exact() -> None:
 
     with pytest.raises(ValueError, match="bf16-mixed"):
         check_exact_trajectory(ft, loss_scaling=True)
+
+
+def test_fabric_refuses_exact_trajectory_naming_the_fix() -> None:
+    """Fabric's loop is the user's: the strategy cannot add a lost group's share as an extra pass."""
+    from lightning_mics import MiCSFabricStrategy
+
+    ft = FaultTolerance(lighthouse="http://x:1", replica_group=0, num_replica_groups=2, exact_trajectory=True)
+    strategy = MiCSFabricStrategy(fault_tolerance=ft)
+    with pytest.raises(ValueError, match="exact_trajectory=False"):
+        strategy._join_fault_domain(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
