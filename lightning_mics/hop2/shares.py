@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from lightning_mics.grad_sync import fsdp_units, local_shard
 
+
 class ShareGradients:
     """The gradient accumulators of the data shares one group trains in a step, one at a time in the parameters'
     ``.grad`` (where FSDP2 accumulates the reduce-scattered micro-steps) and the others set aside."""
@@ -65,7 +66,7 @@ class ShareGradients:
         shares; as many as :attr:`slots` says), each at the padded offsets of
         :func:`~lightning_mics.hop2.pipeline.pack_gradient_shards` (zeros in the padding)."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        first = local_shard(params[0])
+        first = local_shard(params[0])  # FSDP2 keeps a sharded gradient in its sharded parameter's dtype
         rows = torch.zeros(self.slots(), sum(padded_numel), dtype=first.dtype, device=first.device)
         used = sorted([*([] if self.current is None else [self.current]), *self._aside])
         for row, share in enumerate(used or [None]):  # no share chosen: .grad is the one

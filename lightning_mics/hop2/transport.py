@@ -157,8 +157,8 @@ class _ShareOrderSum:
     (``share 0 + share 1 + ...`` in fp32, then divided by the number of shares) whichever group read which share
     -- the same bits as in the failure-free run (:mod:`lightning_mics.hop2.shares`). Stage 1: an all-to-all
     gives each quorum rank its slice of every group's rows; it sums its slice's shares in order. Stage 2 (at
-    the second :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``. While every
-    group reads one share, the bytes of a ring all-reduce."""
+    the second :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``.
+    While every group reads one share, the bytes of a ring all-reduce."""
 
     def __init__(self, rows: Tensor, group: ReplicaGroup) -> None:
         self.rows, self.group = rows, group
