@@ -27,7 +27,9 @@ of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
    the loss and whether the step committed. From those: whether every committed step of run 2 read the same
    global batch as run 5 (``samples_skipped``, ``samples_repeated``, ``steps_differing``,
    ``global_batch_constant``) and its largest per-step training-loss difference (``max_loss_diff``; the loss of
-   a step: the mean over its committed samples, from each rank's mean loss);
+   a step: the mean over its committed samples, from each rank's mean loss -- per share with
+   ``--exact-trajectory``, the default, which runs every fault-tolerant run with
+   ``FaultTolerance(exact_trajectory=True)``);
 6. goodput (``goodput.*``) under a failure schedule: a group killed every ``--goodput-period`` seconds (the
    groups in turn, ``--goodput-failures`` kills, mid-period) and started again ``--restart-delay`` s later,
    for a window of ``failures x period`` seconds from the 4th committed step -- once fault-tolerant, once
