@@ -227,8 +227,9 @@ class MiCSEngine:
         ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
         never both."""
         check_catch_up_heal(self.options.fault_tolerance, loss_scaling=loss_scaling)
-        check_exact_trajectory(self.options.fault_tolerance, loss_scaling=loss_scaling)
         layout = self.layout()
+        ft = self.options.fault_tolerance
+        check_exact_trajectory(ft, loss_scaling=loss_scaling, grad_accumulation=layout.settings.grad_accumulation)
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)

@@ -191,6 +191,9 @@ def test_exact_trajectory_is_refused_where_its_sums_cannot_be_exact() -> None:
 
     with pytest.raises(ValueError, match="bf16-mixed"):
         check_exact_trajectory(ft, loss_scaling=True)
+    with pytest.raises(ValueError, match="grad_accumulation='sharded'"):
+        check_exact_trajectory(ft, grad_accumulation="unsharded")
+    check_exact_trajectory(ft, grad_accumulation="sharded")
 
 
 def test_fabric_refuses_exact_trajectory_naming_the_fix() -> None:

@@ -185,9 +185,11 @@ def check_exact_trajectory(
     cross_replica_sync: str = "every_step",
     cross_replica_dtype: object = None,
     loss_scaling: bool = False,
+    grad_accumulation: str = "sharded",
 ) -> None:
     """Refuse ``exact_trajectory=True`` where its sums cannot be exact: a compressed or semi-synchronous hop 2,
-    or a loss scaler (whose scaling the extra passes of a lost group's shares would have to repeat)."""
+    a loss scaler (whose scaling the extra passes of a lost group's shares would have to repeat), or gradients
+    accumulated unsharded (in FSDP2's unsharded buffer, which holds every share's sum at once)."""
     if options is None or not options.exact_trajectory:
         return
     if cross_replica_sync != "every_step":
@@ -200,6 +202,12 @@ def check_exact_trajectory(
             "FaultTolerance(exact_trajectory=True) sums hop 2 in the gradients' dtype, in share order; "
             f"cross_replica_dtype={cross_replica_dtype!r} would round each group's gradients first: leave "
             "cross_replica_dtype unset, or set exact_trajectory=False."
+        )
+    if grad_accumulation != "sharded":
+        raise ValueError(
+            f"FaultTolerance(exact_trajectory=True) keeps each data share's gradient apart in the sharded gradients; "
+            f"with grad_accumulation={grad_accumulation!r} the micro-steps accumulate in FSDP2's unsharded buffer, "
+            "one for every share: use grad_accumulation='sharded', or set exact_trajectory=False."
         )
     if loss_scaling:
         raise ValueError(
