@@ -103,15 +103,27 @@ print("registered")
 def test_import_lightning_mics_registers_the_strategy_names_whatever_the_import_order(tmp_path: Path) -> None:
     """``import lightning_mics`` before Lightning (the names wait for Lightning's import), after it, through a
     public class, or before a Fabric import: every strategy name is in both registries."""
-    for first in (
+    firsts = (
         "import lightning_mics",
         "import lightning",
         "from lightning_mics import MiCSStrategy",
         "import lightning_mics; import lightning.fabric",
-    ):
-        code = first + "\n" + _REGISTERED
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-        assert result.returncode == 0 and "registered" in result.stdout, (first, result.stderr[-2000:])
+    )
+    # all four at once: each is a fresh interpreter importing Lightning, most of it waiting on the disk and the GIL
+    processes = [
+        subprocess.Popen([sys.executable, "-c", first + "\n" + _REGISTERED], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        for first in firsts
+    ]
+    try:
+        for first, process in zip(firsts, processes):
+            stdout, stderr = process.communicate(timeout=300)
+            assert process.returncode == 0 and "registered" in stdout, (first, stderr[-2000:])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_every_public_name_is_loaded_on_first_access() -> None:
