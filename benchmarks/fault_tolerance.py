@@ -1188,12 +1188,10 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
-def trajectory_section(runs: dict[str, RunLog], args: argparse.Namespace) -> dict[str, Any]:
-    """``trajectory.*``: run 2's committed steps against run 5's."""
-    reference = read_sample_records(runs["ft-reference"].log_dir)
-    compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
+def trajectory_section(reference: list[dict[str, Any]], failure: RunLog, args: argparse.Namespace) -> dict[str, Any]:
+    """``trajectory.*``: run 2's committed steps against run 5's (``reference``: its sample records)."""
     return {
-        **trajectory_results(reference, read_sample_records(runs["ft-failure"].log_dir), compare),
+        **trajectory_results(reference, read_sample_records(failure.log_dir), args.reference_steps or None),
         "compared": "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no failure), same seed",
         "reference_steps": args.reference_steps or args.steps,
         "exact_trajectory": args.exact_trajectory,
@@ -1248,11 +1246,12 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         )
     if args.only == "no_failure":
         return {"no_failure": no_failure}, runs["ft"], None
+    reference = read_sample_records(runs["ft-reference"].log_dir)  # run 5's: runs 2 and 6 are held to it
     if args.only == "trajectory":
         return {
             "failure": failure_results(runs["ft-failure"], args.steps),
             "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
-            "trajectory": trajectory_section(runs, args),
+            "trajectory": trajectory_section(reference, runs["ft-failure"], args),
         }, runs["ft-failure"], None
     ft_seconds = seconds_to_final_step(runs["ft-failure"], args.steps)
     baseline_seconds = seconds_to_final_step(runs["restart-baseline"], args.steps)
@@ -1266,7 +1265,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
                "speedup_vs_restart_baseline": baseline_seconds / ft_seconds},
     }
     results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
-    results["trajectory"] = trajectory_section(runs, args)
+    results["trajectory"] = trajectory_section(reference, runs["ft-failure"], args)
     global_batch = NODES * RANKS_PER_NODE * args.batch_size
     if schedule.failures > 0:
         goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], runs["ft-reference"], runs["plain"],
@@ -1274,8 +1273,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         goodput["schedule"]["checkpoint_every"] = args.checkpoint_every
         # the samples the fault-tolerant goodput run read, against the reference's same steps (no losses: its
         # learning-rate schedule differs, max_steps being out of reach)
-        reference = read_sample_records(runs["ft-reference"].log_dir)
-        compare = args.reference_steps or None
+        compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
         read = trajectory_results(reference, read_sample_records(runs["ft-goodput"].log_dir), compare)
         goodput["trajectory"] = {key: read[key] for key in ("samples_skipped", "samples_repeated", "steps_differing",
                                                             "global_batch_constant", "steps_compared")}

@@ -226,9 +226,9 @@ class MiCSEngine:
         """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
         ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
         never both."""
-        check_catch_up_heal(self.options.fault_tolerance, loss_scaling=loss_scaling)
-        layout = self.layout()
         ft = self.options.fault_tolerance
+        check_catch_up_heal(ft, loss_scaling=loss_scaling)
+        layout = self.layout()
         check_exact_trajectory(ft, loss_scaling=loss_scaling, grad_accumulation=layout.settings.grad_accumulation)
         sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
         self._state_sharding.update(sharded)
@@ -269,7 +269,7 @@ class MiCSEngine:
             exact = group.options.exact_trajectory
             transport = ManagedTransport(group, layout.settings.cross_replica_wire, in_share_order=exact)
             if exact:
-                shares = self._share_gradients = ShareGradients(module, lambda: group.share_holders()[1])
+                shares = self._share_gradients = ShareGradients(module)
         else:
             transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
         return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped, shares=shares)

@@ -97,9 +97,8 @@ def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read
     # every group live: group g reads share g
     together = _share_order_average([s0[None].clone(), s1[None].clone(), s2[None].clone()],
                                     holders=[(0, 0), (1, 0), (2, 0)])
-    # group 2 lost: quorum rank 0 reads shares 0 and 2 (rows 0 and 1), rank 1 share 1 (its second row zeros)
-    alone = _share_order_average([torch.stack([s0, s2]), torch.stack([s1, torch.zeros_like(s1)])],
-                                 holders=[(0, 0), (1, 0), (0, 1)])
+    # group 2 lost: quorum rank 0 reads shares 0 and 2 (rows 0 and 1), rank 1 share 1 (one row, padded to two)
+    alone = _share_order_average([torch.stack([s0, s2]), s1[None].clone()], holders=[(0, 0), (1, 0), (0, 1)])
     expected = ((s0 + s1) + s2) / 3
     for result in together + alone:
         assert torch.equal(result, expected)
@@ -108,7 +107,7 @@ def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read
 # ------------------------------------------------------------------------ shares kept apart
 def test_each_share_accumulates_apart_and_packs_into_its_own_row_in_share_order() -> None:
     model = nn.Linear(3, 2)
-    shares = ShareGradients(model, slots=lambda: 2)
+    shares = ShareGradients(model)
     params = list(model.parameters())
 
     def backward(scale: float) -> None:

@@ -165,8 +165,9 @@ class DataCursor:
         #: ``separate_shares``: the batches of the current micro-step's shares after the first (collated, not yet on
         #: the device), which the strategy trains as extra passes before the loop's own
         self.other_shares: list[Any] = []
-        #: ``separate_shares``: the losses of the extra passes of the current micro-step, by share (for logs)
-        self.other_share_losses: dict[int, float] = {}
+        #: ``separate_shares``: the losses of the extra passes of the current micro-step, by share (detached, for
+        #: logs)
+        self.other_share_losses: dict[int, torch.Tensor] = {}
 
     def predict(self) -> MicroBatchKey:
         """The micro-batch the steps will need after those already in flight (for the batch sampler)."""

@@ -174,7 +174,7 @@ class CrossReplicaPipeline:
         if self.shares is None:
             flat = pack_gradient_shards(params)
         else:
-            flat = self.shares.pack(params, [padded_shard_numel(p) for p in params])  # [shares, n]: row 0 gets the sum
+            flat = self.shares.pack(params, [padded_shard_numel(p) for p in params])  # [shares, n]: row 0 gets it
         average = self.transport.start_average(flat)
         for earlier in self._in_flight.values():  # the earlier messages' next stage, one message behind
             earlier.average.advance()

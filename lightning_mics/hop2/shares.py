@@ -20,7 +20,7 @@ its shares' slices each (more bytes only then).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
@@ -33,10 +33,8 @@ class ShareGradients:
     """The gradient accumulators of the data shares one group trains in a step, one at a time in the parameters'
     ``.grad`` (where FSDP2 accumulates the reduce-scattered micro-steps) and the others set aside."""
 
-    def __init__(self, module: nn.Module, slots: Callable[[], int]) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
-        #: rows of a packed message in this step: the most shares one group reads (the quorum's say)
-        self.slots = slots
         #: the model's FSDP units (whose boundary flag an extra share's pass turns off)
         self.units = fsdp_units(module)
         #: the share whose accumulator is in ``.grad`` (``None``: no share chosen since the last step)
@@ -62,14 +60,13 @@ class ShareGradients:
 
     def pack(self, params: Sequence[Tensor], padded_numel: Sequence[int]) -> Tensor:
         """``params``' gradient shards of each share this group read in the step, one row per share in ascending
-        share order (the order the shares are dealt to a group in; zero rows beyond this group's
-        shares; as many as :attr:`slots` says), each at the padded offsets of
+        share order (the order the shares are dealt to a group in), each at the padded offsets of
         :func:`~lightning_mics.hop2.pipeline.pack_gradient_shards` (zeros in the padding)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         first = local_shard(params[0])  # FSDP2 keeps a sharded gradient in its sharded parameter's dtype
-        rows = torch.zeros(self.slots(), sum(padded_numel), dtype=first.dtype, device=first.device)
-        used = sorted([*([] if self.current is None else [self.current]), *self._aside])
-        for row, share in enumerate(used or [None]):  # no share chosen: .grad is the one
+        used = sorted([*([] if self.current is None else [self.current]), *self._aside]) or [None]  # None: .grad
+        rows = torch.zeros(len(used), sum(padded_numel), dtype=first.dtype, device=first.device)
+        for row, share in enumerate(used):
             offset = 0
             for param, numel in zip(params, padded_numel):
                 grad = param.grad if share == self.current else self._aside[share][index[id(param)]]

@@ -156,9 +156,9 @@ class _ShareOrderSum:
     """``exact_trajectory``: the average of every data share's row, each element summed in share order
     (``share 0 + share 1 + ...`` in fp32, then divided by the number of shares) whichever group read which share
     -- the same bits as in the failure-free run (:mod:`lightning_mics.hop2.shares`). Stage 1: an all-to-all
-    gives each quorum rank its slice of every group's rows; it sums its slice's shares in order. Stage 2 (at
-    the second :meth:`advance`, or :meth:`wait`): an all-gather of the summed slices into row 0 of ``rows``.
-    While every group reads one share, the bytes of a ring all-reduce."""
+    gives each quorum rank its slice of every group's rows (padded to the most rows one group has); it sums its
+    slice's shares in order. Stage 2 (at the second :meth:`advance`, or :meth:`wait`): an all-gather of the
+    summed slices into row 0 of ``rows``. While every group reads one share, the bytes of a ring all-reduce."""
 
     def __init__(self, rows: Tensor, group: ReplicaGroup) -> None:
         self.rows, self.group = rows, group
@@ -241,9 +241,9 @@ class ManagedTransport:
             flat.zero_()
         if self.wire is not None and self.wire.dtype is None:  # int8
             return self._start_gather(flat)
-        message = flat if self.wire is None else flat.to(self.wire.dtype)
-        if self.in_share_order:
+        if self.in_share_order:  # no wire: exact_trajectory refuses one
             return _ShareOrderSum(flat, self.group)
+        message = flat if self.wire is None else flat.to(self.wire.dtype)
         contributors = self.group.contributing_groups()
         if contributors == manager.num_participants():
             return _ManagedAverage(flat, message, manager.allreduce(message))
