@@ -357,9 +357,8 @@ def expect_done(outcome: str, job: Job, what: str) -> None:
 
 
 def stop_all(bench: Bench, nodes: dict[int, list[subprocess.Popen[bytes]]]) -> None:
-    for procs in nodes.values():
-        for proc in procs:
-            bench.cluster.stop(proc)
+    """Every rank of every node at once (one grace period, not one per rank)."""
+    bench.cluster.stop_all([proc for procs in nodes.values() for proc in procs])
 
 
 # ---------------------------------------------------------------------------------- the runs
@@ -446,8 +445,7 @@ def restart_victim(
         reason = _last_error(Path(job.log_dir) / f"node{VICTIM}.rank0.port{port}.log")
         run.failures.append(f"restart {attempt + 1} of node {VICTIM} failed: {reason}")
         print(f"    {run.failures[-1]}", flush=True)
-        for proc in nodes[VICTIM]:
-            bench.cluster.stop(proc)
+        bench.cluster.stop_all(nodes[VICTIM])
 
 
 def run_restart_baseline(bench: Bench, max_attempts: int = 4) -> RunLog:
@@ -609,8 +607,7 @@ def run_ft_goodput(bench: Bench, schedule: Schedule) -> RunLog:
 
 
 def stop_group(bench: Bench, procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in procs:
-        bench.cluster.stop(proc)
+    bench.cluster.stop_all(procs)
 
 
 def run_restart_goodput(bench: Bench, schedule: Schedule) -> RunLog:

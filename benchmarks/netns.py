@@ -205,8 +205,7 @@ class EmulatedCluster:
     def teardown(self) -> None:
         """Stop the processes started here, then delete the namespaces (which removes the veths,
         the bridge and the qdiscs with them). Safe to call more than once."""
-        for proc in self._processes:
-            _terminate_session(proc)
+        _terminate_sessions(self._processes)
         self._processes.clear()
         if self._created:
             for name in self._existing_namespaces():
@@ -257,6 +256,13 @@ class EmulatedCluster:
         _terminate_session(proc)
         self.forget(proc)
 
+    def stop_all(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        """Stop several processes at once: one grace period for all of them, not one after another (the ranks
+        of a job, whose survivors may wait seconds in a collective for a rank that is already gone)."""
+        _terminate_sessions(procs)
+        for proc in procs:
+            self.forget(proc)
+
     # ------------------------------------------------------------------ measurements
     def interface_bytes(self, node: int, ifname: str = UPLINK) -> dict[str, int]:
         """The kernel's byte counters of an interface inside node ``node``."""
@@ -303,15 +309,22 @@ class EmulatedCluster:
 
 def _terminate_session(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
     """SIGTERM the process's session (it was started with ``start_new_session``), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    _terminate_sessions([proc], grace_s)
+
+
+def _terminate_sessions(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    """SIGTERM every process's session at once, wait at most ``grace_s`` for all of them together, then SIGKILL
+    the sessions still running and reap them."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        running = [proc for proc in procs if proc.poll() is None]
+        for proc in running:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
