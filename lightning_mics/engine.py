@@ -301,11 +301,12 @@ class MiCSEngine:
     def join_fault_domain(
         self,
         device: torch.device,
-        state_fn: Callable[[], dict[str, Any]],
+        state_fn: Callable[..., dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
         run: Mapping[str, Any],
     ) -> None:
         """With ``fault_tolerance``: this group's torchft Manager, serving ``state_fn()`` to groups that join
+        (``state_fn(shards=False)``: all but the shards, :func:`~lightning_mics.fault_tolerance.training_state`)
         and healing through ``load_fn`` when this one joins (once; before the optimizers are attached).
         ``run``: what else every group must share besides the layout (precision, accumulation, model,
         optimizers), checked at every quorum."""
@@ -321,8 +322,8 @@ class MiCSEngine:
             )
             semi_sync = self.semi_sync
 
-            def serve() -> dict[str, Any]:  # DiLoCo: the outer state travels with the training state
-                return state_fn() | ({"diloco": semi_sync.heal_state()} if semi_sync.active else {})
+            def serve(shards: bool = True) -> dict[str, Any]:  # DiLoCo: the outer state travels with the rest
+                return state_fn(shards=shards) | ({"diloco": semi_sync.heal_state()} if semi_sync.active else {})
 
             def heal(state: dict[str, Any]) -> None:
                 load_fn(state)

@@ -160,6 +160,47 @@ def test_a_capped_snapshot_is_sent_no_faster_than_its_rate() -> None:
         FaultTolerance(catch_up_bytes_per_s=0)
 
 
+def test_a_reserved_snapshot_is_served_once_the_training_thread_publishes_it() -> None:
+    """The quorum hands out the address of a snapshot not yet taken (:meth:`SnapshotServer.reserve`): a download
+    started then waits for the publication and gets what was published; a reservation released without one
+    answers 404 (the joining group's catch-up fails and says so), not a hang."""
+    import threading
+    import time
+
+    server = SnapshotServer(wait_s=10)
+    try:
+        address = server.reserve(5)
+        assert address.endswith("/snapshot/5") and server.serving and server.reserved_step == 5
+        catch_up = CatchUp(address, step=5, timeout=10)
+        time.sleep(0.2)
+        assert not catch_up.downloaded  # waiting for the shards
+        server.publish(5, {"model": {"w": torch.full((3,), 2.0)}, "optimizers": []})
+        assert server.reserved_step is None
+        assert torch.equal(catch_up.snapshot()["model"]["w"], torch.full((3,), 2.0))
+
+        address = server.reserve(6)
+        waiting = CatchUp(address, step=6, timeout=10)
+        threading.Timer(0.2, server.release).start()
+        waiting.wait(10)
+        assert waiting.failed
+        with pytest.raises(Exception, match="404"):
+            waiting.snapshot()
+    finally:
+        server.close()
+
+
+def test_the_small_rest_of_the_training_state_is_taken_without_the_shards() -> None:
+    """``training_state(..., shards=False)`` -- what a catching-up heal's quorum sends -- is :func:`split_shards`'s
+    small part of the whole state, without copying a shard."""
+    live = _model()
+    optimizer, scheduler = _training(live)
+    _live_step(live, optimizer, scheduler, 0)
+    whole = training_state(live.state_dict(), [optimizer], [scheduler], global_step=1)
+    small = training_state(live.state_dict(), [optimizer], [scheduler], global_step=1, shards=False)
+    assert small == split_shards(whole)[0]
+    assert "model" not in small and "state" not in small["optimizers"][0]
+
+
 def test_a_snapshot_that_cannot_be_fetched_is_reported_not_hung() -> None:
     server = SnapshotServer()
     try:

@@ -5,9 +5,11 @@ before the step, and every live group waits in that step's collectives until the
 model whose state takes several step times to cross the link, several steps lost by every group at each
 rejoin. Here, as in FT-HSDP (arXiv 2602.00277), the transfer happens beside training:
 
-1. **At the quorum** the serving rank copies its shards (model and optimizer states) into host memory and
-   publishes them on a small HTTP server of its own (:class:`SnapshotServer`); through torchft's heal only the
-   small rest travels -- hyper-parameters, schedulers, the step count -- and the snapshot's address.
+1. **At the quorum** the serving rank reserves a snapshot on a small HTTP server of its own
+   (:class:`SnapshotServer`); through torchft's heal only the small rest travels -- hyper-parameters,
+   schedulers, the step count -- and the snapshot's address. Right after the quorum, before the step's
+   forward, its training thread copies its shards (model and optimizer states) into host memory and
+   publishes them there: the state at the start of the step, as the heal's small rest is.
 2. **While the snapshot downloads** (:class:`CatchUp`, a background thread per rank) the joining group takes
    part in every step with the others but contributes nothing: it reads no share of the data (the live groups
    read it), sends zeros in hop 2, and keeps a host copy of each committed step's averaged, clipped gradients
@@ -64,13 +66,24 @@ class SnapshotServer:
     One snapshot at a time (a new heal replaces it); :meth:`release` frees it once no group needs it. The server
     listens on every interface and advertises ``socket.gethostname()``, as torchft's own checkpoint server does."""
 
-    def __init__(self, bytes_per_s: Optional[float] = None) -> None:
+    def __init__(self, bytes_per_s: Optional[float] = None, wait_s: float = 60.0) -> None:
         #: the most bytes per second a snapshot is sent at (``None``: as fast as the network takes it)
         self.bytes_per_s = bytes_per_s
-        self._lock = threading.Lock()
+        #: how long a request for a reserved snapshot waits for it to be published
+        self.wait_s = wait_s
+        self._lock = threading.Condition()
         self._payload: Any = None
         self._step: Optional[int] = None
         self._server: Optional[ThreadingHTTPServer] = None
+
+    def reserve(self, step: int) -> str:
+        """The address the snapshot of committed step ``step`` will be served at, before it is taken: the quorum
+        hands the address to the joining group at once, and the training thread copies the shards after the
+        quorum (:meth:`publish`) -- not in torchft's quorum thread, where the copy would hold up the joining
+        group's heal, and with it every group's first step together. A request waits for the publication."""
+        with self._lock:
+            self._payload, self._step = None, step
+        return self._address(step)
 
     def publish(self, step: int, shards: Any) -> str:
         """Serve ``shards`` -- a copy of the live state, not the live tensors: training goes on changing those
@@ -79,16 +92,28 @@ class SnapshotServer:
         shards = to_host(shards, copy=False)
         with self._lock:
             self._payload, self._step = shards, step
-        return f"http://{socket.gethostname()}:{self._port()}/snapshot/{step}"
+            self._lock.notify_all()
+        return self._address(step)
+
+    @property
+    def reserved_step(self) -> Optional[int]:
+        """The step of a snapshot reserved and not yet published (``None``: none)."""
+        with self._lock:
+            return self._step if self._payload is None else None
 
     def release(self) -> None:
         """Stop serving the snapshot and free its memory."""
         with self._lock:
             self._payload, self._step = None, None
+            self._lock.notify_all()
 
     @property
     def serving(self) -> bool:
-        return self._payload is not None
+        """Whether a snapshot is reserved or published."""
+        return self._step is not None
+
+    def _address(self, step: int) -> str:
+        return f"http://{socket.gethostname()}:{self._port()}/snapshot/{step}"
 
     def close(self) -> None:
         self.release()
@@ -109,7 +134,11 @@ class SnapshotServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                with server._lock:
+                with server._lock:  # a reserved snapshot: wait until it is published (or replaced, released)
+                    server._lock.wait_for(
+                        lambda: server._payload is not None or self.path != f"/snapshot/{server._step}",
+                        timeout=server.wait_s,
+                    )
                     payload, step = server._payload, server._step
                 if payload is None or self.path != f"/snapshot/{step}":
                     self.send_error(404, f"no snapshot {self.path} here (serving step {step})")

@@ -54,7 +54,7 @@ class CommittedStepCounters:
 
 def trainer_state_hooks(
     trainer: Any, module: nn.Module, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]
-) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None], CommittedStepCounters]:
+) -> tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], None], CommittedStepCounters]:
     """For a Lightning Trainer: :func:`state_hooks` with its step count, and its step counters kept to
     committed steps."""
 

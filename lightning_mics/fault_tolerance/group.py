@@ -52,7 +52,7 @@ class ReplicaGroup:
         self,
         options: FaultTolerance,
         device: torch.device,
-        state_fn: Callable[[], dict[str, Any]],
+        state_fn: Callable[..., dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
         configuration: Optional[GroupConfiguration] = None,
         parameter_digest: Optional[Callable[[], list[int]]] = None,
@@ -72,8 +72,11 @@ class ReplicaGroup:
         #: across groups every ``check_parameters_every`` steps; ``None``: not compared
         self.parameter_digest = parameter_digest
         self._load_fn = load_fn
+        self._state_fn = state_fn
         #: ``heal="catch_up"``: this rank's snapshot server (it serves a joining group's same rank)
-        self.snapshots = SnapshotServer(options.catch_up_bytes_per_s) if options.heal == "catch_up" else None
+        self.snapshots = (
+            SnapshotServer(options.catch_up_bytes_per_s, wait_s=options.timeout) if options.heal == "catch_up" else None
+        )
         #: while this group catches up after joining: the snapshot downloading and the steps kept meanwhile
         self.catch_up: Optional[CatchUp] = None
         #: optimizer steps replayed by this group's last catch-up
@@ -168,6 +171,7 @@ class ReplicaGroup:
                     f"torchft step {self.manager.current_step()}: relaunch the missing groups (they heal from the "
                     "live ones), or lower min_replica_groups."
                 )
+        self._publish_snapshot()
         step = self.manager.current_step()
         same_quorum = self._same_quorum_as_last_step(step)
         if not same_quorum:  # a heal (and a group started unlike the others) can only come with a new quorum
@@ -244,7 +248,7 @@ class ReplicaGroup:
             "job: it heals from a live group."
         )
 
-    def _serve(self, state_fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _serve(self, state_fn: Callable[..., dict[str, Any]]) -> dict[str, Any]:
         """What a joining group's same rank receives at the quorum (in torchft's quorum thread, while this
         rank's training waits for the quorum): this group's configuration and its training state -- with
         ``heal="catch_up"`` all of it but the shards, which this rank serves from a snapshot instead."""
@@ -254,14 +258,19 @@ class ReplicaGroup:
                 "groups'), so it cannot serve a joining group; that group's heal fails and it heals again at its "
                 "next quorum"
             )
-        state = state_fn()
-        message: dict[str, Any] = {"configuration": self.configuration.items, "state": state}
-        if self.snapshots is not None:
-            small, shards = split_shards(state)
-            step = self.manager.current_step()
-            message["state"] = small
-            message["snapshot"] = {"address": self.snapshots.publish(step, shards), "step": step}
-        return message
+        if self.snapshots is None:
+            return {"configuration": self.configuration.items, "state": state_fn()}
+        step = self.manager.current_step()  # the shards follow from the training thread (:meth:`_publish_snapshot`)
+        return {"configuration": self.configuration.items, "state": state_fn(shards=False),
+                "snapshot": {"address": self.snapshots.reserve(step), "step": step}}
+
+    def _publish_snapshot(self) -> None:
+        """After a quorum at which this rank served a catching-up heal, before the step's forward: copy the shards
+        into the snapshot the joining rank downloads (the state at the start of the step, as the heal's rest)."""
+        if self.snapshots is None or self.snapshots.reserved_step is None:
+            return
+        _, shards = split_shards(self._state_fn())
+        self.snapshots.publish(self.snapshots.reserved_step, shards)
 
     def _heal(self, received: dict[str, Any], load_fn: Callable[[dict[str, Any]], None]) -> None:
         """Refuse a peer started differently before touching any state; else load its state -- or, from a peer

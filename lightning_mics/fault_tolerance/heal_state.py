@@ -77,13 +77,25 @@ def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -
 
 
 def training_state(
-    model_state: dict[str, Any], optimizers: Sequence[Optimizer], schedulers: Sequence[Any], global_step: int
+    model_state: dict[str, Any],
+    optimizers: Sequence[Optimizer],
+    schedulers: Sequence[Any],
+    global_step: int,
+    shards: bool = True,
 ) -> dict[str, Any]:
     """What a joining group takes from this one (this rank's shards): the model, the optimizers' and
     schedulers' states and the step count. Runs in torchft's quorum thread at the start of a step; reads
     ``model_state``, the sharded state dict taken when the group joined (whose DTensors are the sharded
     parameters and buffers themselves), not the module, whose state-dict hooks must not run in another
-    thread while its forward is being entered. Copies, so the snapshot is the step's start."""
+    thread while its forward is being entered. Copies, so the snapshot is the step's start.
+    ``shards=False``: the small rest only, as :func:`split_shards` makes it, without copying the shards (a
+    catching-up heal's quorum)."""
+    if not shards:
+        return {
+            "optimizers": [{"param_groups": optimizer.state_dict()["param_groups"]} for optimizer in optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+            "global_step": global_step,
+        }
     return {
         "model": local_state(model_state),
         "optimizers": [optimizer_local_state(optimizer) for optimizer in optimizers],
@@ -128,12 +140,12 @@ def state_hooks(
     schedulers: Sequence[Any] = (),
     global_step: Callable[[], int] = lambda: 0,
     set_global_step: Callable[[int], None] = lambda step: None,
-) -> tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]]:
-    """What this group serves to a joining one and how it heals: the model, the optimizers (states and
-    hyper-parameters), the schedulers and the step count -- a Fabric loop has neither of the last two (its
-    counters follow torchft's committed step)."""
+) -> tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], None]]:
+    """What this group serves to a joining one (``state_fn(shards=True)``, :func:`training_state`) and how it
+    heals: the model, the optimizers (states and hyper-parameters), the schedulers and the step count -- a
+    Fabric loop has neither of the last two (its counters follow torchft's committed step)."""
     model_state = module.state_dict()  # sharded now
     return (
-        lambda: training_state(model_state, optimizers, schedulers, global_step()),
+        lambda shards=True: training_state(model_state, optimizers, schedulers, global_step(), shards),
         lambda state: load_training_state(state, model_state, optimizers, schedulers, set_global_step),
     )
