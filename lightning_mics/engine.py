@@ -16,6 +16,7 @@ holds the replica group's torchft Manager (:mod:`lightning_mics.fault_tolerance`
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -109,6 +110,8 @@ class MiCSEngine:
         self.async_saver = ckpt.AsyncCheckpointSaver(options.timeout_delta) if options.async_save else None
         #: seconds the training loop spent in each checkpoint save (async: the copy to CPU memory)
         self.checkpoint_stall_s: list[float] = []
+        #: ``gc_freeze``: whether this engine froze the garbage collector's objects (and thaws them at teardown)
+        self._froze_gc = False
 
     @property
     def cross_replica_wire(self) -> Optional[WireFormat]:
@@ -565,8 +568,22 @@ class MiCSEngine:
             saver.wait()  # never delete a checkpoint while it is being written
         ckpt.remove(path)
 
+    def freeze_startup_objects(self) -> None:
+        """``gc_freeze``: when training starts, collect the garbage once and freeze the rest, so that Python's
+        full collections -- a pause of a few tenths of a second on one rank, which every rank of a synchronous
+        job then waits for -- no longer walk the startup objects. Not when the process runs its own policy
+        (collector disabled, objects frozen already); once per engine."""
+        if not self.options.gc_freeze or self._froze_gc or not gc.isenabled() or gc.get_freeze_count() > 0:
+            return
+        gc.collect()
+        gc.freeze()
+        self._froze_gc = True
+
     def teardown(self) -> None:
         """The run ends only once its last checkpoint is committed (a failed background save raises here)."""
+        if self._froze_gc:  # what was frozen is collectable again once the run is over
+            gc.unfreeze()
+            self._froze_gc = False
         for sync in self._model_syncs.values():  # the model may go on under another strategy
             sync.remove()
         self._model_syncs.clear()

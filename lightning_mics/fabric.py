@@ -165,6 +165,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         self._engine.attach_optimizers([optimizer], models, loss_scaling)
         compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.add(optimizer)
+        self._engine.freeze_startup_objects()  # the training loop starts after its model and optimizer are set up
         return optimizer
 
     # ------------------------------------------------------------------ fault tolerance

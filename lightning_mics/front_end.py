@@ -66,6 +66,7 @@ class MiCSFrontEnd:
     sync_module_states = _Option[bool]()
     checkpoint_verify = _Option[str]()
     buffer_sync = _Option[str]()
+    gc_freeze = _Option[bool]()
     planner_cluster = _Option[Any]()
     release_gradients_after_step = _Option[bool]()
     cpu_offload = _Option[Any]()

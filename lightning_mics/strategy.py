@@ -202,6 +202,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._engine.freeze_startup_objects()
         module = self.lightning_module
         if self._engine.data_cursor is not None and module is not None:
             loaders = module.trainer.train_dataloader

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -167,6 +168,16 @@ class GradientLifetime(pl.Callback):
             self.after_step.append(self._with_grads(pl_module))
 
 
+class FrozenObjects(pl.Callback):
+    """How many objects the garbage collector has frozen at each training batch."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counts.append(gc.get_freeze_count())
+
+
 def _misc(rank: int, world: int) -> dict:
     out: dict = {}
     cfg = RunConfig(world_size=world, accumulate=1, steps=6, lr=0.2)
@@ -257,6 +268,12 @@ def _misc(rank: int, world: int) -> dict:
             release_gradients_after_step=release,
         )
         out[f"grads_release={release}"] = (lifetime.at_step, lifetime.after_step, full_parameters(module))
+
+    # gc_freeze: the startup objects frozen while training (when nothing froze them before), thawed at the end
+    for freeze in (True, False):
+        frozen = FrozenObjects()
+        fit_with_mics(ToyModule(plain), plain, callbacks=[frozen], partition_size=2, ranks_per_node=2, gc_freeze=freeze)
+        out[f"gc_freeze={freeze}"] = (frozen.counts, gc.get_freeze_count())
 
     # a model that applied fully_shard itself is refused with a clear error
     try:
@@ -377,6 +394,48 @@ def test_gradients_are_released_right_after_the_optimizer_step(misc):
         assert kept_at_step == [trained] * 3 and kept_after_step == [trained] * 3  # Lightning's own order
         for name, value in kept_params.items():
             assert torch.equal(released_params[name], value), name  # the same training, bit for bit
+
+
+def test_training_freezes_the_startup_objects_and_thaws_them_after(misc):
+    """``gc_freeze=True`` (the default): Python's full collections skip everything that existed when training
+    started (a pause of 0.2-0.3 s per rank otherwise); the freeze ends with the run. ``False``: untouched."""
+    for rank in misc:
+        counts, after = rank["gc_freeze=True"]
+        assert len(counts) == 3 and min(counts) > 10_000, counts  # torch, Lightning and the model, at least
+        assert after == 0
+        counts, after = rank["gc_freeze=False"]
+        assert counts == [0, 0, 0] and after == 0
+
+
+def test_gc_freeze_leaves_a_process_with_its_own_policy_alone():
+    """A process that disabled the collector or froze objects itself keeps its policy (and its freeze)."""
+    from lightning_mics import MiCSOptions
+    from lightning_mics.engine import MiCSEngine
+
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        engine = MiCSEngine(MiCSOptions())
+        frozen = gc.get_freeze_count()
+        engine.freeze_startup_objects()
+        engine.teardown()
+        assert gc.get_freeze_count() == frozen  # not thawed by the engine: it did not freeze them
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        engine = MiCSEngine(MiCSOptions())
+        engine.freeze_startup_objects()
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+    engine = MiCSEngine(MiCSOptions())
+    engine.freeze_startup_objects()
+    assert gc.get_freeze_count() > 0
+    engine.teardown()
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(TypeError, match="gc_freeze must be True or False"):
+        MiCSStrategy(gc_freeze="yes")
 
 
 def test_release_gradients_after_step_must_be_a_bool():
