@@ -168,6 +168,10 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "benchmarks/results/fault_tolerance_exact/fault_tolerance.json",
         fault_tolerance_exact_table,
     ),
+    "fault-tolerance-gc": (
+        "benchmarks/results/fault_tolerance_gc/fault_tolerance.json",
+        fault_tolerance_exact_table,
+    ),
 }
 
 
