@@ -195,8 +195,9 @@ class MiCSOptions:
     reads ``.grad`` after the step. Manual optimization is never touched."""
 
     gc_freeze: bool = True
-    """When training starts (the Trainer's ``fit``, Fabric's ``setup``), collect Python's young garbage (a few ms)
-    and ``gc.freeze()`` the rest -- torch, Lightning, the model: ~400 K objects -- until the strategy's teardown.
+    """When training starts (the Trainer's ``fit``, Fabric's ``setup``), collect Python's garbage (fully the first
+    time in a process, 0.2 s) and ``gc.freeze()`` the rest -- torch, Lightning, the model: ~400 K objects -- until
+    the strategy's teardown.
     Python's full garbage collections then skip those objects: one took 0.2-0.3 s on each rank every 30-60 s
     here (measured on 2 CPU cores), 1 ms after the freeze. A synchronous job waits for the slowest rank, so
     each such pause, at a random step on any rank, stalls every rank (a fault-tolerant heal's copy set one off
