@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -35,19 +36,33 @@ def start_lighthouse(min_replicas: int, join_timeout_ms: int = 1000) -> tuple[su
     """A Lighthouse on loopback (its own session, so that it can be killed whole) and its address. torchft
     0.2.0's Lighthouse has no majority rule: a group that asks for a quorum while the live ones are mid-step
     gets a quorum of its own after ``join_timeout_ms`` (two quorums training apart), so a test where a group
-    joins late keeps the join timeout above the live groups' step time."""
-    port = free_port()
-    process = subprocess.Popen(
-        [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
-         "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "2000"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    time.sleep(0.5)
-    if process.poll() is not None:
-        raise RuntimeError("the Lighthouse did not start")
-    return process, f"http://127.0.0.1:{port}"
+    joins late keeps the join timeout above the live groups' step time.
+
+    Returned once it accepts connections. A Lighthouse that never listens is given up for one on a new port, up to
+    three: once, in CI, every group of a test got "transport error" from its Lighthouse until its 60 s
+    ``quorum_timeout`` -- likeliest a port another process took between :func:`free_port` and the bind."""
+    for _ in range(3):
+        port = free_port()
+        process = subprocess.Popen(
+            [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+             "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms", "2000"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 20
+        while process.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            except OSError:
+                time.sleep(0.1)
+                continue
+            time.sleep(0.2)  # listening -- and still alive, so the listener is the Lighthouse
+            if process.poll() is None:
+                return process, f"http://127.0.0.1:{port}"
+        process.kill()
+        process.wait(timeout=10)
+    raise RuntimeError("the Lighthouse did not start listening (three ports tried)")
 
 
 @contextmanager
