@@ -253,8 +253,7 @@ class EmulatedCluster:
             self._processes.remove(proc)
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        _terminate_session(proc)
-        self.forget(proc)
+        self.stop_all([proc])
 
     def stop_all(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
         """Stop several processes at once: one grace period for all of them, not one after another (the ranks
@@ -307,14 +306,9 @@ class EmulatedCluster:
                     self.stop(proc)
 
 
-def _terminate_session(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-    """SIGTERM the process's session (it was started with ``start_new_session``), then SIGKILL."""
-    _terminate_sessions([proc], grace_s)
-
-
 def _terminate_sessions(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
-    """SIGTERM every process's session at once, wait at most ``grace_s`` for all of them together, then SIGKILL
-    the sessions still running and reap them."""
+    """SIGTERM every process's session (each started with ``start_new_session``) at once, wait at most ``grace_s``
+    for all of them together, then SIGKILL the sessions still running and reap them."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running = [proc for proc in procs if proc.poll() is None]
         for proc in running:

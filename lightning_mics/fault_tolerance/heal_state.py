@@ -90,15 +90,12 @@ def training_state(
     thread while its forward is being entered. Copies, so the snapshot is the step's start.
     ``shards=False``: the small rest only, as :func:`split_shards` makes it, without copying the shards (a
     catching-up heal's quorum)."""
-    if not shards:
-        return {
-            "optimizers": [{"param_groups": optimizer.state_dict()["param_groups"]} for optimizer in optimizers],
-            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
-            "global_step": global_step,
-        }
-    return {
-        "model": local_state(model_state),
-        "optimizers": [optimizer_local_state(optimizer) for optimizer in optimizers],
+    state: dict[str, Any] = {"model": local_state(model_state)} if shards else {}
+    return state | {
+        "optimizers": [
+            optimizer_local_state(optimizer) if shards else {"param_groups": optimizer.state_dict()["param_groups"]}
+            for optimizer in optimizers
+        ],
         "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "global_step": global_step,
     }
