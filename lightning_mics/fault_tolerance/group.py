@@ -391,11 +391,41 @@ class ReplicaGroup:
             return None
         gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
         try:
-            work = self.pg.allgather([gathered], [message], AllgatherOptions())
-            return gathered, self.manager.wrap_future(work.get_future(), None)
+            return gathered, self._guarded(self.pg.allgather([gathered], [message], AllgatherOptions()))
         except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
             self.manager.report_error(error)
             return None
+
+    def start_all_reduce_sum(self, message: Tensor) -> Optional[Any]:
+        """Start summing ``message`` in place over the quorum's groups (torchft's process group): its future, or
+        ``None`` as :meth:`start_all_gather`. The caller divides (by the contributing groups)."""
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        if self.manager.errored() is not None:
+            return None
+        options = AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.SUM
+        try:
+            return self._guarded(self.pg.allreduce([message], options))
+        except RuntimeError as error:
+            self.manager.report_error(error)
+            return None
+
+    def _guarded(self, work: Any) -> Any:
+        """``work``'s future, completing normally whatever happens: a failure is recorded for :meth:`commit` (the
+        step is dropped), not raised -- what torchft's ``Manager.wrap_future`` does, without its timer. The process
+        group ends a hung collective itself (gloo's own timeout; torchft's NCCL group aborts at its timeout), and
+        the timer -- two wake-ups of torchft's event-loop thread per message -- cost a few percent of a CPU step
+        (``benchmarks/fault_tolerance.py``'s no-failure overhead)."""
+        manager = self.manager
+
+        def record_failure(future: Any) -> None:
+            try:
+                future.value()
+            except Exception as error:  # noqa: BLE001 -- any failure of the message is the step's
+                manager.report_error(error)
+
+        return work.get_future().then(record_failure)
 
     def start_all_to_all(self, message: Tensor) -> Optional[tuple[Tensor, Any]]:
         """Start an all-to-all of ``message`` (``[quorum groups, ...]``: block ``q`` goes to quorum rank ``q``)
@@ -407,8 +437,7 @@ class ReplicaGroup:
             return None
         received = torch.empty_like(message)
         try:
-            work = self.pg.alltoall_base(received, message, [], [], AllToAllOptions())
-            return received, self.manager.wrap_future(work.get_future(), None)
+            return received, self._guarded(self.pg.alltoall_base(received, message, [], [], AllToAllOptions()))
         except RuntimeError as error:
             self.manager.report_error(error)
             return None

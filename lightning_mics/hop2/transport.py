@@ -110,20 +110,18 @@ class _Nothing:
 
 
 class _ManagedAverage:
-    """torchft's all-reduce (it averages over the quorum's groups, in its callback -- or, with ``divisor``, sums
-    and the average is taken here: over the contributing groups, when a catching-up one sent zeros); a 16-bit
-    ``message`` is written back into ``flat`` on completion."""
+    """A sum over torchft's process group, divided here by the groups that contributed (a catching-up group sends
+    zeros); a 16-bit ``message`` is written back into ``flat`` on completion."""
 
-    def __init__(self, flat: Tensor, message: Tensor, work: Any, divisor: Optional[int] = None) -> None:
-        self.flat, self.message, self.work, self.divisor = flat, message, work, divisor
+    def __init__(self, flat: Tensor, message: Tensor, summed: Any, contributors: int) -> None:
+        self.flat, self.message, self.summed, self.contributors = flat, message, summed, contributors
 
     def advance(self) -> None:
         """One collective."""
 
     def wait(self) -> None:
-        self.work.wait()
-        if self.divisor is not None:
-            self.message.div_(self.divisor)
+        self.summed.wait()
+        self.message.div_(self.contributors)
         if self.message is not self.flat:
             self.flat.copy_(self.message)
 
@@ -244,10 +242,10 @@ class ManagedTransport:
         if self.in_share_order:  # no wire: exact_trajectory refuses one
             return _ShareOrderSum(flat, self.group)
         message = flat if self.wire is None else flat.to(self.wire.dtype)
-        contributors = self.group.contributing_groups()
-        if contributors == manager.num_participants():
-            return _ManagedAverage(flat, message, manager.allreduce(message))
-        return _ManagedAverage(flat, message, manager.allreduce(message, reduce_op=dist.ReduceOp.SUM), contributors)
+        started = self.group.start_all_reduce_sum(message)
+        if started is None:
+            return _Nothing()
+        return _ManagedAverage(flat, message, started, self.group.contributing_groups())
 
     def _start_gather(self, flat: Tensor) -> InFlight:
         started = self.group.start_all_gather(wire_codec.encode(flat))
