@@ -109,7 +109,7 @@ class Preset:
 
 FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=20.0,
               probe_seconds=3.0, run_timeout=900.0, goodput_period=90.0, goodput_failures=4)
-QUICK = Preset(no_failure_steps=40, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
+QUICK = Preset(no_failure_steps=80, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
                probe_seconds=1.0, run_timeout=400.0, goodput_period=40.0, goodput_failures=3)
 #: The main path in about three minutes (what the test suite runs): every run, the kill and the rejoin, few steps.
 #: No goodput runs (a kill schedule needs minutes), and the trajectory compared over the first 30 steps only (the
@@ -135,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the main path with few steps, about 3 minutes: checks that it runs, measures nothing")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
     parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 200, default 300)")
-    parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 40, default 100)")
+    parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 80, default 100)")
     parser.add_argument("--kill-at-step", type=int,
                         help="kill node 2 half a step after it logged this step (quick: 35, default 70)")
     parser.add_argument("--checkpoint-every", type=int, help="ModelCheckpoint interval in steps (quick: 10, 25)")
@@ -693,6 +693,28 @@ def pooled_median_step_seconds(runs: list[RunLog], skip: int = 3) -> float:
     return statistics.median(intervals)
 
 
+def cpu_seconds_per_step(run: RunLog, skip: int = 3) -> float | None:
+    """CPU seconds that all ranks together spent per step (every thread of every rank's process: the
+    ``time.process_time()`` of each logged line), over the steps the step times use (the first ``skip`` left out).
+    The ranks keep this host's cores busy (6 ranks on 2 cores), so a step takes as long as the CPU it needs: this
+    ratio is the overhead without the wall clock's noise, and where it comes from is in each thread's CPU (the
+    Lighthouse, a process of its own, is not counted: about 1 ms a step)."""
+    by_rank: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for row in read_rows(run, None):
+        by_rank.setdefault((row["node"], row["rank"]), []).append(row)
+    total = 0.0
+    for rows in by_rank.values():
+        rows = rows[skip:]
+        if len(rows) < 2 or "cpu" not in rows[0] or rows[-1]["step"] == rows[0]["step"]:
+            return None
+        total += (rows[-1]["cpu"] - rows[0]["cpu"]) / (rows[-1]["step"] - rows[0]["step"])
+    return total
+
+
+def mean_or_none(values: list[float | None]) -> float | None:
+    return None if not values or any(value is None for value in values) else statistics.fmean(values)  # type: ignore[arg-type]
+
+
 def median_interval(times: list[float]) -> float:
     return statistics.median([b - a for a, b in itertools.pairwise(times)])
 
@@ -741,7 +763,17 @@ def no_failure_results(plains: list[RunLog], fts: list[RunLog], every_step: RunL
             "discarded": max(row["discarded"] for row in read_rows(ft)),
             "runs_step_seconds": {"plain": [median_step_seconds(run) for run in plains],
                                   "ft": [median_step_seconds(run) for run in fts]},
+            "cpu_overhead": cpu_ratio(plains, fts),
+            "runs_cpu_seconds_per_step": {"plain": [cpu_seconds_per_step(run) for run in plains],
+                                          "ft": [cpu_seconds_per_step(run) for run in fts]},
             "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step}
+
+
+def cpu_ratio(plains: list[RunLog], fts: list[RunLog]) -> float | None:
+    """Fault tolerance's CPU per step over plain MiCS's (each the mean over its runs): ``no_failure.cpu_overhead``."""
+    plain = mean_or_none([cpu_seconds_per_step(run) for run in plains])
+    ft = mean_or_none([cpu_seconds_per_step(run) for run in fts])
+    return ft / plain if plain and ft else None
 
 
 def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
@@ -1133,6 +1165,7 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
          f"{n['plain_step_seconds']:.3f} s)")),
         ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
+        ("no failure: CPU per step (all ranks), fault-tolerant / plain", _num(n.get("cpu_overhead"), 3)),
     ]
     if f is None or r is None:  # --only no_failure
         return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])

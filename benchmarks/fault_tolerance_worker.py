@@ -151,7 +151,8 @@ class StepLog(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         line: dict[str, Any] = {"t": time.time(), "node": self.node, "rank": self.local_rank,
-                                "global_step": trainer.global_step, "loss": _loss(outputs)}
+                                "global_step": trainer.global_step, "loss": _loss(outputs),
+                                "cpu": time.process_time()}  # every thread of this rank's process
         replica_group = getattr(trainer.strategy.engine, "replica_group", None)
         if replica_group is not None:
             manager = replica_group.manager

@@ -344,3 +344,29 @@ def test_a_group_killed_between_its_commit_and_its_commit_line_counts_as_its_quo
     results = bench.trajectory_results(_records(10), run)
     assert results["samples_skipped"] == 0 and results["samples_repeated"] == 0
     assert results["global_batch_constant"] is True and results["max_loss_diff"] == 0.0
+
+
+def _cpu_run(directory: Path, name: str, cpu_per_step: dict[tuple[int, int], float], warmup_cpu: float) -> bench.RunLog:
+    """A no-failure run whose ranks each log 8 steps, the first 3 slower (warm-up), then ``cpu_per_step``."""
+    run_dir = directory / name
+    run_dir.mkdir()
+    for (node, rank), per_step in cpu_per_step.items():
+        cpu, rows = 0.0, []
+        for step in range(1, 9):
+            cpu += warmup_cpu if step <= 3 else per_step
+            rows.append({"t": float(step), "node": node, "rank": rank, "step": step, "cpu": cpu})
+        (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return bench.RunLog(name, str(run_dir), 0.0)
+
+
+def test_cpu_per_step_sums_every_rank_after_the_warm_up_and_the_ratio_averages_the_runs(tmp_path: Path) -> None:
+    ranks = [(node, rank) for node in range(3) for rank in range(2)]
+    plain = [_cpu_run(tmp_path, "plain", {key: 0.04 for key in ranks}, warmup_cpu=5.0),
+             _cpu_run(tmp_path, "plain-2", {key: 0.06 for key in ranks}, warmup_cpu=5.0)]
+    ft = _cpu_run(tmp_path, "ft", {key: 0.05 + (0.03 if key == (2, 1) else 0.0) for key in ranks}, warmup_cpu=9.0)
+    assert bench.cpu_seconds_per_step(plain[0]) == pytest.approx(6 * 0.04)  # the warm-up steps left out
+    assert bench.cpu_seconds_per_step(ft) == pytest.approx(6 * 0.05 + 0.03)
+    assert bench.cpu_ratio(plain, [ft]) == pytest.approx((6 * 0.05 + 0.03) / (6 * 0.05))
+    (tmp_path / "old").mkdir()  # a run logged before the worker wrote its CPU time: no number, not a wrong one
+    (tmp_path / "old" / "node0.rank0.jsonl").write_text(json.dumps({"t": 1.0, "node": 0, "rank": 0, "step": 1}) + "\n")
+    assert bench.cpu_ratio(plain, [bench.RunLog("old", str(tmp_path / "old"), 0.0)]) is None
