@@ -70,6 +70,14 @@ class _Group:
 
         return gathered, _Future(fill)
 
+    def start_all_gather_into(self, output: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, _Future]:
+        self.world.all_gather[self.rank] = message
+
+        def fill() -> None:
+            output.copy_(torch.cat([self.world.all_gather[q] for q in range(self.world.ranks)]))
+
+        return output, _Future(fill)
+
 
 def _share_order_average(rows_per_rank: list[torch.Tensor], holders: list[tuple[int, int]]) -> list[torch.Tensor]:
     world = _World(len(rows_per_rank))
@@ -91,8 +99,9 @@ def _awkward_shares(n: int = 1001) -> list[torch.Tensor]:
     return [torch.randn(n, generator=generator) * scale for scale in scales]
 
 
-def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read_which_share() -> None:
-    s0, s1, s2 = _awkward_shares()
+@pytest.mark.parametrize("n", [1001, 1002])  # slices padded; or filling row 0 exactly (gathered in place)
+def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read_which_share(n: int) -> None:
+    s0, s1, s2 = _awkward_shares(n)
     assert not torch.equal((s0 + s2) + s1, (s0 + s1) + s2)  # the order matters for these numbers
     # every group live: group g reads share g
     together = _share_order_average([s0[None].clone(), s1[None].clone(), s2[None].clone()],
@@ -130,6 +139,13 @@ def test_each_share_accumulates_apart_and_packs_into_its_own_row_in_share_order(
     assert shares.others == 0 and shares.current is None
 
 
+def test_the_share_placement_is_worked_out_once_per_step_for_all_its_messages() -> None:
+    worked_out: list[int] = []
+    stub = SimpleNamespace(_holders=None, _share_holders=lambda: worked_out.append(1) or ([(0, 0)], 1))
+    assert ReplicaGroup.share_holders(stub) == ReplicaGroup.share_holders(stub) == ([(0, 0)], 1)
+    assert worked_out == [1]
+
+
 def test_shares_are_placed_on_the_quorum_ranks_that_read_them() -> None:
     def holders(num_shares: int, quorum_groups: tuple[int, ...], catching_up: tuple[int, ...], mine: int, rank: int):
         contributors = [g for g in quorum_groups if g not in catching_up]
@@ -143,7 +159,7 @@ def test_shares_are_placed_on_the_quorum_ranks_that_read_them() -> None:
             manager=SimpleNamespace(participating_rank=lambda: rank),
             _replica_id=ReplicaGroup._replica_id,
         )
-        return ReplicaGroup.share_holders(stub)
+        return ReplicaGroup._share_holders(stub)
 
     assert holders(3, (0, 1, 2), (), 0, 0) == ([(0, 0), (1, 0), (2, 0)], 1)
     assert holders(3, (0, 1), (), 1, 1) == ([(0, 0), (1, 0), (0, 1)], 2)  # a lost group's share read by rank 0

@@ -1,7 +1,7 @@
 """Hop 2's messages over torchft's process group (:class:`~lightning_mics.fault_tolerance.group.ReplicaGroup`'s
 ``start_*``): a failed collective is recorded for the commit (the step is dropped), never raised; a message
-registers no timer of torchft's (the process group times a hung collective out itself); the all-reduce's average
-is taken over the contributing groups."""
+registers no timer or callback of torchft's (the process group times a hung collective out itself); the
+all-reduce's average is taken over the contributing groups."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ class _Work:
     def __init__(self) -> None:
         self.future: torch.futures.Future[Any] = torch.futures.Future()
 
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self.future
+    def wait(self) -> None:
+        self.future.wait()
 
 
 class _ProcessGroup:

@@ -85,6 +85,8 @@ class ReplicaGroup:
         #: agreement -- the same sets in every group of the quorum
         self._quorum_groups: tuple[int, ...] = ()
         self.not_contributing: frozenset[int] = frozenset()
+        #: :meth:`share_holders` of the current step (``None``: not asked yet since the step's quorum)
+        self._holders: Optional[tuple[list[tuple[int, int]], int]] = None
         _forget_earlier_manager()
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
@@ -146,6 +148,7 @@ class ReplicaGroup:
         ``check_parameters_every`` steps -- the groups' parameters are still bit-identical. A failed check ends
         this group (or, for diverged parameters, the run) with an error that says which."""
         self._watchdog.kick()
+        self._holders = None  # the quorum and its contributors may change below
         step = self.manager.current_step()
         self._quorum_this_step = force_quorum or self._needs_quorum(step)
         if not self._quorum_this_step:  # the last commit's all-reduce was this group's presence check
@@ -396,7 +399,22 @@ class ReplicaGroup:
             self.manager.report_error(error)
             return None
 
-    def start_all_reduce_sum(self, message: Tensor) -> Optional[Any]:
+    def start_all_gather_into(self, output: Tensor, message: Tensor) -> Optional[tuple[Tensor, Any]]:
+        """Start gathering every quorum group's ``message`` into ``output`` (one flat tensor, quorum order, no
+        copy afterwards): ``(output, future)``, or ``None`` as :meth:`start_all_gather`."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        if self.manager.errored() is not None:
+            return None
+        try:
+            return output, self._guarded(
+                self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
+            )
+        except RuntimeError as error:
+            self.manager.report_error(error)
+            return None
+
+    def start_all_reduce_sum(self, message: Tensor) -> Optional[_RecordedOnFailure]:
         """Start summing ``message`` in place over the quorum's groups (torchft's process group): its future, or
         ``None`` as :meth:`start_all_gather`. The caller divides (by the contributing groups)."""
         from torch.distributed.distributed_c10d import AllreduceOptions
@@ -411,21 +429,10 @@ class ReplicaGroup:
             self.manager.report_error(error)
             return None
 
-    def _guarded(self, work: Any) -> Any:
-        """``work``'s future, completing normally whatever happens: a failure is recorded for :meth:`commit` (the
-        step is dropped), not raised -- what torchft's ``Manager.wrap_future`` does, without its timer. The process
-        group ends a hung collective itself (gloo's own timeout; torchft's NCCL group aborts at its timeout), and
-        the timer -- two wake-ups of torchft's event-loop thread per message -- cost a few percent of a CPU step
-        (``benchmarks/fault_tolerance.py``'s no-failure overhead)."""
-        manager = self.manager
-
-        def record_failure(future: Any) -> None:
-            try:
-                future.value()
-            except Exception as error:  # noqa: BLE001 -- any failure of the message is the step's
-                manager.report_error(error)
-
-        return work.get_future().then(record_failure)
+    def _guarded(self, work: Any) -> _RecordedOnFailure:
+        """``work``, whose failure :meth:`_RecordedOnFailure.wait` records for :meth:`commit` (the step is dropped)
+        instead of raising -- what torchft's ``Manager.wrap_future`` does, without its timer and callbacks."""
+        return _RecordedOnFailure(work, self.manager)
 
     def start_all_to_all(self, message: Tensor) -> Optional[tuple[Tensor, Any]]:
         """Start an all-to-all of ``message`` (``[quorum groups, ...]``: block ``q`` goes to quorum rank ``q``)
@@ -448,6 +455,11 @@ class ReplicaGroup:
         contributors are numbered as :meth:`participation` numbers them: by quorum rank when every group of the
         quorum contributes, else in group order -- then mapped to quorum ranks, which torchft orders by replica
         id (checked: a different order would mix shares up, so it raises)."""
+        if self._holders is None:  # once per step: every message of the step asks
+            self._holders = self._share_holders()
+        return self._holders
+
+    def _share_holders(self) -> tuple[list[tuple[int, int]], int]:
         shares = self.options.num_replica_groups
         assert shares is not None
         _, _, contributors = self.participation()
@@ -596,6 +608,23 @@ class ReplicaGroup:
 #: What rank 0 publishes as its Manager's address when it could not start one (the Lighthouse did not answer):
 #: the other ranks then fail to connect within the timeout too, instead of waiting for an address forever.
 _NO_MANAGER = "http://127.0.0.1:1"
+
+
+class _RecordedOnFailure:
+    """A started collective of hop 2 whose failure is recorded in torchft's Manager when it is waited on (every
+    message is waited on before the step's commit), never raised. No timer of torchft's per message: the process
+    group ends a hung collective itself (gloo's own timeout; torchft's NCCL group aborts at its timeout). torchft's
+    ``wrap_future`` woke its event-loop thread twice per message and ran a Python callback on the collective's
+    thread: several percent of a step's CPU where the ranks share few cores (``no_failure.cpu_overhead``)."""
+
+    def __init__(self, work: Any, manager: Any) -> None:
+        self.work, self.manager = work, manager
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except Exception as error:  # noqa: BLE001 -- whatever failed the message fails the step, not the rank
+            self.manager.report_error(error)
 
 
 def _manager_keys() -> tuple[str, str]:

@@ -164,11 +164,9 @@ class _ShareOrderSum:
         quorum = group.manager.num_participants()
         self.numel = rows.shape[1]
         self.slice = -(-self.numel // quorum)
-        padded = torch.zeros(slots, quorum * self.slice, dtype=rows.dtype, device=rows.device)
-        padded[: rows.shape[0], : self.numel].copy_(rows)
-        # [quorum, slots, slice]: block q (every row's slice q) goes to quorum rank q
-        self.first = group.start_all_to_all(padded.view(slots, quorum, self.slice).transpose(0, 1).contiguous())
-        self.second: Optional[tuple[list[Tensor], Any]] = None
+        self.first = group.start_all_to_all(_slices_by_rank(rows, slots, quorum, self.slice))
+        self.second: Optional[tuple[Tensor, Any]] = None
+        self.in_place = False  #: stage 2 gathers straight into row 0
         self.advances = 0
 
     def advance(self) -> None:
@@ -191,7 +189,12 @@ class _ShareOrderSum:
         for rank, slot in rest:
             total += received[rank, slot]
         total.div_(len(self.holders))
-        self.second = self.group.start_all_gather(total)
+        # row 0 takes the gathered slices itself when they fill it exactly (its own values were sent in stage 1)
+        row = self.rows[0]
+        self.in_place = row.numel() == received.shape[0] * self.slice
+        self.second = self.group.start_all_gather_into(
+            row if self.in_place else row.new_empty(received.shape[0] * self.slice), total
+        )
 
     def wait(self) -> None:
         if self.advances < LAG_BEFORE_SECOND_STAGE:
@@ -203,7 +206,25 @@ class _ShareOrderSum:
         future.wait()
         if self.group.manager.errored() is not None:
             return
-        self.rows[0].copy_(torch.cat(gathered)[: self.numel])
+        if not self.in_place:
+            self.rows[0].copy_(gathered[: self.numel])
+
+
+def _slices_by_rank(rows: Tensor, slots: int, quorum: int, width: int) -> Tensor:
+    """``rows`` (``[rows, n]``) as stage 1's all-to-all sends it: ``[quorum, slots, width]``, block ``q`` holding
+    every row's ``q``-th slice of ``width`` elements -- zeros past a row's end, and in the rows this group lacks
+    (it reads fewer shares than the group reading the most). One copy when the rows fill the blocks exactly."""
+    count, numel = rows.shape
+    if count == slots and numel == quorum * width:
+        return rows.view(slots, quorum, width).transpose(0, 1).contiguous()
+    blocks = rows.new_zeros(quorum, slots, width)
+    by_row = blocks.transpose(0, 1)  # [slots, quorum, width]: a view
+    whole = numel // width
+    if whole:
+        by_row[:count, :whole].copy_(rows[:, : whole * width].reshape(count, whole, width))
+    if numel > whole * width:
+        by_row[:count, whole, : numel - whole * width].copy_(rows[:, whole * width :])
+    return blocks
 
 
 class ManagedTransport:
