@@ -1080,6 +1080,48 @@ def restart_progress(rows: list[dict[str, Any]], launches: list[float], kills: l
     return done[-1]["global_step"] if done else resumed(current)
 
 
+#: The stretches of each outage in the fault-tolerant goodput run, in order (:func:`goodput_phases`).
+OUTAGE_PHASES = ("detecting", "alone", "replacement_starting", "catching_up", "all_live")
+
+
+def goodput_phases(run: RunLog, rows: list[dict[str, Any]], window: tuple[float, float],
+                   failure_free_steps_per_second: float) -> dict[str, dict[str, float]]:
+    """Where the fault-tolerant goodput run's window went, stretch by stretch of each outage: from a kill until
+    the survivors commit without the lost group (``detecting``: the Lighthouse's heartbeat timeout), until its
+    replacement is launched (``alone``), until the replacement's processes are set up (``replacement_starting``:
+    imports and setup -- on this host they share the survivors' cores, where a real replacement brings its own),
+    until it contributes (``catching_up``), and the rest (``all_live``). Per stretch: its seconds in the window,
+    committed steps per second over the failure-free rate, and the share of the window's failure-free steps it
+    lost (``goodput_lost``; over every stretch they add up to 1 - goodput)."""
+    start, end = window
+    kills = sorted((t, int(name.rsplit("node", 1)[1])) for name, t in run.events.items() if name.startswith("kill"))
+    restarts = sorted(t for name, t in run.events.items() if name.startswith("restart"))
+    bounds: list[tuple[float, str]] = [(start, "all_live")]
+    for index, (kill, node) in enumerate(kills):
+        before = ft_progress(rows, kill)
+        committed = min((r["t"] for r in rows if r["t"] > kill and r["step"] > before), default=end)
+        restart = next((t for t in restarts if t > kill), end)
+        setup = min((e["t"] for e in read_events(run, node) if e["event"] == "train_start" and e["t"] > restart),
+                    default=end)
+        joined = min((r["t"] for r in rows if r["node"] == node and r["t"] > restart and r.get("contributes", True)
+                      and r.get("current", True)), default=end)
+        bounds += [(kill, "detecting"), (committed, "alone"), (restart, "replacement_starting"),
+                   (setup, "catching_up"), (joined, "all_live")]
+    bounds.sort(key=lambda bound: bound[0])
+    out = {phase: {"seconds": 0.0, "steps": 0.0} for phase in OUTAGE_PHASES}
+    for (begin, phase), (finish, _) in zip(bounds, bounds[1:] + [(end, "")]):
+        begin, finish = max(begin, start), min(finish, end)
+        if finish > begin:
+            out[phase]["seconds"] += finish - begin
+            out[phase]["steps"] += ft_progress(rows, finish) - ft_progress(rows, begin)
+    for stretch in out.values():
+        stretch["rate_vs_failure_free"] = (stretch["steps"] / stretch["seconds"] / failure_free_steps_per_second
+                                           if stretch["seconds"] else None)
+        stretch["goodput_lost"] = (stretch["seconds"] * failure_free_steps_per_second - stretch["steps"]) / (
+            (end - start) * failure_free_steps_per_second)
+    return out
+
+
 def goodput_results(ft: RunLog, restart: RunLog, ft_reference: RunLog, plain_reference: RunLog,
                     schedule: Schedule, global_batch: int) -> dict[str, Any]:
     """Committed samples per second over the window, for fault tolerance and for restart from checkpoint, and
@@ -1113,6 +1155,8 @@ def goodput_results(ft: RunLog, restart: RunLog, ft_reference: RunLog, plain_ref
                      },
         "events": {"fault_tolerance": relative(ft), "restart_from_checkpoint": relative(restart)},
         "failures": {"fault_tolerance": ft.failures, "restart_from_checkpoint": restart.failures},
+        "fault_tolerance_phases": (goodput_phases(ft, ft_rows, (ft_start, ft_start + schedule.window), ft_free)
+                                   if ft_free else None),
     }
 
 
@@ -1210,6 +1254,10 @@ def markdown_table(results: dict[str, Any]) -> str:
             ("goodput: restart from checkpoint", _num(g["restart_from_checkpoint"], 3)),
             ("goodput: fault tolerance / restart", _num(g["ratio_ft_over_restart"], 2)),
         ]
+        phases = g.get("fault_tolerance_phases") or {}
+        rows += [(f"goodput lost while {phase.replace('_', ' ')} (`{phase}`: seconds, rate vs failure-free)",
+                  f"{stretch['goodput_lost']:.3f} ({stretch['seconds']:.1f} s, "
+                  f"{_num(stretch['rate_vs_failure_free'], 2)})") for phase, stretch in phases.items()]
     return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
 
 

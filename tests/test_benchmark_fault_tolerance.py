@@ -370,3 +370,26 @@ def test_cpu_per_step_sums_every_rank_after_the_warm_up_and_the_ratio_averages_t
     (tmp_path / "old").mkdir()  # a run logged before the worker wrote its CPU time: no number, not a wrong one
     (tmp_path / "old" / "node0.rank0.jsonl").write_text(json.dumps({"t": 1.0, "node": 0, "rank": 0, "step": 1}) + "\n")
     assert bench.cpu_ratio(plain, [bench.RunLog("old", str(tmp_path / "old"), 0.0)]) is None
+
+
+def test_the_goodput_window_is_split_into_the_stretches_of_each_outage(tmp_path: Path) -> None:
+    """One kill of node 2 at 10 s: the survivors commit again at 12 s, the replacement is launched at 20 s, set up
+    at 25 s and contributes from 28 s; one committed step a second otherwise (the failure-free rate)."""
+    rows = [{"t": float(t), "node": node, "rank": 0, "step": t, "contributes": True, "current": True}
+            for t in range(1, 10) for node in (0, 1, 2)]
+    rows += [{"t": float(t), "node": node, "rank": 0, "step": t - 2, "contributes": True, "current": True}
+             for t in range(12, 41) for node in (0, 1)]
+    rows += [{"t": 26.0, "node": 2, "rank": 0, "step": 24, "contributes": False, "current": False}]
+    rows += [{"t": float(t), "node": 2, "rank": 0, "step": t - 2, "contributes": True, "current": True}
+             for t in range(28, 41)]
+    rows.sort(key=lambda row: row["t"])
+    (tmp_path / "events.node2.rank0.jsonl").write_text(
+        "".join(json.dumps({"t": t, "event": "train_start"}) + "\n" for t in (-5.0, 25.0)))
+    run = bench.RunLog("ft-goodput", str(tmp_path), -10.0, events={"kill1.node2": 10.0, "restart1.node2": 20.0})
+    phases = bench.goodput_phases(run, rows, (0.0, 40.0), failure_free_steps_per_second=1.0)
+    assert {phase: stretch["seconds"] for phase, stretch in phases.items()} == {
+        "detecting": 2.0, "alone": 8.0, "replacement_starting": 5.0, "catching_up": 3.0, "all_live": 22.0}
+    assert phases["detecting"]["steps"] == 1  # step 10 came 2 s after step 9
+    assert phases["alone"]["rate_vs_failure_free"] == pytest.approx(1.0)
+    committed = bench.ft_progress(rows, 40.0) - bench.ft_progress(rows, 0.0)
+    assert sum(stretch["goodput_lost"] for stretch in phases.values()) == pytest.approx(1 - committed / 40.0)

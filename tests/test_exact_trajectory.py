@@ -219,3 +219,25 @@ def test_fabric_refuses_exact_trajectory_naming_the_fix() -> None:
     strategy = MiCSFabricStrategy(fault_tolerance=ft)
     with pytest.raises(ValueError, match="exact_trajectory=False"):
         strategy._join_fault_domain(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+def test_flush_starts_the_all_gather_of_a_message_nothing_followed_once() -> None:
+    """The step's last messages: no later message advances them, so the pipeline flushes them all before its
+    first wait -- their all-gathers then cross together. Once started, neither a flush nor an advance starts
+    another."""
+    s0, s1, s2 = _awkward_shares(12)
+    world = _World(3)
+    sums = [_ShareOrderSum(rows[None].clone(), _Group(world, rank, [(0, 0), (1, 0), (2, 0)], 1))
+            for rank, rows in enumerate((s0, s1, s2))]
+    for running in sums:
+        running.flush()
+        assert running.second is not None
+    started = [running.second for running in sums]
+    for running in sums:
+        running.flush()
+        running.advance()
+        running.advance()
+        assert running.second is started[sums.index(running)]
+    for running in sums:
+        running.wait()
+        assert torch.equal(running.rows[0], ((s0 + s1) + s2) / 3)

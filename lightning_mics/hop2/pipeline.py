@@ -198,6 +198,8 @@ class CrossReplicaPipeline:
                 self._start_unit(index)
         else:
             self._start(-1, [p for p in self.module.parameters() if p.grad is not None])
+        for message in self._in_flight.values():  # every stage started before the first wait
+            message.average.flush()
         for message in self._in_flight.values():
             message.average.wait()
             unpack_gradient_shards(message.flat if message.flat.dim() == 1 else message.flat[0], message.params)

@@ -35,6 +35,10 @@ class InFlight(Protocol):
     def advance(self) -> None:
         """Start the next stage, if the wire has one (the compressed hop's all-gather)."""
 
+    def flush(self) -> None:
+        """Start every stage left, now: no message starts after the step's last ones, so nothing would advance
+        them (called in start order at the same point on every rank, before any is waited on)."""
+
     def wait(self) -> None:
         """Finish: the average is in the buffer."""
 
@@ -65,6 +69,9 @@ class _SumThenDivide:
         advance = getattr(self.reduction, "advance", None)
         if advance is not None:
             advance()
+
+    def flush(self) -> None:
+        self.advance()  # the compressed hop's all-gather; a plain all-reduce has no stage left
 
     def wait(self) -> None:
         self.reduction.wait()
@@ -105,6 +112,9 @@ class _Nothing:
     def advance(self) -> None:
         """Nothing to advance."""
 
+    def flush(self) -> None:
+        """Nothing to start."""
+
     def wait(self) -> None:
         """Nothing to finish; the buffer keeps this rank's values (the step is dropped)."""
 
@@ -118,6 +128,9 @@ class _ManagedAverage:
 
     def advance(self) -> None:
         """One collective."""
+
+    def flush(self) -> None:
+        """One collective, started."""
 
     def wait(self) -> None:
         self.summed.wait()
@@ -135,6 +148,9 @@ class _ManagedGatherAverage:
 
     def advance(self) -> None:
         """One collective."""
+
+    def flush(self) -> None:
+        """One collective, started."""
 
     def wait(self) -> None:
         self.future.wait()
@@ -177,6 +193,13 @@ class _ShareOrderSum:
         if self.advances == LAG_BEFORE_SECOND_STAGE:
             self._second_stage()
 
+    def flush(self) -> None:
+        """The all-gather of a message that fewer than two messages followed, started before any is waited on:
+        the step's last two all-gathers then cross together, not one after the other."""
+        if self.advances < LAG_BEFORE_SECOND_STAGE:
+            self.advances = LAG_BEFORE_SECOND_STAGE
+            self._second_stage()
+
     def _second_stage(self) -> None:
         if self.first is None:
             return
@@ -197,9 +220,7 @@ class _ShareOrderSum:
         )
 
     def wait(self) -> None:
-        if self.advances < LAG_BEFORE_SECOND_STAGE:
-            self.advances = LAG_BEFORE_SECOND_STAGE
-            self._second_stage()
+        self.flush()
         if self.second is None:
             return
         gathered, future = self.second
