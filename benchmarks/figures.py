@@ -148,6 +148,25 @@ def fault_tolerance_exact_table(results: dict[str, Any]) -> str:
     ])
 
 
+def fault_tolerance_cpu_table(results: dict[str, Any]) -> str:
+    """The ``--exact-trajectory`` table, then the no-failure CPU per step and where the goodput window went
+    (``goodput.fault_tolerance_phases``)."""
+    n = results["no_failure"]
+    cpu = n["runs_cpu_seconds_per_step"]
+    rows = [
+        f"| no failure: CPU seconds per step, every thread of every rank, fault-tolerant / plain "
+        f"(`no_failure.cpu_overhead`) | **{n['cpu_overhead']:.3f}** ({' '.join(f'{x:.3f}' for x in cpu['ft'])} / "
+        f"{' '.join(f'{x:.3f}' for x in cpu['plain'])} s) |",
+    ]
+    for phase, stretch in (results.get("goodput", {}).get("fault_tolerance_phases") or {}).items():
+        rate = stretch["rate_vs_failure_free"]
+        rows.append(
+            f"| goodput lost while `{phase}` (its seconds in the window; committed steps/s over failure-free) | "
+            f"{stretch['goodput_lost']:.3f} ({stretch['seconds']:.1f} s; {'-' if rate is None else f'{rate:.2f}'}) |"
+        )
+    return _extended(fault_tolerance_exact_table(results), rows)
+
+
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
@@ -171,6 +190,14 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "fault-tolerance-gc": (
         "benchmarks/results/fault_tolerance_gc/fault_tolerance.json",
         fault_tolerance_exact_table,
+    ),
+    "fault-tolerance-cpu": (
+        "benchmarks/results/fault_tolerance_cpu/fault_tolerance.json",
+        fault_tolerance_cpu_table,
+    ),
+    "fault-tolerance-cpu-repeat": (
+        "benchmarks/results/fault_tolerance_cpu_repeat/fault_tolerance.json",
+        fault_tolerance_cpu_table,
     ),
 }
 
