@@ -384,70 +384,55 @@ class ReplicaGroup:
                 )
                 raise ReplicaGroupsDiverged(f"fault tolerance: {drift}")
 
-    def start_all_gather(self, message: Tensor) -> Optional[tuple[list[Tensor], Any]]:
-        """Start gathering every quorum group's ``message`` (same shape in each, quorum order) over torchft's
-        process group: ``(gathered, future)``, or ``None`` when the step already failed or the transport
-        refused at once. A failure never raises: torchft records it and :meth:`commit` refuses the step."""
-        from torch.distributed.distributed_c10d import AllgatherOptions
-
+    def _start(self, collective: Callable[[], Any]) -> Optional[_RecordedOnFailure]:
+        """Start one of hop 2's collectives over torchft's process group: ``None`` when the step already failed
+        or the transport refused at once (DistBackendError included); else the started work, whose failure
+        :meth:`_RecordedOnFailure.wait` records for :meth:`commit` (the step is dropped) instead of raising --
+        what torchft's ``Manager.wrap_future`` does, without its timer and callbacks."""
         if self.manager.errored() is not None:
             return None
+        try:
+            return _RecordedOnFailure(collective(), self.manager)
+        except RuntimeError as error:  # a transport failure is the step's
+            self.manager.report_error(error)
+            return None
+
+    def start_all_gather(self, message: Tensor) -> Optional[tuple[list[Tensor], _RecordedOnFailure]]:
+        """Start gathering every quorum group's ``message`` (same shape in each, quorum order): ``(gathered,
+        started)``, or ``None`` as :meth:`_start`."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
         gathered = [torch.empty_like(message) for _ in range(self.manager.num_participants())]
-        try:
-            return gathered, self._guarded(self.pg.allgather([gathered], [message], AllgatherOptions()))
-        except RuntimeError as error:  # a transport failure (DistBackendError included) is the step's
-            self.manager.report_error(error)
-            return None
+        started = self._start(lambda: self.pg.allgather([gathered], [message], AllgatherOptions()))
+        return None if started is None else (gathered, started)
 
-    def start_all_gather_into(self, output: Tensor, message: Tensor) -> Optional[tuple[Tensor, Any]]:
+    def start_all_gather_into(self, output: Tensor, message: Tensor) -> Optional[tuple[Tensor, _RecordedOnFailure]]:
         """Start gathering every quorum group's ``message`` into ``output`` (one flat tensor, quorum order, no
-        copy afterwards): ``(output, future)``, or ``None`` as :meth:`start_all_gather`."""
+        copy afterwards): ``(output, started)``, or ``None`` as :meth:`_start`."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        if self.manager.errored() is not None:
-            return None
-        try:
-            return output, self._guarded(
-                self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
-            )
-        except RuntimeError as error:
-            self.manager.report_error(error)
-            return None
+        started = self._start(
+            lambda: self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
+        )
+        return None if started is None else (output, started)
 
     def start_all_reduce_sum(self, message: Tensor) -> Optional[_RecordedOnFailure]:
-        """Start summing ``message`` in place over the quorum's groups (torchft's process group): its future, or
-        ``None`` as :meth:`start_all_gather`. The caller divides (by the contributing groups)."""
+        """Start summing ``message`` in place over the quorum's groups, or ``None`` as :meth:`_start`. The caller
+        divides (by the contributing groups)."""
         from torch.distributed.distributed_c10d import AllreduceOptions
 
-        if self.manager.errored() is not None:
-            return None
         options = AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
-        try:
-            return self._guarded(self.pg.allreduce([message], options))
-        except RuntimeError as error:
-            self.manager.report_error(error)
-            return None
+        return self._start(lambda: self.pg.allreduce([message], options))
 
-    def _guarded(self, work: Any) -> _RecordedOnFailure:
-        """``work``, whose failure :meth:`_RecordedOnFailure.wait` records for :meth:`commit` (the step is dropped)
-        instead of raising -- what torchft's ``Manager.wrap_future`` does, without its timer and callbacks."""
-        return _RecordedOnFailure(work, self.manager)
-
-    def start_all_to_all(self, message: Tensor) -> Optional[tuple[Tensor, Any]]:
-        """Start an all-to-all of ``message`` (``[quorum groups, ...]``: block ``q`` goes to quorum rank ``q``)
-        over torchft's process group: ``(received, future)`` (block ``q`` from quorum rank ``q``), or ``None``
-        as :meth:`start_all_gather`."""
+    def start_all_to_all(self, message: Tensor) -> Optional[tuple[Tensor, _RecordedOnFailure]]:
+        """Start an all-to-all of ``message`` (``[quorum groups, ...]``: block ``q`` goes to quorum rank ``q``):
+        ``(received, started)`` (block ``q`` from quorum rank ``q``), or ``None`` as :meth:`_start`."""
         from torch.distributed.distributed_c10d import AllToAllOptions
 
-        if self.manager.errored() is not None:
-            return None
         received = torch.empty_like(message)
-        try:
-            return received, self._guarded(self.pg.alltoall_base(received, message, [], [], AllToAllOptions()))
-        except RuntimeError as error:
-            self.manager.report_error(error)
-            return None
+        started = self._start(lambda: self.pg.alltoall_base(received, message, [], [], AllToAllOptions()))
+        return None if started is None else (received, started)
 
     def share_holders(self) -> tuple[list[tuple[int, int]], int]:
         """``exact_trajectory``'s sum in share order: for each data share of the job, (the quorum rank of the group
