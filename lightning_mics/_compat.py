@@ -234,6 +234,16 @@ def set_global_step(trainer: Any, step: int) -> None:
     epoch_loop._batches_that_stepped = step
 
 
+def uncount_pending_optimizer_step(trainer: Any) -> None:
+    """Inside the optimizer-step hook of a step that will not count: Lightning marked the step ready before the
+    hook and marks it completed when the hook returns, so both marks are taken back by one here and
+    ``trainer.global_step`` comes out of the step unchanged. The fit loop's progress tracker (lightning 2.0 - 2.6)."""
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (progress.total, progress.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
+
+
 def logging_step(trainer: Any) -> int:
     """The step Lightning stamps on the metrics it logs during training (batches that stepped an
     optimizer, before the current one's count is added): telemetry logs straight to the loggers with

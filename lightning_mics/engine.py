@@ -403,6 +403,12 @@ class MiCSEngine:
             return True
         return False
 
+    def discarded_step(self) -> bool:
+        """After a synchronous step's commit: whether the groups discarded it (it must not count). A
+        semi-synchronous run counts every inner step; its rounds commit or not on their own."""
+        group = self.replica_group
+        return group is not None and not self.semi_sync.active and group.last_step_discarded
+
     def training_data(
         self, loader: Any, world_size: int, rank: int, accumulate: int, first_step: int, keep_trajectory: bool
     ) -> Any:

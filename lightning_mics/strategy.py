@@ -306,6 +306,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         else:
             output = super().optimizer_step(optimizer, self._engine.closure_then_sync(raw, closure), model, **kwargs)
             self._engine.finish_step(raw)
+        if self._step_counters is not None and self._engine.discarded_step():
+            self._step_counters.uncount_discarded_step()  # Lightning counts the step once this returns
         module = self.lightning_module
         if self.release_gradients_after_step and module is not None and module.automatic_optimization:
             raw.zero_grad(set_to_none=True)

@@ -332,7 +332,9 @@ def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) 
     ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
     record = Record()
     module = ToyModule(LONG)
-    checkpoints = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3)
+    # every 2 committed steps: "last" exists before the failure (the third step together), so the restart
+    # loads it, then heals; a discarded step is not counted, so no checkpoint is named after it
+    checkpoints = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=2)
     trainer = fault_tolerant_trainer(LONG, ft, [record, checkpoints], enable_checkpointing=True)
     trainer.fit(module, ckpt_path="last")  # as every group's job is launched: the restart loads, then heals
     replica_group = trainer.strategy.engine.replica_group

@@ -7,7 +7,8 @@
 * below ``min_replica_groups`` a group waits at most ``quorum_timeout`` without training, then ends saying
   how many groups are live and how many are required;
 * losing one rank of a group ends that group's other rank within seconds, saying a rank was lost (not
-  blaming the Lighthouse after ``quorum_timeout``), while the other group trains on.
+  blaming the Lighthouse after ``quorum_timeout``), while the other group trains on;
+* a discarded last step is trained again, and the Trainer's step count never counts it.
 """
 
 from __future__ import annotations
@@ -220,3 +221,44 @@ def test_while_group_zero_is_down_the_first_live_group_logs() -> None:
         after_the_loss = {logging_rank for live, logging_rank in seen[last_together + 1 :] if live == 1}
         assert together == {GROUP_WORLD + rank}, seen  # group 0 logged while it was live
         assert after_the_loss == {rank}, seen  # then group 1's rank 0 became Lightning's rank 0
+
+
+def _last_step_discarded(rank: int, group: int, address: str) -> dict[str, Any]:
+    """Group 0 alone; rank 0 records an error in the last step's backward (as a failed hop-2 collective does),
+    so the whole group discards that step. Also what the Trainer showed the end-of-batch callbacks."""
+    import lightning.pytorch as pl
+
+    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15)
+
+    class FailLastStepOnce(pl.Callback):
+        def __init__(self) -> None:
+            self.failed = False
+            self.steps_at_batch_end: list[int] = []
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            if rank == 0 and not self.failed and trainer.global_step == RUN.steps - 1:
+                self.failed = True
+                trainer.strategy.engine.replica_group.manager.report_error(RuntimeError("injected: lost a peer"))
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.steps_at_batch_end.append(trainer.global_step)
+
+    probe = FailLastStepOnce()
+    trainer = fault_tolerant_trainer(RUN, ft, [probe])
+    trainer.fit(ToyModule(RUN))
+    replica_group = trainer.strategy.engine.replica_group
+    return {"global_step": trainer.global_step, "committed": replica_group.manager.current_step(),
+            "discarded": replica_group.discarded_steps, "steps_at_batch_end": probe.steps_at_batch_end}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_discarded_last_step_is_redone_and_never_counted() -> None:
+    """``max_steps`` counts committed steps: the last step, discarded, is trained again, so the run ends with
+    ``max_steps`` committed -- and the Trainer's step count never counts the discarded step, not even in the
+    end-of-batch callbacks of that step (where a ``ModelCheckpoint`` would name a checkpoint after it)."""
+    for result in run_one_group(_last_step_discarded, timeout=90):
+        assert result["discarded"] == 1, result
+        assert result["committed"] == RUN.steps and result["global_step"] == RUN.steps, result
+        # one batch end per step, the discarded one showing the count it started with
+        assert result["steps_at_batch_end"] == [*range(1, RUN.steps), RUN.steps - 1, RUN.steps], result

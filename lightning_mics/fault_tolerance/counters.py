@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 class CommittedStepCounters:
     """Keeps the Trainer's step count, its LR schedulers and the optimizers' hyper-parameters in line with
     the committed steps. Lightning counts every optimizer step and steps its schedulers after it, committed
-    or not; a discarded step is undone before the next quorum, so that ``max_steps``, checkpoint names and
-    the learning rate follow committed steps only -- the same in every group, whichever joined when (a group
-    that joins heals only when torchft's committed step differs)."""
+    or not: a discarded step's count is taken back before Lightning adds it, and its schedulers and
+    hyper-parameters before the next quorum, so that ``max_steps``, checkpoint names and the learning rate
+    follow committed steps only -- the same in every group, whichever joined when (a group that joins heals
+    only when torchft's committed step differs)."""
 
     def __init__(
         self, trainer: Any, optimizers: Sequence[Optimizer], schedulers: Sequence[Any], set_global_step: Callable
@@ -42,6 +43,15 @@ class CommittedStepCounters:
                 set_hyper_parameters(optimizer, groups)
             self.set_global_step(global_step)
             group.last_step_discarded = False
+
+    def uncount_discarded_step(self) -> None:
+        """Inside Lightning's optimizer-step hook of a step the groups discarded: Lightning counts an optimizer
+        step when that hook returns, so the count is taken back first. The step's end-of-batch callbacks (a
+        ``ModelCheckpoint`` every N steps, the loggers' step), the ``max_steps`` check and everything after see
+        committed steps only -- a discarded last step is trained again instead of ending the run one committed
+        step short. The schedulers and hyper-parameters go back before the next quorum
+        (:meth:`undo_if_discarded`)."""
+        compat.uncount_pending_optimizer_step(self.trainer)
 
     def remember(self) -> None:
         """After the quorum (and any heal): the counters this step starts with."""
