@@ -224,21 +224,25 @@ def expose_device_mesh(module: Any, mesh: Any) -> None:
 from torch.distributed.checkpoint.state_dict import _init_optim_state as init_optimizer_state  # noqa: E402
 
 
+def _optimizer_step_progress(trainer: Any) -> Any:
+    """Where the Trainer counts optimizer steps (``trainer.global_step`` is its ``total.completed``): the fit
+    loop's progress tracker (lightning 2.0 - 2.6)."""
+    return trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+
+
 def set_global_step(trainer: Any, step: int) -> None:
     """Move the Trainer's optimizer-step count (``trainer.global_step``, what ``max_steps`` and checkpoint
-    names read) to ``step``: a fault-tolerant group that healed from a peer continues at the peer's step.
-    The count lives in the fit loop's progress tracker (lightning 2.0 - 2.6)."""
-    epoch_loop = trainer.fit_loop.epoch_loop
-    progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    names read) to ``step``: a fault-tolerant group that healed from a peer continues at the peer's step."""
+    progress = _optimizer_step_progress(trainer)
     progress.total.ready = progress.total.completed = step
-    epoch_loop._batches_that_stepped = step
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
 
 
 def uncount_pending_optimizer_step(trainer: Any) -> None:
     """Inside the optimizer-step hook of a step that will not count: Lightning marked the step ready before the
     hook and marks it completed when the hook returns, so both marks are taken back by one here and
-    ``trainer.global_step`` comes out of the step unchanged. The fit loop's progress tracker (lightning 2.0 - 2.6)."""
-    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    ``trainer.global_step`` comes out of the step unchanged."""
+    progress = _optimizer_step_progress(trainer)
     for tracker in (progress.total, progress.current):
         tracker.ready -= 1
         tracker.completed -= 1
