@@ -248,6 +248,44 @@ def uncount_pending_optimizer_step(trainer: Any) -> None:
         tracker.completed -= 1
 
 
+def epoch_length(trainer: Any) -> float:
+    """The training batches the Trainer runs in the current epoch (``trainer.num_training_batches``: the loader's
+    length, or ``limit_train_batches``)."""
+    return trainer.fit_loop.max_batches
+
+
+def set_epoch_length(trainer: Any, batches: int) -> None:
+    """End the Trainer's current epoch after ``batches`` training batches (counted from the epoch's start). The
+    fit loop ends an epoch on either of two counts, the batches it marked ready (against ``max_batches``) and,
+    for a loader with a length, the batches its data fetcher fetched (``is_last_batch``): both move, so that the
+    end-of-epoch hooks, validation and checkpoints follow. A fractional ``val_check_interval`` is a fraction of
+    this epoch's length, as Lightning computes it from the loader's (lightning 2.0 - 2.6)."""
+    fit_loop = trainer.fit_loop
+    fit_loop.max_batches = batches
+    fetcher = fit_loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = batches
+        fetcher.done = fetcher.fetched >= batches
+        fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        trainer.val_check_batch = max(1, int(batches * trainer.val_check_interval))
+
+
+def epoch_batches_ready(trainer: Any) -> int:
+    """Training batches of the current epoch fetched so far, the current one included."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def set_current_epoch(trainer: Any, epoch: int) -> None:
+    """Move the Trainer, in the middle of an epoch, to epoch ``epoch`` (``trainer.current_epoch``, what
+    ``max_epochs``, epoch-end hooks and checkpoint names read): a fault-tolerant group that healed from a peer
+    into a later epoch of the data continues in it."""
+    progress = trainer.fit_loop.epoch_progress
+    for tracker in (progress.total, progress.current):
+        tracker.ready = tracker.started = epoch + 1
+        tracker.processed = tracker.completed = epoch
+
+
 def logging_step(trainer: Any) -> int:
     """The step Lightning stamps on the metrics it logs during training (batches that stepped an
     optimizer, before the current one's count is added): telemetry logs straight to the loggers with
@@ -269,6 +307,8 @@ __all__ = [
     "default_process_group_backend_for_device",
     "dispatch_mode_stack",
     "distributed_is_initialized",
+    "epoch_batches_ready",
+    "epoch_length",
     "expose_device_mesh",
     "fsdp_param_groups",
     "fsdp_requires_all_reduce",
@@ -281,7 +321,9 @@ __all__ = [
     "optimizers_to_device",
     "post_forward_mesh_info",
     "process_group_count",
+    "set_current_epoch",
     "set_element",
+    "set_epoch_length",
     "set_global_step",
     "set_post_forward_mesh_info",
     "sync_ddp_if_available",

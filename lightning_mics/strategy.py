@@ -57,6 +57,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     _trainer_front_end = True
     #: with ``fault_tolerance``: the Trainer's counters kept to committed steps (set when training starts)
     _step_counters: Optional[ft.CommittedStepCounters] = None
+    #: with ``fault_tolerance`` keeping the trajectory: the Trainer's epochs kept to the data's (set when training
+    #: starts; ``None`` where ``limit_train_batches`` shortens the epoch)
+    _data_epochs: Optional[ft.DataEpochs] = None
 
     def _init_front_end_state(self) -> None:
         self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
@@ -212,6 +215,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                     "Combine them into one dataset, or set FaultTolerance(keep_trajectory=False) to give each group "
                     "a fixed share of each."
                 )
+        cursor = self._engine.data_cursor
+        self._data_epochs = None if cursor is None or module is None else ft.DataEpochs.of(module.trainer, cursor.order)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -220,6 +225,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         if replacement is not None and args:  # the loader predicted other samples than the quorum decided
             args = (self._to_device(replacement), *args[1:])
         cursor = self._engine.data_cursor
+        if opened and self._data_epochs is not None and cursor is not None and cursor.current is not None:
+            self._data_epochs.step_opened(cursor.current.step)
         if cursor is not None and cursor.separate_shares and cursor.current is not None:
             self._train_other_shares(cursor, args[1:], kwargs)
             self._engine.use_share(cursor.current.shares[0])
@@ -308,6 +315,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             self._engine.finish_step(raw)
         if self._step_counters is not None and self._engine.discarded_step():
             self._step_counters.uncount_discarded_step()  # Lightning counts the step once this returns
+            cursor = self._engine.data_cursor
+            if self._data_epochs is not None and cursor is not None and cursor.current is not None:
+                self._data_epochs.step_discarded(cursor.current.step)  # the epoch takes its samples again
         module = self.lightning_module
         if self.release_gradients_after_step and module is not None and module.automatic_optimization:
             raw.zero_grad(set_to_none=True)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import replace
@@ -136,12 +137,14 @@ def test_the_rebuilt_loader_keeps_its_workers_and_delivers_the_predicted_samples
     loader = TrajectoryDataLoader(source, cursor)
     assert loader.num_workers == 2 and loader.prefetch_factor == 3 and len(loader) == order.steps_per_epoch * 3
     cursor.start_step(0, 1, 2)
-    for batch in loader:
+    # past one epoch's length too: an epoch with a discarded step takes more (the reader decides where it ends)
+    for batch in itertools.islice(loader, len(loader) + order.accumulate):
         delivered, needed = cursor.take()
         assert delivered == needed
         assert batch[0].squeeze(1).tolist() == order.samples(needed, 1)
         if needed.micro == order.accumulate - 1:
             cursor.start_step(needed.step + 1, 1, 2)
+    assert needed.step == order.steps_per_epoch  # the first step of the next epoch was delivered
     assert loader.load(MicroBatchKey(3, 0, (0, 1)))[0].squeeze(1).tolist() == order.samples(
         MicroBatchKey(3, 0, (0, 1)), 1
     )
@@ -317,6 +320,83 @@ def test_with_exact_trajectory_a_killed_and_restarted_group_ends_bit_identical_t
                 got = result["params"][name]
                 assert got.dtype == torch.float32
                 assert torch.equal(got, expected), (name, rank, (got - expected).abs().max().item())
+
+
+EPOCHS_RUN = RunConfig(world_size=GROUP_WORLD, accumulate=2, steps=4)  # one group: 4 steps per epoch
+#: the Trainer's step counts at which one step is discarded: mid-epoch, the last of epoch 0, the run's last
+DISCARD_AT = (1, 3, 7)
+
+
+def _epochs_with_discards(rank: int, group: int, address: str) -> dict[str, Any]:
+    """Two epochs under ``max_epochs`` (no ``max_steps``) in group 0 alone, three steps discarded by an error
+    recorded in their backward; what the Trainer showed at each batch, epoch and validation end."""
+    import lightning.pytorch as pl
+
+    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15)
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.discarded_at: set[int] = set()
+            self.batches: list[tuple[int, int, int]] = []  # (epoch, global_step after the batch, data step)
+            self.epoch_ends: list[int] = []
+            self.validation_ends: list[int] = []
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            step = trainer.global_step
+            boundary = (trainer.fit_loop.epoch_loop.batch_idx + 1) % EPOCHS_RUN.accumulate == 0
+            if rank == 0 and boundary and step in DISCARD_AT and step not in self.discarded_at:
+                self.discarded_at.add(step)
+                trainer.strategy.engine.replica_group.manager.report_error(RuntimeError("injected: lost a peer"))
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            cursor = trainer.strategy.engine.data_cursor
+            self.batches.append((trainer.current_epoch, trainer.global_step, cursor.current.step))
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            self.epoch_ends.append(trainer.global_step)
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            self.validation_ends.append(trainer.global_step)
+
+    class WithValidation(ToyModule):
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            return lm_loss(self, batch)
+
+        def val_dataloader(self) -> Any:
+            return DataLoader(make_dataset(8, seed=5), batch_size=2)
+
+    probe = Probe()
+    trainer = fault_tolerant_trainer(EPOCHS_RUN, ft, [probe], max_steps=-1, max_epochs=2)
+    trainer.fit(WithValidation(EPOCHS_RUN))
+    replica_group = trainer.strategy.engine.replica_group
+    return {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+            "committed": replica_group.manager.current_step(), "discarded": replica_group.discarded_steps,
+            "batches": probe.batches, "epoch_ends": probe.epoch_ends, "validation_ends": probe.validation_ends}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_under_max_epochs_discarded_steps_lengthen_the_epoch_so_every_global_batch_is_trained() -> None:
+    """A discarded step is trained again one step later; under ``max_epochs`` the epoch takes that step's batches
+    more, so that each Trainer epoch trains every global batch of the data's epoch -- also when the discarded step
+    was an epoch's last, or the run's -- and its end (validation, ``on_train_epoch_end``) falls on the data's."""
+    steps_per_epoch = EPOCHS_RUN.steps
+    for result in run_one_group(_epochs_with_discards, timeout=100):
+        assert result["discarded"] == len(DISCARD_AT), result
+        assert result["committed"] == result["global_step"] == 2 * steps_per_epoch, result
+        assert result["epoch"] == 2, result
+        assert result["epoch_ends"] == [steps_per_epoch, 2 * steps_per_epoch], result
+        assert result["validation_ends"] == [steps_per_epoch, 2 * steps_per_epoch], result
+        # the data steps the committed steps trained: every global batch of both epochs, once, in order; and the
+        # Trainer's epoch is the data's at every batch
+        committed, before = [], 0
+        for epoch, global_step, data_step in result["batches"]:
+            assert epoch == data_step // steps_per_epoch, result
+            if global_step > before:
+                committed.append(data_step)
+            before = global_step
+        assert committed == list(range(2 * steps_per_epoch)), result
+        assert len(result["batches"]) == (2 * steps_per_epoch + len(DISCARD_AT)) * EPOCHS_RUN.accumulate
 
 
 def test_keep_trajectory_is_true_false_or_unset() -> None:

@@ -46,7 +46,7 @@ from lightning_mics.fault_tolerance.config import (
     check_exact_trajectory,
     check_fault_tolerant_layout,
 )
-from lightning_mics.fault_tolerance.counters import CommittedStepCounters, trainer_state_hooks
+from lightning_mics.fault_tolerance.counters import CommittedStepCounters, DataEpochs, trainer_state_hooks
 from lightning_mics.fault_tolerance.errors import LighthouseUnavailable, ReplicaGroupRefused
 from lightning_mics.fault_tolerance.group import ReplicaGroup, Watchdog
 from lightning_mics.fault_tolerance.heal_state import (
@@ -64,6 +64,7 @@ __all__ = [
     "NUM_REPLICA_GROUPS_ENV",
     "REPLICA_GROUP_ENV",
     "CommittedStepCounters",
+    "DataEpochs",
     "FaultTolerance",
     "GroupConfiguration",
     "LighthouseUnavailable",

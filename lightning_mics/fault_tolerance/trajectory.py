@@ -204,8 +204,13 @@ class DataCursor:
 
 
 class PredictingBatchSampler(Sampler[list]):
-    """One epoch of micro-batches, ``steps_per_epoch * accumulate`` of them (Lightning's epoch length); each
-    is the cursor's prediction, as its key followed by this rank's sample indices."""
+    """The cursor's predictions, each as its key followed by this rank's sample indices, for as long as they are
+    asked for. Its length is one epoch's micro-batches, ``steps_per_epoch * accumulate`` (what the Trainer sizes an
+    epoch by), but it does not stop there: a discarded step is trained again on its samples, so an epoch with
+    discarded steps takes more micro-batches than that. Where it does stop is the reader's: the Trainer's epoch
+    ends where the data's does (:class:`~lightning_mics.fault_tolerance.counters.DataEpochs`), a Fabric loop on
+    committed steps. (Stopping here instead could not be right with workers: they ask ahead, before the
+    step they ask for is known to be discarded.)"""
 
     def __init__(self, cursor: DataCursor) -> None:
         self.cursor = cursor
@@ -214,7 +219,7 @@ class PredictingBatchSampler(Sampler[list]):
         return self.cursor.order.steps_per_epoch * self.cursor.order.accumulate
 
     def __iter__(self) -> Iterator[list]:
-        for _ in range(len(self)):
+        while True:
             key = self.cursor.predict()
             yield [key, *self.cursor.order.samples(key, self.cursor.rank)]
 
