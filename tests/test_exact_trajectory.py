@@ -18,7 +18,7 @@ from lightning_mics import FaultTolerance, MiCSOptions
 from lightning_mics.fault_tolerance.group import ReplicaGroup
 from lightning_mics.fault_tolerance.trajectory import DataCursor, GlobalSampleOrder, MicroBatchKey, TrajectoryDataLoader
 from lightning_mics.hop2.shares import ShareGradients
-from lightning_mics.hop2.transport import _ShareOrderSum
+from lightning_mics.hop2.transport import ManagedTransport, _ShareOrderGather, _ShareOrderSum, gather_moves_no_more
 
 
 # ------------------------------------------------------------------------ the sum in share order
@@ -71,7 +71,7 @@ class _Group:
         return gathered, _Future(fill)
 
     def start_all_gather_into(self, output: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, _Future]:
-        self.world.all_gather[self.rank] = message
+        self.world.all_gather[self.rank] = message.clone()  # what it sends, as started (the caller may reuse it)
 
         def fill() -> None:
             output.copy_(torch.cat([self.world.all_gather[q] for q in range(self.world.ranks)]))
@@ -111,6 +111,48 @@ def test_summed_in_share_order_the_average_is_the_same_bits_whichever_group_read
     expected = ((s0 + s1) + s2) / 3
     for result in together + alone:
         assert torch.equal(result, expected)
+
+
+def _gathered_average(rows_per_rank: list[torch.Tensor], holders: list[tuple[int, int]]) -> list[torch.Tensor]:
+    world = _World(len(rows_per_rank))
+    slots = max(rows.shape[0] for rows in rows_per_rank)
+    sums = [_ShareOrderGather(rows, _Group(world, rank, holders, slots)) for rank, rows in enumerate(rows_per_rank)]
+    for running in sums:
+        running.wait()
+    return [rows[0].clone() for rows in rows_per_rank]
+
+
+@pytest.mark.parametrize("n", [1001, 1002])
+def test_one_all_gather_gives_the_two_stages_bits(n: int) -> None:
+    """The one-collective sum (taken where it moves no more bytes) adds the same values in the same order as the
+    two stages: the same bits, with two groups, one group alone reading every share, and three groups."""
+    s0, s1, s2 = _awkward_shares(n)
+    two = _gathered_average([s0[None].clone(), s1[None].clone()], holders=[(0, 0), (1, 0)])
+    assert all(torch.equal(result, (s0 + s1) / 2) for result in two)
+    assert all(torch.equal(a, b) for a, b in zip(two, _share_order_average(
+        [s0[None].clone(), s1[None].clone()], holders=[(0, 0), (1, 0)])))
+    (alone,) = _gathered_average([torch.stack([s0, s1, s2])], holders=[(0, 0), (0, 1), (0, 2)])
+    assert torch.equal(alone, ((s0 + s1) + s2) / 3)
+    # a group lost: rank 0 reads shares 0 and 2, rank 1 share 1 (its one row padded to two)
+    lost = _gathered_average([torch.stack([s0, s2]), s1[None].clone()], holders=[(0, 0), (1, 0), (0, 1)])
+    assert all(torch.equal(result, ((s0 + s1) + s2) / 3) for result in lost)
+
+
+def test_the_transport_takes_one_collective_only_where_it_moves_no_more_bytes() -> None:
+    # (quorum groups, most shares one group reads): the all-gather's rows received per rank, (q - 1) s, against
+    # the two stages' (q - 1)(s + 1) / q
+    assert [gather_moves_no_more(q, s) for q, s in [(1, 1), (1, 3), (2, 1)]] == [True, True, True]
+    assert [gather_moves_no_more(q, s) for q, s in [(2, 2), (3, 1), (3, 2), (4, 1), (8, 1)]] == [False] * 5
+
+    def started(quorum: int, slots: int) -> type:
+        holders = [(rank, 0) for rank in range(quorum)]
+        group = _Group(_World(quorum), 0, holders, slots)
+        group.contributes = True  # type: ignore[attr-defined]
+        rows = torch.zeros(slots, 12)
+        return type(ManagedTransport(group, None, in_share_order=True).start_average(rows))  # type: ignore[arg-type]
+
+    assert started(2, 1) is _ShareOrderGather and started(1, 3) is _ShareOrderGather
+    assert started(3, 1) is _ShareOrderSum and started(2, 2) is _ShareOrderSum
 
 
 # ------------------------------------------------------------------------ shares kept apart

@@ -231,6 +231,58 @@ class _ShareOrderSum:
             self.rows[0].copy_(gathered[: self.numel])
 
 
+class _ShareOrderGather:
+    """``exact_trajectory`` in one collective, where that moves no more bytes than :class:`_ShareOrderSum`'s two:
+    every quorum rank's rows all-gathered (``[slots, n]`` each, padded to the most rows one group has), then each
+    element summed here in share order and divided by the number of shares -- the same operations on the same
+    values as the two stages, so the same bits. Why: two stages are two collectives per message, and a stage-2
+    start that waits on stage 1 in the main thread; where the quorum is two groups reading one share each (or one
+    group alone), the all-gather receives what the two stages do, in one collective and one wait
+    (:func:`gather_moves_no_more`)."""
+
+    def __init__(self, rows: Tensor, group: ReplicaGroup) -> None:
+        self.rows, self.group = rows, group
+        self.holders, self.slots = group.share_holders()
+        self.quorum = group.manager.num_participants()
+        count, self.numel = rows.shape
+        message = rows
+        if count != self.slots:  # this group reads fewer shares than the group reading the most: zero rows
+            message = rows.new_zeros(self.slots, self.numel)
+            message[:count].copy_(rows)
+        self.gathered = group.start_all_gather_into(
+            rows.new_empty(self.quorum * self.slots * self.numel), message.reshape(-1)
+        )
+
+    def advance(self) -> None:
+        """One collective."""
+
+    def flush(self) -> None:
+        """One collective, started."""
+
+    def wait(self) -> None:
+        if self.gathered is None:
+            return
+        out, future = self.gathered
+        future.wait()
+        if self.group.manager.errored() is not None:
+            return  # a failure: the step will not commit
+        blocks = out.view(self.quorum, self.slots, self.numel)
+        row = self.rows[0]
+        (rank, slot), *rest = self.holders
+        row.copy_(blocks[rank, slot])
+        for rank, slot in rest:
+            row.add_(blocks[rank, slot])
+        row.div_(len(self.holders))
+
+
+def gather_moves_no_more(quorum: int, slots: int) -> bool:
+    """Whether one all-gather of every group's ``slots`` rows receives no more than the two stages of
+    :class:`_ShareOrderSum` (an all-to-all of ``slots`` rows' slices, then an all-gather of one row's): per rank
+    ``(q - 1) s`` rows against ``(q - 1)(s + 1) / q`` -- equal for two groups reading one share each, nothing
+    for a group alone, more in every other case."""
+    return quorum * slots <= slots + 1
+
+
 def _slices_by_rank(rows: Tensor, slots: int, quorum: int, width: int) -> Tensor:
     """``rows`` (``[rows, n]``) as stage 1's all-to-all sends it: ``[quorum, slots, width]``, block ``q`` holding
     every row's ``q``-th slice of ``width`` elements -- zeros past a row's end, and in the rows this group lacks
@@ -282,6 +334,9 @@ class ManagedTransport:
         if self.wire is not None and self.wire.dtype is None:  # int8
             return self._start_gather(flat)
         if self.in_share_order:  # no wire: exact_trajectory refuses one
+            _, slots = self.group.share_holders()
+            if gather_moves_no_more(self.group.manager.num_participants(), slots):
+                return _ShareOrderGather(flat, self.group)
             return _ShareOrderSum(flat, self.group)
         message = flat if self.wire is None else flat.to(self.wire.dtype)
         started = self.group.start_all_reduce_sum(message)
