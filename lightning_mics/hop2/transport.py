@@ -162,6 +162,27 @@ class _ManagedGatherAverage:
         self.flat.copy_(total.div_(self.group.contributing_groups()))
 
 
+def _finished(started: Optional[tuple[Tensor, Any]], group: ReplicaGroup) -> Optional[Tensor]:
+    """The output of a collective :meth:`ReplicaGroup._start` started, once it finished -- ``None`` if it was never
+    started or the step failed meanwhile (the step will not commit: nothing is summed)."""
+    if started is None:
+        return None
+    output, future = started
+    future.wait()
+    return None if group.manager.errored() is not None else output
+
+
+def _sum_in_share_order(blocks: Tensor, holders: list[tuple[int, int]], out: Tensor) -> Tensor:
+    """``out`` = the data shares' blocks (``blocks[quorum rank, slot]`` for each share's holder, in share order)
+    added one after the other in fp32 and divided by their number: one fixed order of additions, whichever group
+    read which share -- what makes ``exact_trajectory``'s sum the same bits in every run."""
+    (rank, slot), *rest = holders
+    out.copy_(blocks[rank, slot])
+    for rank, slot in rest:
+        out.add_(blocks[rank, slot])
+    return out.div_(len(holders))
+
+
 #: :class:`_ShareOrderSum`'s all-gather starts when this many more messages have started after it.
 LAG_BEFORE_SECOND_STAGE = 2
 
@@ -201,17 +222,10 @@ class _ShareOrderSum:
             self._second_stage()
 
     def _second_stage(self) -> None:
-        if self.first is None:
+        received = _finished(self.first, self.group)
+        if received is None:
             return
-        received, future = self.first
-        future.wait()
-        if self.group.manager.errored() is not None:
-            return  # a failure: the step will not commit
-        (rank, slot), *rest = self.holders
-        total = received[rank, slot].clone()
-        for rank, slot in rest:
-            total += received[rank, slot]
-        total.div_(len(self.holders))
+        total = _sum_in_share_order(received, self.holders, received.new_empty(self.slice))
         # row 0 takes the gathered slices itself when they fill it exactly (its own values were sent in stage 1)
         row = self.rows[0]
         self.in_place = row.numel() == received.shape[0] * self.slice
@@ -221,13 +235,8 @@ class _ShareOrderSum:
 
     def wait(self) -> None:
         self.flush()
-        if self.second is None:
-            return
-        gathered, future = self.second
-        future.wait()
-        if self.group.manager.errored() is not None:
-            return
-        if not self.in_place:
+        gathered = _finished(self.second, self.group)
+        if gathered is not None and not self.in_place:
             self.rows[0].copy_(gathered[: self.numel])
 
 
@@ -260,19 +269,9 @@ class _ShareOrderGather:
         """One collective, started."""
 
     def wait(self) -> None:
-        if self.gathered is None:
-            return
-        out, future = self.gathered
-        future.wait()
-        if self.group.manager.errored() is not None:
-            return  # a failure: the step will not commit
-        blocks = out.view(self.quorum, self.slots, self.numel)
-        row = self.rows[0]
-        (rank, slot), *rest = self.holders
-        row.copy_(blocks[rank, slot])
-        for rank, slot in rest:
-            row.add_(blocks[rank, slot])
-        row.div_(len(self.holders))
+        out = _finished(self.gathered, self.group)
+        if out is not None:
+            _sum_in_share_order(out.view(self.quorum, self.slots, self.numel), self.holders, self.rows[0])
 
 
 def gather_moves_no_more(quorum: int, slots: int) -> bool:
