@@ -487,8 +487,11 @@ def test_a_save_can_keep_the_data_it_replaces_for_a_reader_that_opened_it(
         with caplog.at_level("WARNING", logger="lightning_mics"):
             ckpt.load(path, fresh)
         assert not [r for r in caplog.records if "interrupted save" in r.getMessage()]
-        save(3)  # the next save removes what the one before kept: at most two generations on disk
+        with caplog.at_level("INFO", logger="lightning_mics"):
+            save(3)  # the next save removes what the one before kept: at most two generations on disk
         assert not opened.exists()
+        removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Removing")]
+        assert removals and all("the previous save's" in m and "interrupted" not in m for m in removals), removals
         assert len([p for p in path.iterdir() if p.name.startswith("state-step")]) == 2
 
 

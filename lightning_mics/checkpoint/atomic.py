@@ -123,7 +123,11 @@ def plan_save(target: Path, global_step: int, full: bool, keep_previous: bool = 
     token = secrets.token_hex(4)
     data_name = f"state-step{global_step:09d}-{token}"
     for leftover in staging_leftovers(target):
-        log.info("Removing %s left by an interrupted checkpoint save.", leftover)
+        if leftover.parent == target and DATA_DIR_PATTERN.match(leftover.name):
+            # an "update" save keeps the data it replaced until the next save, for readers that opened it
+            log.info("Removing %s: checkpoint data its record no longer names (the previous save's).", leftover)
+        else:
+            log.info("Removing %s left by an interrupted checkpoint save.", leftover)
         delete(leftover)
     staging = target.parent / f".{target.name}{PARTIAL_MARK}{token}"
     plan = dict(target=str(target), staging=str(staging), data_dir=str(staging / data_name), data_name=data_name)
