@@ -31,6 +31,7 @@ an attempt from the other groups of its quorum (a step commits in all of them or
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -250,6 +251,9 @@ def main() -> None:
     parser.add_argument("--job", type=Path, required=True, help="JSON: the run's Job")
     parser.add_argument("--node", type=int, required=True, help="this rank's node (= replica group with ft)")
     args = parser.parse_args()
+    # a rank that dies by a signal (a heap corruption's SIGABRT, a segfault) leaves every thread's Python stack in
+    # its log: the orchestrator only sees the exit code
+    faulthandler.enable(all_threads=True)
     job = Job(**json.loads(args.job.read_text()))
     run(job, args.node, int(os.environ["LOCAL_RANK"]))
     os._exit(0)  # skip interpreter teardown of gloo and torchft threads: the logs are written
