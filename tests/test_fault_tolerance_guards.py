@@ -138,6 +138,14 @@ def _lose_a_rank(rank: int, group: int, address: str, out_dir: str) -> dict[str,
     import lightning.pytorch as pl
 
     class LoseRankOne(pl.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            # both groups train from their first quorum on: a group that started late on a loaded host would
+            # otherwise heal at the survivor's last step and end there before it lost its rank
+            Path(out_dir, f"started{group}{rank}").touch()
+            deadline = time.monotonic() + 90
+            while len(list(Path(out_dir).glob("started*"))) < 2 * GROUP_WORLD and time.monotonic() < deadline:
+                time.sleep(0.05)
+
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             if group == 1 and rank == 1 and trainer.global_step >= 2:  # (a late group heals past step 2)
                 Path(out_dir, "killed").write_text(str(time.time()))
