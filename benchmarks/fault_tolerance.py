@@ -159,10 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
                         help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
                         "group fetches the shards in the background and replays the steps it missed)")
-    parser.add_argument("--only", choices=("all", "rejoin", "no_failure", "trajectory"), default="all",
+    parser.add_argument("--only", choices=("all", "rejoin", "no_failure", "trajectory", "goodput"), default="all",
                         help="rejoin: runs 2-3 only (a node killed and restarted): the failure and rejoin numbers, "
                         "in about two minutes (to compare heal settings); no_failure: run 1 only (the overhead); "
-                        "trajectory: runs 2-3 and 5 (the failure, rejoin and trajectory numbers)")
+                        "trajectory: runs 2-3 and 5 (the failure, rejoin and trajectory numbers); goodput: runs 5 "
+                        "and 6 (fault tolerance's goodput under the schedule, without the restart baseline)")
     parser.add_argument("--exact-trajectory", action=argparse.BooleanOptionalAction, default=True,
                         help="FaultTolerance(exact_trajectory=...) of every fault-tolerant run (default on: the run "
                         "with a failure bit-identical to the run without; --no-exact-trajectory sums a group's "
@@ -1122,22 +1123,27 @@ def goodput_phases(run: RunLog, rows: list[dict[str, Any]], window: tuple[float,
     return out
 
 
-def goodput_results(ft: RunLog, restart: RunLog, ft_reference: RunLog, plain_reference: RunLog,
+def goodput_results(ft: RunLog, restart: RunLog | None, ft_reference: RunLog, plain_reference: RunLog | None,
                     schedule: Schedule, global_batch: int) -> dict[str, Any]:
     """Committed samples per second over the window, for fault tolerance and for restart from checkpoint, and
-    each over its failure-free rate (``goodput.fault_tolerance``, ``goodput.restart_from_checkpoint``)."""
-    ft_rows, restart_rows = read_rows(ft), read_rows(restart)
-    ft_start, restart_start = ft.events["window_start"], restart.events["window_start"]
+    each over its failure-free rate (``goodput.fault_tolerance``, ``goodput.restart_from_checkpoint``; ``None``
+    for restart without its runs: ``--only goodput``)."""
+    ft_rows = read_rows(ft)
+    ft_start = ft.events["window_start"]
     ft_steps = ft_progress(ft_rows, ft_start + schedule.window) - ft_progress(ft_rows, ft_start)
-    launches = [t for name, t in restart.events.items() if name.startswith("launch")]
-    kills = [t for name, t in restart.events.items() if name.startswith("kill")]
-    restart_steps = (restart_progress(restart_rows, launches, kills, restart_start + schedule.window)
-                     - restart_progress(restart_rows, launches, kills, restart_start))
     ft_free = steps_per_second(commits(read_rows(ft_reference), 0))
-    plain_free = steps_per_second(read_rows(plain_reference), key="global_step")
-    ft_rate, restart_rate = ft_steps * global_batch / schedule.window, restart_steps * global_batch / schedule.window
+    ft_rate = ft_steps * global_batch / schedule.window
     ft_goodput = ft_rate / (ft_free * global_batch) if ft_free else None
-    restart_goodput = restart_rate / (plain_free * global_batch) if plain_free else None
+    restart_steps = restart_rate = restart_goodput = plain_free = None
+    if restart is not None and plain_reference is not None:
+        restart_rows, restart_start = read_rows(restart), restart.events["window_start"]
+        launches = [t for name, t in restart.events.items() if name.startswith("launch")]
+        kills = [t for name, t in restart.events.items() if name.startswith("kill")]
+        restart_steps = (restart_progress(restart_rows, launches, kills, restart_start + schedule.window)
+                         - restart_progress(restart_rows, launches, kills, restart_start))
+        plain_free = steps_per_second(read_rows(plain_reference), key="global_step")
+        restart_rate = restart_steps * global_batch / schedule.window
+        restart_goodput = restart_rate / (plain_free * global_batch) if plain_free else None
     return {
         "fault_tolerance": ft_goodput,
         "restart_from_checkpoint": restart_goodput,
@@ -1153,8 +1159,10 @@ def goodput_results(ft: RunLog, restart: RunLog, ft_reference: RunLog, plain_ref
                      "kills": [{"at_seconds": at, "node": node} for at, node in schedule.kills()],
                      "window_starts_at_step": schedule.warmup + 1,
                      },
-        "events": {"fault_tolerance": relative(ft), "restart_from_checkpoint": relative(restart)},
-        "failures": {"fault_tolerance": ft.failures, "restart_from_checkpoint": restart.failures},
+        "events": {"fault_tolerance": relative(ft),
+                   "restart_from_checkpoint": None if restart is None else relative(restart)},
+        "failures": {"fault_tolerance": ft.failures,
+                     "restart_from_checkpoint": None if restart is None else restart.failures},
         "fault_tolerance_phases": (goodput_phases(ft, ft_rows, (ft_start, ft_start + schedule.window), ft_free)
                                    if ft_free else None),
     }
@@ -1211,26 +1219,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
         ("no failure: CPU per step (all ranks), fault-tolerant / plain", _num(n.get("cpu_overhead"), 3)),
     ]
-    if f is None or r is None:  # --only no_failure
-        return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
-    rows += [
-        ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
-        ("node lost: steps discarded", str(f["steps_discarded"])),
-        ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
-         f"{f['outage_seconds']:.1f} s")),
-        ("rejoin: seconds from the restart to its first committed step", _num(r["seconds"])),
-        ("rejoin: seconds from the restart to its shards being current (`rejoin.seconds_to_current`)",
-         _num(r.get("seconds_to_current"))),
-        ("rejoin: steps it took part in while catching up (`rejoin.steps_catching_up`)",
-         "-" if r.get("steps_catching_up") is None else str(r["steps_catching_up"])),
-        ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
-        ("rejoin: survivors' longest stall while it healed, in steps (`rejoin.survivor_stall_steps`)",
-         _num(r.get("survivor_stall_steps"))),
-        ("rejoin: survivors' gap before the step it joined, in steps (`rejoin.heal_step_stall_steps`)",
-         _num(r.get("heal_step_stall_steps"))),
-        ("rejoin: the same longest stall as first defined (`rejoin.survivor_stall_steps_as_before`)",
-         _num(r.get("survivor_stall_steps_as_before"))),
-    ]
+    if f is not None and r is not None:  # not --only no_failure / goodput
+        rows += _failure_rows(f, r)
     if "restart_baseline" in results:
         rows += [
             ("seconds to the final step: restart from checkpoint", f"{results['restart_baseline']['seconds']:.1f}"),
@@ -1259,6 +1249,28 @@ def markdown_table(results: dict[str, Any]) -> str:
                   f"{stretch['goodput_lost']:.3f} ({stretch['seconds']:.1f} s, "
                   f"{_num(stretch['rate_vs_failure_free'], 2)})") for phase, stretch in phases.items()]
     return "\n".join(["| measure | value |", "|---|---:|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def _failure_rows(f: dict[str, Any], r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table's rows of ``failure.*`` and ``rejoin.*``."""
+    return [
+        ("node lost: seconds from the kill to the next committed step", _num(f["seconds_to_next_commit"])),
+        ("node lost: steps discarded", str(f["steps_discarded"])),
+        ("node lost: survivors' committed steps during the outage", (f"{f['survivor_steps_during_outage']} in "
+         f"{f['outage_seconds']:.1f} s")),
+        ("rejoin: seconds from the restart to its first committed step", _num(r["seconds"])),
+        ("rejoin: seconds from the restart to its shards being current (`rejoin.seconds_to_current`)",
+         _num(r.get("seconds_to_current"))),
+        ("rejoin: steps it took part in while catching up (`rejoin.steps_catching_up`)",
+         "-" if r.get("steps_catching_up") is None else str(r["steps_catching_up"])),
+        ("rejoin: bit-identical to the survivors", f"{r['bit_identical']} ({r['digests_compared']} digests)"),
+        ("rejoin: survivors' longest stall while it healed, in steps (`rejoin.survivor_stall_steps`)",
+         _num(r.get("survivor_stall_steps"))),
+        ("rejoin: survivors' gap before the step it joined, in steps (`rejoin.heal_step_stall_steps`)",
+         _num(r.get("heal_step_stall_steps"))),
+        ("rejoin: the same longest stall as first defined (`rejoin.survivor_stall_steps_as_before`)",
+         _num(r.get("survivor_stall_steps_as_before"))),
+    ]
 
 
 def _num(value: float | None, digits: int = 1) -> str:
@@ -1303,11 +1315,12 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         todo.append(("ft-failure", lambda: run_ft_failure(bench)))
     if args.only == "all":
         todo.append(("restart-baseline", lambda: run_restart_baseline(bench)))
-    if args.only in ("all", "trajectory"):
+    if args.only in ("all", "trajectory", "goodput"):
         todo.append(("ft-reference", lambda: run_ft_reference(bench)))
+    if schedule.failures > 0 and args.only in ("all", "goodput"):
+        todo.append(("ft-goodput", lambda: run_ft_goodput(bench, schedule)))
     if schedule.failures > 0 and args.only == "all":
-        todo += [("ft-goodput", lambda: run_ft_goodput(bench, schedule)),
-                 ("restart-goodput", lambda: run_restart_goodput(bench, schedule))]
+        todo.append(("restart-goodput", lambda: run_restart_goodput(bench, schedule)))
     runs: dict[str, RunLog] = {}
     for name, run in todo:
         print(f"[{len(runs) + 1}/{len(todo)}] {name} ...", flush=True)
@@ -1325,6 +1338,11 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     if args.only == "no_failure":
         return {"no_failure": no_failure}, runs["ft"], None
     reference = read_sample_records(runs["ft-reference"].log_dir)  # run 5's: runs 2 and 6 are held to it
+    global_batch = NODES * RANKS_PER_NODE * args.batch_size
+    if args.only == "goodput":
+        goodput = goodput_results(runs["ft-goodput"], None, runs["ft-reference"], None, schedule, global_batch)
+        goodput["trajectory"] = goodput_trajectory(reference, runs["ft-goodput"], args)
+        return {"goodput": goodput}, runs["ft-goodput"], None
     if args.only == "trajectory":
         return {
             "failure": failure_results(runs["ft-failure"], args.steps),
@@ -1344,21 +1362,24 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     }
     results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
     results["trajectory"] = trajectory_section(reference, runs["ft-failure"], args)
-    global_batch = NODES * RANKS_PER_NODE * args.batch_size
     if schedule.failures > 0:
         goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], runs["ft-reference"], runs["plain"],
                                   schedule, global_batch)
         goodput["schedule"]["checkpoint_every"] = args.checkpoint_every
-        # the samples the fault-tolerant goodput run read, against the reference's same steps (no losses: its
-        # learning-rate schedule differs, max_steps being out of reach)
-        compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
-        read = trajectory_results(reference, read_sample_records(runs["ft-goodput"].log_dir), compare)
-        goodput["trajectory"] = {key: read[key] for key in ("samples_skipped", "samples_repeated", "steps_differing",
-                                                            "global_batch_constant", "steps_compared")}
+        goodput["trajectory"] = goodput_trajectory(reference, runs["ft-goodput"], args)
         results["goodput"] = goodput
     else:
         results["goodput"] = {"skipped": "--goodput-failures 0 (--smoke): a failure schedule needs minutes"}
     return results, runs["ft-failure"], runs["restart-baseline"]
+
+
+def goodput_trajectory(reference: list[dict[str, Any]], goodput: RunLog, args: argparse.Namespace) -> dict[str, Any]:
+    """The samples the fault-tolerant goodput run read, against the reference's same steps (no losses: its
+    learning-rate schedule differs, max_steps being out of reach)."""
+    compare = args.reference_steps or None  # the steps the reference ran (all, but in --smoke)
+    read = trajectory_results(reference, read_sample_records(goodput.log_dir), compare)
+    return {key: read[key] for key in ("samples_skipped", "samples_repeated", "steps_differing",
+                                       "global_batch_constant", "steps_compared")}
 
 
 def relative(run: RunLog) -> dict[str, float]:
