@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from distributed import free_port, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -136,6 +137,45 @@ def test_one_all_gather_gives_the_two_stages_bits(n: int) -> None:
     # a group lost: rank 0 reads shares 0 and 2, rank 1 share 1 (its one row padded to two)
     lost = _gathered_average([torch.stack([s0, s2]), s1[None].clone()], holders=[(0, 0), (1, 0), (0, 1)])
     assert all(torch.equal(result, ((s0 + s1) + s2) / 3) for result in lost)
+
+
+def _sums_over_torchft_gloo(rank: int, world_size: int, port: int, n: int) -> dict[str, torch.Tensor]:
+    """Quorum rank ``rank`` of ``world_size`` groups over torchft's own gloo process group (as a replica group
+    configures it at a quorum): both exact sums of rank ``rank``'s awkward share, every group live."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft.process_group import ProcessGroupGloo
+
+    store = TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+    pg.configure(f"127.0.0.1:{port}/quorum_1", "mics_group_test", rank, world_size)
+    group = ReplicaGroup.__new__(ReplicaGroup)  # no Lighthouse: hop 2's collectives over the real process group
+    group.pg, group._pg_is_gloo = pg, True
+    group.manager = SimpleNamespace(num_participants=lambda: world_size, errored=lambda: None)
+    group._holders = ([(q, 0) for q in range(world_size)], 1)
+    share = _awkward_shares(n)[rank][None].clone()
+    out = {}
+    for name, kind in (("two_stages", _ShareOrderSum), ("one_gather", _ShareOrderGather)):
+        rows = share.clone()
+        kind(rows, group).wait()
+        out[name] = rows[0]
+    del store
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [1001, 1002])
+def test_over_torchft_gloo_both_sums_give_the_share_order_bits(n: int) -> None:
+    """The collectives as hop 2 starts them on torchft's gloo group (the flat all-gather under its wrapper): every
+    quorum rank ends with the share-order average, three groups."""
+    results = run_ranks(_sums_over_torchft_gloo, 3, free_port(), n, timeout=100)
+    s0, s1, s2 = _awkward_shares(n)
+    expected = ((s0 + s1) + s2) / 3
+    for result in results:
+        assert torch.equal(result["two_stages"], expected)
+        assert torch.equal(result["one_gather"], expected)
 
 
 def test_the_transport_takes_one_collective_only_where_it_moves_no_more_bytes() -> None:

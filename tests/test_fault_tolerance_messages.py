@@ -65,29 +65,40 @@ class _ProcessGroup:
     def alltoall_base(self, received: torch.Tensor, message: torch.Tensor, *rest: Any) -> _Work:
         return self._start("alltoall", received)
 
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        options: Any) -> _Work:
+        return self._start("allgather_into", outputs)
+
 
 def _group(participants: int = 3, not_contributing: frozenset[int] = frozenset()) -> ReplicaGroup:
     group = ReplicaGroup.__new__(ReplicaGroup)  # no Lighthouse: only the message path
     group.manager = _Manager(participants)
     group.pg = _ProcessGroup()
+    group._pg_is_gloo = False  # torchft's NCCL wrapper's path: every collective through the wrapper
     group.not_contributing = not_contributing
     group._quorum_groups = tuple(range(participants))
     group.options = SimpleNamespace(replica_group=0)
     return group
 
 
-@pytest.mark.parametrize("start", ["all_reduce", "all_gather", "all_to_all"])
+def _start(group: ReplicaGroup, start: str, message: torch.Tensor) -> Any:
+    if start == "all_gather_into":
+        return group.start_all_gather_into(torch.empty(3 * message.numel()), message)
+    return getattr(group, f"start_{start}" + ("_sum" if start == "all_reduce" else ""))(message)
+
+
+@pytest.mark.parametrize("start", ["all_reduce", "all_gather", "all_to_all", "all_gather_into"])
 def test_a_failed_message_is_recorded_for_the_commit_not_raised(start: str) -> None:
     group = _group()
     message = torch.ones(4)
-    started = getattr(group, f"start_{start}" + ("_sum" if start == "all_reduce" else ""))(message)
+    started = _start(group, start, message)
     future = started if start == "all_reduce" else started[1]
     lost = RuntimeError("Connection reset by peer")
     group.pg.started[0][1].future.set_exception(lost)
     future.wait()  # completes, does not raise
     assert group.manager.error is lost
     # once the step failed, the next message is not even started
-    assert getattr(group, f"start_{start}" + ("_sum" if start == "all_reduce" else ""))(message) is None
+    assert _start(group, start, message) is None
     assert len(group.pg.started) == 1
 
 

@@ -92,6 +92,7 @@ class ReplicaGroup:
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         #: torchft's reconfigurable group of this rank index across the quorum's groups (hop 2's wire)
         self.pg = pg
+        self._pg_is_gloo = isinstance(pg, ProcessGroupGloo)
         try:
             self.manager = Manager(
                 pg=pg,
@@ -411,10 +412,23 @@ class ReplicaGroup:
         copy afterwards): ``(output, started)``, or ``None`` as :meth:`_start`."""
         from torch.distributed.distributed_c10d import AllgatherOptions
 
-        started = self._start(
-            lambda: self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
-        )
+        gloo = self._gloo_process_group()
+        if gloo is not None:  # gloo's flat all-gather: a third less CPU per message than its coalesced one
+            started = self._start(lambda: gloo._allgather_base(output, message, AllgatherOptions()))
+        else:
+            started = self._start(
+                lambda: self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
+            )
         return None if started is None else (output, started)
+
+    def _gloo_process_group(self) -> Any:
+        """torchft's current gloo process group under its reconfigurable wrapper, or ``None`` (NCCL, whose wrapper
+        adds its abort-on-timeout context to every collective, or none configured). Why reach under it: torchft's
+        wrapper offers only the coalesced all-gather, whose gloo implementation gathers into per-rank temporaries
+        and copies them out -- 1.02 ms of CPU per hop-2 message where the flat one takes 0.69 ms (3 gloo ranks,
+        98,304 fp32), and on a host whose cores the ranks share, CPU is step time. The wrapper adds nothing else
+        to a gloo collective (no work wrapping, no context)."""
+        return getattr(self.pg, "_pg", None) if self._pg_is_gloo else None
 
     def start_all_reduce_sum(self, message: Tensor) -> Optional[_RecordedOnFailure]:
         """Start summing ``message`` in place over the quorum's groups, or ``None`` as :meth:`_start`. The caller
