@@ -19,18 +19,27 @@ from lightning_mics import FaultTolerance, MiCSOptions
 from lightning_mics.fault_tolerance.group import ReplicaGroup
 from lightning_mics.fault_tolerance.trajectory import DataCursor, GlobalSampleOrder, MicroBatchKey, TrajectoryDataLoader
 from lightning_mics.hop2.shares import ShareGradients
-from lightning_mics.hop2.transport import ManagedTransport, _ShareOrderGather, _ShareOrderSum, gather_moves_no_more
+from lightning_mics.hop2.transport import (
+    LAG_BEFORE_SECOND_STAGE,
+    ManagedTransport,
+    _ChainedSum,
+    _ShareOrderChain,
+    _ShareOrderGather,
+    gather_moves_no_more,
+)
 
 
 # ------------------------------------------------------------------------ the sum in share order
 class _World:
-    """The quorum's collectives, run in one process: each rank's start is recorded, a wait delivers once every
-    rank has started (the test starts every rank before it waits on any)."""
+    """The quorum's collectives, run in one process: each rank's k-th collective of a kind meets every other rank's
+    k-th (as on a process group, where they start in the same order everywhere); a wait delivers once every rank
+    has started it (the tests start every rank's before they wait on any)."""
 
     def __init__(self, ranks: int) -> None:
         self.ranks = ranks
-        self.all_to_all: dict[int, torch.Tensor] = {}
-        self.all_gather: dict[int, torch.Tensor] = {}
+        self.all_to_all: dict[int, list[torch.Tensor]] = {rank: [] for rank in range(ranks)}
+        self.all_gather: dict[int, list[torch.Tensor]] = {rank: [] for rank in range(ranks)}
+        self.started: list[str] = []  #: the kinds of collective quorum rank 0 started, in order
 
 
 class _Future:
@@ -42,7 +51,7 @@ class _Future:
 
 
 class _Group:
-    """What :class:`_ShareOrderSum` uses of a :class:`ReplicaGroup`, for quorum rank ``rank`` of ``world``."""
+    """What the exact sums use of a :class:`ReplicaGroup`, for quorum rank ``rank`` of ``world``."""
 
     def __init__(self, world: _World, rank: int, holders: list[tuple[int, int]], slots: int) -> None:
         self.world, self.rank, self.holders, self.slots = world, rank, holders, slots
@@ -51,46 +60,67 @@ class _Group:
     def share_holders(self) -> tuple[list[tuple[int, int]], int]:
         return self.holders, self.slots
 
+    def _record(self, kind: str, sent: dict[int, list[torch.Tensor]], message: torch.Tensor) -> int:
+        if self.rank == 0:
+            self.world.started.append(kind)
+        sent[self.rank].append(message.clone())  # what it sends, as started (the caller may reuse it)
+        return len(sent[self.rank]) - 1
+
     def start_all_to_all(self, message: torch.Tensor) -> tuple[torch.Tensor, _Future]:
-        self.world.all_to_all[self.rank] = message
+        k = self._record("all_to_all", self.world.all_to_all, message)
         received = torch.empty_like(message)
 
         def fill() -> None:
             for q in range(self.world.ranks):
-                received[q] = self.world.all_to_all[q][self.rank]
+                received[q] = self.world.all_to_all[q][k][self.rank]
 
         return received, _Future(fill)
 
     def start_all_gather(self, message: torch.Tensor) -> tuple[list[torch.Tensor], _Future]:
-        self.world.all_gather[self.rank] = message
+        k = self._record("all_gather", self.world.all_gather, message)
         gathered = [torch.empty_like(message) for _ in range(self.world.ranks)]
 
         def fill() -> None:
             for q in range(self.world.ranks):
-                gathered[q].copy_(self.world.all_gather[q])
+                gathered[q].copy_(self.world.all_gather[q][k])
 
         return gathered, _Future(fill)
 
     def start_all_gather_into(self, output: torch.Tensor, message: torch.Tensor) -> tuple[torch.Tensor, _Future]:
-        self.world.all_gather[self.rank] = message.clone()  # what it sends, as started (the caller may reuse it)
+        k = self._record("all_gather", self.world.all_gather, message)
 
         def fill() -> None:
-            output.copy_(torch.cat([self.world.all_gather[q] for q in range(self.world.ranks)]))
+            output.copy_(torch.cat([self.world.all_gather[q][k] for q in range(self.world.ranks)]))
 
         return output, _Future(fill)
 
 
+def _chained_averages(messages_per_rank: list[list[torch.Tensor]], holders: list[tuple[int, int]],
+                      world: _World | None = None) -> list[list[torch.Tensor]]:
+    """Every rank's messages (``[rows, n]`` each) started in order through one step's chain, as the pipeline
+    does (each rank's k-th start before any rank's (k+1)-th, then a flush and the waits in start order); each
+    rank's averages (row 0 of each message)."""
+    world = world or _World(len(messages_per_rank))
+    slots = max(rows.shape[0] for messages in messages_per_rank for rows in messages)
+    groups = [_Group(world, rank, holders, slots) for rank in range(world.ranks)]
+    chains = [_ShareOrderChain() for _ in groups]
+    started: list[list[Any]] = [[] for _ in groups]
+    for k in range(len(messages_per_rank[0])):
+        for rank, group in enumerate(groups):
+            started[rank].append(chains[rank].start(messages_per_rank[rank][k], group))
+            for earlier in started[rank][:-1]:
+                earlier.advance()
+    for rank in range(world.ranks):
+        for running in started[rank]:
+            running.flush()
+    for rank in range(world.ranks):
+        for running in started[rank]:
+            running.wait()
+    return [[rows[0].clone() for rows in messages] for messages in messages_per_rank]
+
+
 def _share_order_average(rows_per_rank: list[torch.Tensor], holders: list[tuple[int, int]]) -> list[torch.Tensor]:
-    world = _World(len(rows_per_rank))
-    slots = max(rows.shape[0] for rows in rows_per_rank)
-    sums = [_ShareOrderSum(rows, _Group(world, rank, holders, slots)) for rank, rows in enumerate(rows_per_rank)]
-    for running in sums:  # what the pipeline does as two more messages start: the second stage starts at the second
-        running.advance()
-        assert running.second is None
-        running.advance()
-    for running in sums:
-        running.wait()
-    return [rows[0].clone() for rows in rows_per_rank]
+    return [averages[0] for averages in _chained_averages([[rows] for rows in rows_per_rank], holders)]
 
 
 def _awkward_shares(n: int = 1001) -> list[torch.Tensor]:
@@ -139,9 +169,14 @@ def test_one_all_gather_gives_the_two_stages_bits(n: int) -> None:
     assert all(torch.equal(result, ((s0 + s1) + s2) / 3) for result in lost)
 
 
-def _sums_over_torchft_gloo(rank: int, world_size: int, port: int, n: int) -> dict[str, torch.Tensor]:
+#: message sizes of the torchft-gloo test's chain (the first set by the test): carried and gathered second stages
+CHAIN_SIZES = (0, 7, 300, 1003)
+
+
+def _sums_over_torchft_gloo(rank: int, world_size: int, port: int, n: int) -> dict[str, Any]:
     """Quorum rank ``rank`` of ``world_size`` groups over torchft's own gloo process group (as a replica group
-    configures it at a quorum): both exact sums of rank ``rank``'s awkward share, every group live."""
+    configures it at a quorum), every group live: rank ``rank``'s awkward shares of four messages averaged through
+    one step's chain, and the first through the one-all-gather sum."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -154,28 +189,35 @@ def _sums_over_torchft_gloo(rank: int, world_size: int, port: int, n: int) -> di
     group.pg, group._pg_is_gloo = pg, True
     group.manager = SimpleNamespace(num_participants=lambda: world_size, errored=lambda: None)
     group._holders = ([(q, 0) for q in range(world_size)], 1)
-    share = _awkward_shares(n)[rank][None].clone()
-    out = {}
-    for name, kind in (("two_stages", _ShareOrderSum), ("one_gather", _ShareOrderGather)):
-        rows = share.clone()
-        kind(rows, group).wait()
-        out[name] = rows[0]
+    chain = _ShareOrderChain()
+    messages = [_awkward_shares(size or n)[rank][None].clone() for size in CHAIN_SIZES]
+    started = []
+    for rows in messages:  # as the pipeline: each start advances the earlier ones; then flush all, wait in order
+        started.append(chain.start(rows, group))
+        for earlier in started[:-1]:
+            earlier.advance()
+    for running in started:
+        running.flush()
+    for running in started:
+        running.wait()
+    rows = _awkward_shares(n)[rank][None].clone()
+    _ShareOrderGather(rows, group).wait()
     del store
-    return out
+    return {"chain": [message[0] for message in messages], "one_gather": rows[0]}
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [1001, 1002])
 def test_over_torchft_gloo_both_sums_give_the_share_order_bits(n: int) -> None:
-    """The collectives as hop 2 starts them on torchft's gloo group (the flat all-gather under its wrapper): every
-    quorum rank ends with the share-order average, three groups."""
+    """The collectives as hop 2 starts them on torchft's gloo group (the flat all-gather under its wrapper, the
+    all-to-alls carrying earlier messages' second stages): every quorum rank ends with the share-order average of
+    every message, three groups."""
     results = run_ranks(_sums_over_torchft_gloo, 3, free_port(), n, timeout=100)
-    s0, s1, s2 = _awkward_shares(n)
-    expected = ((s0 + s1) + s2) / 3
+    expected = [((s0 + s1) + s2) / 3 for s0, s1, s2 in (_awkward_shares(size or n) for size in CHAIN_SIZES)]
     for result in results:
-        assert torch.equal(result["two_stages"], expected)
-        assert torch.equal(result["one_gather"], expected)
+        assert all(torch.equal(got, want) for got, want in zip(result["chain"], expected))
+        assert torch.equal(result["one_gather"], expected[0])
 
 
 def test_the_transport_takes_one_collective_only_where_it_moves_no_more_bytes() -> None:
@@ -192,7 +234,7 @@ def test_the_transport_takes_one_collective_only_where_it_moves_no_more_bytes() 
         return type(ManagedTransport(group, None, in_share_order=True).start_average(rows))  # type: ignore[arg-type]
 
     assert started(2, 1) is _ShareOrderGather and started(1, 3) is _ShareOrderGather
-    assert started(3, 1) is _ShareOrderSum and started(2, 2) is _ShareOrderSum
+    assert started(3, 1) is _ChainedSum and started(2, 2) is _ChainedSum
 
 
 # ------------------------------------------------------------------------ shares kept apart
@@ -303,23 +345,55 @@ def test_fabric_refuses_exact_trajectory_naming_the_fix() -> None:
         strategy._join_fault_domain(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
 
 
-def test_flush_starts_the_all_gather_of_a_message_nothing_followed_once() -> None:
-    """The step's last messages: no later message advances them, so the pipeline flushes them all before its
-    first wait -- their all-gathers then cross together. Once started, neither a flush nor an advance starts
-    another."""
-    s0, s1, s2 = _awkward_shares(12)
+@pytest.mark.parametrize("lost", [False, True])
+def test_in_a_chain_each_messages_second_stage_rides_on_a_later_all_to_all_and_the_last_ones_share_one_gather(
+    lost: bool,
+) -> None:
+    """Five messages of different sizes in one step: one collective per message (message k's all-to-all carries
+    message k - LAG's summed slices) and one all-gather for the messages nothing later carried -- each average the
+    share-order bits, with every group live and with group 2 lost (rank 0 reading shares 0 and 2)."""
+    sizes = [7, 1001, 1002, 12, 300]
+    shares = [_awkward_shares(n) for n in sizes]
+    expected = [((s0 + s1) + s2) / 3 for s0, s1, s2 in shares]
+    if lost:
+        messages = [[torch.stack([s0, s2]) for s0, _, s2 in shares], [s1[None].clone() for _, s1, _ in shares]]
+        holders = [(0, 0), (1, 0), (0, 1)]
+    else:
+        messages = [[share[g][None].clone() for share in shares] for g in range(3)]
+        holders = [(0, 0), (1, 0), (2, 0)]
+    world = _World(len(messages))
+    averages = _chained_averages(messages, holders, world)
+    assert world.started == ["all_to_all"] * len(sizes) + ["all_gather"]
+    assert LAG_BEFORE_SECOND_STAGE < len(sizes)  # the chain carried some second stages
+    for rank_averages in averages:
+        for got, want in zip(rank_averages, expected):
+            assert torch.equal(got, want)
+
+
+def test_a_message_waited_on_before_a_later_one_carried_it_is_gathered_then_the_chain_goes_on() -> None:
+    """A unit whose gradients report twice before a step (a second boundary backward) waits on its earlier
+    message mid-step: every message not yet carried is gathered then, and later messages chain afresh."""
+    shares = [_awkward_shares(n) for n in (10, 11, 12, 13)]
     world = _World(3)
-    sums = [_ShareOrderSum(rows[None].clone(), _Group(world, rank, [(0, 0), (1, 0), (2, 0)], 1))
-            for rank, rows in enumerate((s0, s1, s2))]
-    for running in sums:
+    groups = [_Group(world, rank, [(0, 0), (1, 0), (2, 0)], 1) for rank in range(3)]
+    chains = [_ShareOrderChain() for _ in groups]
+    first = [chains[g].start(shares[0][g][None].clone(), groups[g]) for g in range(3)]
+    for running in first[1:]:  # (one process plays every rank: the others' gathers start before rank 0 waits)
         running.flush()
-        assert running.second is not None
-    started = [running.second for running in sums]
-    for running in sums:
-        running.flush()
-        running.advance()
-        running.advance()
-        assert running.second is started[sums.index(running)]
-    for running in sums:
-        running.wait()
-        assert torch.equal(running.rows[0], ((s0 + s1) + s2) / 3)
+    for running in first:
+        running.wait()  # nothing carried it yet: rank 0's wait starts its gather
+    later: list[list[Any]] = [[], [], []]
+    for share in shares[1:]:  # every rank's k-th start before any rank's (k+1)-th
+        for g in range(3):
+            later[g].append(chains[g].start(share[g][None].clone(), groups[g]))
+    for messages in later:
+        for running in messages:
+            running.flush()
+    for messages in later:
+        for running in messages:
+            running.wait()
+    assert world.started == ["all_to_all", "all_gather", "all_to_all", "all_to_all", "all_to_all", "all_gather"]
+    for g in range(3):
+        assert torch.equal(first[g].rows[0], ((shares[0][0] + shares[0][1]) + shares[0][2]) / 3)
+        for running, share in zip(later[g], shares[1:]):
+            assert torch.equal(running.rows[0], ((share[0] + share[1]) + share[2]) / 3)
