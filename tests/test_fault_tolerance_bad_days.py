@@ -225,3 +225,69 @@ def test_a_heal_refused_for_another_configuration_is_that_error_not_a_lighthouse
     group.quorums_asked, group._last_quorum, group._discarded_since_quorum = 0, None, False  # a first step
     with pytest.raises(ReplicaGroupRefused, match="cannot heal from the live groups"):
         group.start_step()
+
+
+class _ExchangeManager:
+    """What the quorum's agreement uses of torchft's Manager, one group alone in the quorum: on a ``failing`` rank
+    the exchange's collective fails (a peer group lost during it), as torchft records it."""
+
+    def __init__(self, failing: bool) -> None:
+        self.failing, self.error = failing, None
+
+    def current_step(self) -> int:
+        return 10  # a parameter-check step (check_parameters_every=10)
+
+    def num_participants(self) -> int:
+        return 1
+
+    def errored(self) -> Any:
+        return self.error
+
+    def report_error(self, error: Exception) -> None:
+        self.error = self.error or error
+
+    def allreduce(self, message: torch.Tensor) -> Any:
+        manager = self
+
+        class Work:
+            def wait(self) -> None:
+                if manager.failing:
+                    manager.report_error(RuntimeError("Connection reset by peer"))
+
+        return Work()
+
+
+def _agreement_failing_on_rank_0(rank: int, world_size: int, port: int) -> dict[str, Any]:
+    """Rank 0's exchange fails, rank 1's completes, on a parameter-check step; then the step's first collective
+    in the group's own world (the forward's all-gather)."""
+    from datetime import timedelta
+
+    from lightning_mics.fault_tolerance.agreement import GroupConfiguration
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=20))
+    group = ReplicaGroup.__new__(ReplicaGroup)  # no Lighthouse: the agreement's exchange over a stand-in Manager
+    group.manager, group.options = _ExchangeManager(failing=rank == 0), FaultTolerance("http://h:1", 0, 2)
+    group.device, group.configuration = torch.device("cpu"), GroupConfiguration(())
+    group.catch_up = group.snapshots = None
+    group.parameter_digest = lambda: [7, 9]
+    group._quorum_groups, group.not_contributing = (0, 1), frozenset()
+    group._check_agreement()
+    forward = torch.ones(3)
+    dist.all_reduce(forward)
+    return {"errored": group.manager.errored() is not None, "forward": forward.tolist(),
+            "quorum_groups": group._quorum_groups}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_an_agreement_exchange_failing_on_one_rank_discards_the_step_on_every_rank_of_the_group() -> None:
+    """Each rank exchanges over its own torchft group, so a peer lost mid-exchange can fail one rank's exchange and
+    not another's. The group then takes one outcome: every rank discards the step and keeps the last membership,
+    and none waits in a collective the other skipped (before: rank 1 waited in the parameter check's all-reduce
+    that rank 0 had returned before, and rank 0's next collective met it -- a survivor group hung)."""
+    results = run_ranks(_agreement_failing_on_rank_0, 2, free_port(), timeout=100)
+    for result in results:
+        assert result["errored"], result
+        assert result["forward"] == [2.0, 2.0, 2.0]
+        assert result["quorum_groups"] == (0, 1)  # not this quorum's (group 0 alone): the step is discarded

@@ -359,9 +359,27 @@ class ReplicaGroup:
             group, self.configuration.digest_chunks(), parameters, catching_up=self.catch_up is not None
         ).to(self.device)
         self.manager.allreduce(message).wait()
-        if self.manager.errored() is not None:
-            return  # the step is discarded anyway; the next one checks again
-        summed = message.cpu() * self.manager.num_participants()  # torchft averaged
+        exchanged = self.manager.errored() is None
+        summed = message.cpu() * self.manager.num_participants() if exchanged else None  # torchft averaged
+        drift = drift_verdict(summed, step) if summed is not None and checks_parameters else None
+        # One outcome for the whole group. Each rank exchanged over its own torchft process group, and a peer lost
+        # during the exchange can fail it on one rank while another's completed. Seen: a group killed during a
+        # parameter-check step's exchange; on each survivor group rank 0's exchange failed and it went on into the
+        # step, rank 1's completed and it waited in the drift check's all-reduce rank 0 had skipped -- both
+        # survivors hung (the group's own world has no short timeout). And a rank that went on with this quorum's
+        # membership while another kept the last would place the data shares otherwise (other collectives).
+        flags = torch.tensor([0.0 if exchanged else 1.0, 0.0 if drift is None else 1.0], device=self.device)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        except RuntimeError as error:  # DistBackendError included
+            raise self._rank_lost(error) from error
+        failed, drifted = (value > 0 for value in flags.tolist())
+        if failed:  # every rank of the group discards the step; the next quorum checks again
+            if exchanged:
+                self.manager.report_error(RuntimeError(
+                    "fault tolerance: the quorum's agreement exchange failed on another rank of this group"))
+            return
+        assert summed is not None
         self._quorum_groups = tuple(present_groups(summed))
         self.not_contributing = catching_up_groups(summed)
         if self.snapshots is not None and self.snapshots.serving and not self.not_contributing:
@@ -374,16 +392,12 @@ class ReplicaGroup:
                 verdict += " Differences (this group's vs theirs): " + "; ".join(differences)
         if verdict is not None:
             raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
-        if checks_parameters:
-            drift = drift_verdict(summed, step)
-            flag = torch.tensor([0.0 if drift is None else 1.0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank of the group: the whole group ends
-            if drift is not None or flag.item() > 0:
-                drift = drift or (
-                    f"another rank of this group found the replica groups' parameters differ after committed step "
-                    f"{step} (its error names the groups)"
-                )
-                raise ReplicaGroupsDiverged(f"fault tolerance: {drift}")
+        if drifted:  # any rank of the group: the whole group ends
+            drift = drift or (
+                f"another rank of this group found the replica groups' parameters differ after committed step "
+                f"{step} (its error names the groups)"
+            )
+            raise ReplicaGroupsDiverged(f"fault tolerance: {drift}")
 
     def _start(self, collective: Callable[[], Any]) -> Optional[_RecordedOnFailure]:
         """Start one of hop 2's collectives over torchft's process group: ``None`` when the step already failed
