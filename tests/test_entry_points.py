@@ -13,6 +13,7 @@ Already run end to end elsewhere, so not repeated here:
   ``test_litgpt_example.py`` (skipped without litgpt);
 * ``benchmarks/gpu_throughput.py`` on CPU (both loops) and ``multi_gpu_summary.py`` -- ``test_benchmark_gpu.py``.
 
+``benchmarks/exact_sum_cpu.py`` runs here too (hop 2's fault-tolerant sums over torchft's gloo group).
 ``benchmarks/netprobe.py`` and ``gloo_probe.py`` are the emulated cluster's own probes, started by it in every
 node (its link rate is their measurement), so its smoke runs cover them; ``scaling.py`` is the ``--scaling``
 mode's module. Marked ``entry_point`` (and ``distributed`` where ranks are started): the fast loop skips
@@ -158,6 +159,18 @@ def test_telemetry_cost_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     assert set(rows) == {"none", "sampled (default)", "every step"}
     assert all(row["steps"] > 0 and row["median_ms"] > 0 for row in rows.values())
     assert "every step" in output.splitlines()[-1]  # the printed table ends with the last variant
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_exact_sum_cpu_benchmark_times_every_variant(tmp_path: Path) -> None:
+    output = _run("benchmarks/exact_sum_cpu.py", "--smoke", "--messages", "3", "--numel", "1000",
+                  "--output", str(tmp_path / "cpu.json"), timeout=130)
+    variants = json.loads((tmp_path / "cpu.json").read_text())["variants"]
+    assert set(variants) == {"all_reduce", "chain", "one_gather"}, output[-2000:]
+    assert all(v["cpu_ms_per_step_per_rank"] > 0 and v["slowest_wall_ms_per_step"] > 0 for v in variants.values())
+    assert variants["all_reduce"]["cpu_vs_all_reduce"] == 1.0
+    assert "chain" in output and "x all_reduce" in output
 
 
 @pytest.mark.distributed
