@@ -32,6 +32,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,25 +79,32 @@ def _group(pg: Any, groups: int) -> Any:
     return group
 
 
-def _step(variant: str, group: Any, messages: list[Any], transport: Any) -> None:
-    """One step's messages started in order (each start advancing the earlier ones), flushed and waited on, as
-    :class:`~lightning_mics.hop2.pipeline.CrossReplicaPipeline` does."""
-    from lightning_mics.hop2.transport import _ShareOrderGather
-
+def average_in_pipeline_order(start: Callable[[Any], Any], messages: list[Any]) -> list[Any]:
+    """``start(rows)`` each message in order (each start advancing the earlier ones), then flush them all and wait
+    on each in order -- what :class:`~lightning_mics.hop2.pipeline.CrossReplicaPipeline` does in a step. The
+    started averages."""
     started = []
     for rows in messages:
-        if variant == "one_gather":
-            started.append(_ShareOrderGather(rows, group))
-        elif variant == "chain":
-            started.append(transport.start_average(rows))
-        else:
-            started.append(transport.start_average(rows[0]))
+        started.append(start(rows))
         for earlier in started[:-1]:
             earlier.advance()
     for running in started:
         running.flush()
     for running in started:
         running.wait()
+    return started
+
+
+def _step(variant: str, group: Any, messages: list[Any], transport: Any) -> None:
+    """One step's messages through ``variant``'s sum."""
+    from lightning_mics.hop2.transport import _ShareOrderGather
+
+    if variant == "one_gather":
+        average_in_pipeline_order(lambda rows: _ShareOrderGather(rows, group), messages)
+    elif variant == "chain":
+        average_in_pipeline_order(transport.start_average, messages)
+    else:
+        average_in_pipeline_order(lambda rows: transport.start_average(rows[0]), messages)
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, results: Any) -> None:

@@ -15,6 +15,8 @@ from distributed import free_port, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.exact_sum_cpu import average_in_pipeline_order
+
 from lightning_mics import FaultTolerance, MiCSOptions
 from lightning_mics.fault_tolerance.group import ReplicaGroup
 from lightning_mics.fault_tolerance.trajectory import DataCursor, GlobalSampleOrder, MicroBatchKey, TrajectoryDataLoader
@@ -191,15 +193,7 @@ def _sums_over_torchft_gloo(rank: int, world_size: int, port: int, n: int) -> di
     group._holders = ([(q, 0) for q in range(world_size)], 1)
     chain = _ShareOrderChain()
     messages = [_awkward_shares(size or n)[rank][None].clone() for size in CHAIN_SIZES]
-    started = []
-    for rows in messages:  # as the pipeline: each start advances the earlier ones; then flush all, wait in order
-        started.append(chain.start(rows, group))
-        for earlier in started[:-1]:
-            earlier.advance()
-    for running in started:
-        running.flush()
-    for running in started:
-        running.wait()
+    average_in_pipeline_order(lambda rows: chain.start(rows, group), messages)
     rows = _awkward_shares(n)[rank][None].clone()
     _ShareOrderGather(rows, group).wait()
     del store
