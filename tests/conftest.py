@@ -19,16 +19,3 @@ def _restore_environment():
         os.environ.clear()
         os.environ.update(saved)
 
-
-#: The pytest-xdist group every test that starts processes runs in (``--dist loadgroup``): one worker runs them
-#: one after the other, as without xdist -- they time heartbeats, kills and restarts and size their ranks for the
-#: machine's cores -- while the other workers take the single-process tests beside them.
-RANK_STARTING_GROUP = "rank-starting"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``), keep the rank-starting tests (``distributed``,
-    ``entry_point``) on one worker; without xdist the marker does nothing."""
-    for item in items:
-        if item.get_closest_marker("distributed") or item.get_closest_marker("entry_point"):
-            item.add_marker(pytest.mark.xdist_group(RANK_STARTING_GROUP))

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -222,3 +224,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         context = start_ranks(fn, world_size, out_dir, args)
         join_or_kill(context, timeout, f"{world_size} ranks of {fn.__name__}")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def end_session(process: subprocess.Popen, grace_s: float = 20.0) -> str:
+    """End a script started with ``start_new_session=True`` that ran past its bound, and return its output: SIGTERM
+    to its session first -- the emulated-cluster benchmarks tear down on it, killing the ranks they started inside
+    network namespaces (in sessions of their own, which a signal to this session never reaches) and removing the
+    namespaces -- then, after ``grace_s``, SIGKILL to the session."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        output, _ = process.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+    return output

@@ -9,13 +9,13 @@ import itertools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from distributed import end_session
 
 from benchmarks import convergence, emulated_cluster
 from benchmarks.convergence import (
@@ -255,8 +255,7 @@ def test_convergence_smoke_runs_every_row_and_writes_the_report(tmp_path: Path) 
     try:
         output, _ = process.communicate(timeout=330)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        output = end_session(process)
         pytest.fail(f"--convergence --smoke ran past 330 s:\n{output[-3000:]}")
     assert process.returncode == 0, output[-4000:]
     report = json.loads((tmp_path / "convergence.json").read_text())

@@ -27,13 +27,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from distributed import end_session, free_port
 from lm_jobs import REPO
 
 pytestmark = pytest.mark.entry_point
@@ -54,8 +53,7 @@ def _run(*args: str, timeout: float) -> str:
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        output = end_session(process)
         pytest.fail(f"{' '.join(args)} ran past {timeout} s:\n{output[-3000:]}")
     assert process.returncode == 0, f"{' '.join(args)} exited {process.returncode}:\n{output[-4000:]}"
     return output
