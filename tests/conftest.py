@@ -18,4 +18,3 @@ def _restore_environment():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
-

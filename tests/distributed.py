@@ -231,10 +231,17 @@ def end_session(process: subprocess.Popen, grace_s: float = 20.0) -> str:
     to its session first -- the emulated-cluster benchmarks tear down on it, killing the ranks they started inside
     network namespaces (in sessions of their own, which a signal to this session never reaches) and removing the
     namespaces -- then, after ``grace_s``, SIGKILL to the session."""
-    os.killpg(process.pid, signal.SIGTERM)
+    _signal_session(process, signal.SIGTERM)
     try:
         output, _ = process.communicate(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        _signal_session(process, signal.SIGKILL)
         output, _ = process.communicate()
     return output
+
+
+def _signal_session(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:  # the session ended meanwhile
+        pass

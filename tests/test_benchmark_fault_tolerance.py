@@ -321,6 +321,13 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
     assert results["ratio_ft_over_restart"] == pytest.approx(0.9 / 0.2)
     assert results["committed_samples_per_second"]["fault_tolerance"] == pytest.approx(18 * 24 / 10)
     assert results["schedule"]["window_seconds"] == 10.0
+    # --only goodput: no restart-from-checkpoint runs; fault tolerance's numbers as before, the table still drawn
+    alone = bench.goodput_results(ft, None, ft_free, None, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    assert alone["fault_tolerance"] == results["fault_tolerance"]
+    assert alone["restart_from_checkpoint"] is None and alone["ratio_ft_over_restart"] is None
+    assert alone["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": None}
+    table = bench.markdown_table({"goodput": alone})
+    assert "| goodput: fault tolerance | 0.900 |" in table and "| goodput: restart from checkpoint | - |" in table
 
 
 def _with_commit_lines(records: list[dict]) -> list[dict]:
