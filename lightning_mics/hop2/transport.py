@@ -177,7 +177,11 @@ def _sum_in_share_order(blocks: Tensor, holders: list[tuple[int, int]], out: Ten
     added one after the other in fp32 and divided by their number: one fixed order of additions, whichever group
     read which share -- what makes ``exact_trajectory``'s sum the same bits in every run."""
     (rank, slot), *rest = holders
-    out.copy_(blocks[rank, slot])
+    if rest:  # the first addition writes ``out`` (the same bits as copying the first block, then adding)
+        (second_rank, second_slot), *rest = rest
+        torch.add(blocks[rank, slot], blocks[second_rank, second_slot], out=out)
+    else:
+        out.copy_(blocks[rank, slot])
     for rank, slot in rest:
         out.add_(blocks[rank, slot])
     return out.div_(len(holders))
@@ -232,7 +236,17 @@ class _ChainedSum:
             self.chain.flush()
         gathered = _finished(self.stage_two, self.group)
         if gathered is not None:
-            self.rows[0].copy_(gathered.reshape(-1)[: self.numel])
+            _copy_slices_back(gathered, self.rows[0])
+
+
+def _copy_slices_back(slices: Tensor, out: Tensor) -> None:
+    """``out`` = every quorum rank's summed slice (``slices``: ``[quorum, width]``, maybe a strided view of a
+    larger receive buffer) laid end to end, the last one cut at ``out``'s end: one copy, no contiguous temporary."""
+    width = slices.shape[1]
+    whole = out.numel() // width
+    out[: whole * width].view(whole, width).copy_(slices[:whole])
+    if out.numel() > whole * width:
+        out[whole * width :].copy_(slices[whole, : out.numel() - whole * width])
 
 
 class _ShareOrderChain:
@@ -252,13 +266,17 @@ class _ShareOrderChain:
     def start(self, rows: Tensor, group: ReplicaGroup) -> InFlight:
         message = _ChainedSum(rows, group, self)
         quorum, slots, width = message.quorum, message.slots, message.slice
-        send = _slices_by_rank(rows, slots, quorum, width).view(quorum, slots * width)
         carried = self.uncarried.pop(0) if len(self.uncarried) >= LAG_BEFORE_SECOND_STAGE else None
         total = None if carried is None else carried.sum_slice()
         if carried is not None and total is None:  # its stage 1 failed: the step will not commit
             return _Nothing()
+        # every block: this message's slices of its rows, then (when it carries one) the earlier message's summed
+        # slice -- written in place, one copy of the rows
+        carried_width = 0 if total is None else total.numel()
+        send = rows.new_empty(quorum, slots * width + carried_width)
+        _slices_by_rank(rows, slots, quorum, width, out=send[:, : slots * width].view(quorum, slots, width))
         if total is not None:
-            send = torch.cat([send, total.expand(quorum, -1)], dim=1)
+            send[:, slots * width :].copy_(total.expand(quorum, -1))
         started = group.start_all_to_all(send)
         if started is None:
             return _Nothing()
@@ -329,14 +347,16 @@ def gather_moves_no_more(quorum: int, slots: int) -> bool:
     return quorum * slots <= slots + 1
 
 
-def _slices_by_rank(rows: Tensor, slots: int, quorum: int, width: int) -> Tensor:
+def _slices_by_rank(rows: Tensor, slots: int, quorum: int, width: int, out: Optional[Tensor] = None) -> Tensor:
     """``rows`` (``[rows, n]``) as stage 1's all-to-all sends it: ``[quorum, slots, width]``, block ``q`` holding
     every row's ``q``-th slice of ``width`` elements -- zeros past a row's end, and in the rows this group lacks
-    (it reads fewer shares than the group reading the most). One copy when the rows fill the blocks exactly."""
+    (it reads fewer shares than the group reading the most). Written into ``out`` when given (a view of a larger
+    send buffer); one copy of the rows when they fill the blocks exactly."""
     count, numel = rows.shape
     if count == slots and numel == quorum * width:
-        return rows.view(slots, quorum, width).transpose(0, 1).contiguous()
-    blocks = rows.new_zeros(quorum, slots, width)
+        by_quorum_rank = rows.view(slots, quorum, width).transpose(0, 1)
+        return by_quorum_rank.contiguous() if out is None else out.copy_(by_quorum_rank)
+    blocks = rows.new_zeros(quorum, slots, width) if out is None else out.zero_()
     by_row = blocks.transpose(0, 1)  # [slots, quorum, width]: a view
     whole = numel // width
     if whole:
