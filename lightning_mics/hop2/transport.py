@@ -274,7 +274,7 @@ class _ShareOrderChain:
         # slice -- written in place, one copy of the rows
         carried_width = 0 if total is None else total.numel()
         send = rows.new_empty(quorum, slots * width + carried_width)
-        _slices_by_rank(rows, slots, quorum, width, out=send[:, : slots * width].view(quorum, slots, width))
+        _write_slices_by_rank(rows, send[:, : slots * width].view(quorum, slots, width))
         if total is not None:
             send[:, slots * width :].copy_(total.expand(quorum, -1))
         started = group.start_all_to_all(send)
@@ -347,23 +347,23 @@ def gather_moves_no_more(quorum: int, slots: int) -> bool:
     return quorum * slots <= slots + 1
 
 
-def _slices_by_rank(rows: Tensor, slots: int, quorum: int, width: int, out: Optional[Tensor] = None) -> Tensor:
-    """``rows`` (``[rows, n]``) as stage 1's all-to-all sends it: ``[quorum, slots, width]``, block ``q`` holding
-    every row's ``q``-th slice of ``width`` elements -- zeros past a row's end, and in the rows this group lacks
-    (it reads fewer shares than the group reading the most). Written into ``out`` when given (a view of a larger
-    send buffer); one copy of the rows when they fill the blocks exactly."""
+def _write_slices_by_rank(rows: Tensor, blocks: Tensor) -> None:
+    """Write ``rows`` (``[rows, n]``) into ``blocks`` (``[quorum, slots, width]``, a view of stage 1's send
+    buffer) as the all-to-all sends them: block ``q`` holds every row's ``q``-th slice of ``width`` elements --
+    zeros past a row's end, and in the rows this group lacks (it reads fewer shares than the group reading the
+    most). One copy of the rows."""
+    quorum, slots, width = blocks.shape
     count, numel = rows.shape
     if count == slots and numel == quorum * width:
-        by_quorum_rank = rows.view(slots, quorum, width).transpose(0, 1)
-        return by_quorum_rank.contiguous() if out is None else out.copy_(by_quorum_rank)
-    blocks = rows.new_zeros(quorum, slots, width) if out is None else out.zero_()
+        blocks.copy_(rows.view(slots, quorum, width).transpose(0, 1))
+        return
+    blocks.zero_()
     by_row = blocks.transpose(0, 1)  # [slots, quorum, width]: a view
     whole = numel // width
     if whole:
         by_row[:count, :whole].copy_(rows[:, : whole * width].reshape(count, whole, width))
     if numel > whole * width:
         by_row[:count, whole, : numel - whole * width].copy_(rows[:, whole * width :])
-    return blocks
 
 
 class ManagedTransport:
