@@ -65,8 +65,10 @@ from benchmarks.netns import (  # noqa: E402
     UPLINK,
     EmulatedCluster,
     LinkShape,
+    RankProcess,
     check_prerequisites,
     prepare_host,
+    rank_environment,
 )
 from benchmarks.scaling import (  # noqa: E402
     DEFAULT_SCALING_NODES,
@@ -150,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"per family ({','.join(SMOKE_STRATEGIES)}; with --scaling "
                              f"{','.join(SMOKE_SCALING_STRATEGIES)} at {','.join(map(str, SMOKE_SCALING_NODES))} "
                              "nodes); checks that it runs, measures nothing")
+    parser.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
+                        help="start the ranks forked from one process that imported torch and Lightning once "
+                             "(benchmarks/fork_server.py): no ~6 s of imports per rank. Default: on with --smoke only")
     parser.add_argument("--nodes", type=int, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int,
                         help=f"ranks per node (default 4; with --scaling {SCALING_RANKS_PER_NODE})")
@@ -227,6 +232,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke and args.quick:
         parser.error("--smoke and --quick exclude each other: --smoke is the shorter of the two.")
+    if args.fork_server is None:
+        args.fork_server = args.smoke
     if args.convergence:
         _check_convergence_flags(parser, args)
         preset = SMOKE_CONVERGENCE if args.smoke else CONVERGENCE
@@ -505,17 +512,9 @@ def run_strategy(
     job.write_text(json.dumps({"strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict,
                                "convergence": None if convergence is None else asdict(convergence)}))
     output = work_dir / f"{spec.name}.result.json"
-    base_env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO_ROOT),
-        "MASTER_ADDR": cluster.node_address(0),
-        "MASTER_PORT": str(MASTER_PORT_BASE + index),
-        "WORLD_SIZE": str(shape.world_size),
-        "GLOO_SOCKET_IFNAME": UPLINK,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    procs: list[tuple[int, subprocess.Popen[bytes], Path]] = []
+    base_env = rank_environment(MASTER_ADDR=cluster.node_address(0), MASTER_PORT=str(MASTER_PORT_BASE + index),
+                                WORLD_SIZE=str(shape.world_size), GLOO_SOCKET_IFNAME=UPLINK)
+    procs: list[tuple[int, RankProcess, Path]] = []
     started = time.monotonic()
     try:
         for rank in range(shape.world_size):
@@ -531,7 +530,11 @@ def run_strategy(
                     argv = ["py-spy", "record", "--idle", "--rate", "100", "--format", "raw", "-o", str(profile),
                             "--", *argv]
             with log.open("wb") as log_file:
-                procs.append((rank, cluster.spawn(node, argv, env=env, stdout=log_file, stderr=subprocess.STDOUT), log))
+                if argv[0] == "py-spy":  # profiled: py-spy starts the rank
+                    proc = cluster.spawn(node, argv, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+                else:
+                    proc = cluster.spawn_rank(node, argv, env, log_file)
+                procs.append((rank, proc, log))
         failure = _wait_all(procs, started + args.run_timeout)
     finally:
         for _, proc, _ in procs:
@@ -561,7 +564,7 @@ def skipped_record(spec: StrategySpec, reason: str) -> dict[str, Any]:
             "status": f"skipped: {reason}", "wall_s": 0.0}
 
 
-def _wait_all(procs: list[tuple[int, subprocess.Popen[bytes], Path]], deadline: float) -> Optional[str]:
+def _wait_all(procs: list[tuple[int, RankProcess, Path]], deadline: float) -> Optional[str]:
     """Wait for every rank; the first failure (or the timeout) stops the run and is described."""
     while True:
         pending = False
@@ -763,6 +766,8 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
+        if args.fork_server:
+            cluster.start_fork_server()  # it imports while the links are probed
         network = set_up_network(cluster, args.cluster,
                                  replace(args.link, fixed_rate_bytes_per_s=args.fixed_rate_bytes_per_s))
         for index, spec in enumerate(args.specs):
@@ -884,6 +889,8 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
           f"{described['tokens_per_step']} tokens each; loss floor (entropy rate) {chain.entropy_rate:.3f}", flush=True)
     with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
+        if args.fork_server:
+            cluster.start_fork_server()  # it imports while the links are probed
         network: Optional[NetworkSettings] = None
         for i, ratio in enumerate(args.ratios):
             print(f"\n=== bandwidth ratio {ratio:g} ===", flush=True)

@@ -73,8 +73,10 @@ from benchmarks.netns import (
     UPLINK,
     EmulatedCluster,
     PrerequisiteError,
+    RankProcess,
     check_prerequisites,
     prepare_host,
+    rank_environment,
 )
 from benchmarks.scenarios import ClusterShape, TrainingSetup
 from examples.fault_tolerance_demo import kill as sigkill_session
@@ -172,6 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
                         "the rest left to hop 2); 0: uncapped")
+    parser.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
+                        help="start every rank (restarts too) forked from one process that imported torch and "
+                        "Lightning once (benchmarks/fork_server.py): no ~6 s of imports per rank, which also makes "
+                        "a restarted node start faster than a real one. Default: on with --smoke only")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
@@ -179,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
         parser.error(f"--work-dir {args.work_dir} is not empty: give a new or empty directory.")
     preset = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.fork_server is None:
+        args.fork_server = args.smoke
     for name, value in asdict(preset).items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -258,7 +266,7 @@ class Bench:
         return MASTER_PORT_BASE + self.launches
 
 
-def launch_node(bench: Bench, job: Job, node: int, port: int) -> list[subprocess.Popen[bytes]]:
+def launch_node(bench: Bench, job: Job, node: int, port: int) -> list[RankProcess]:
     """Start node ``node``'s ranks of ``job`` in its namespace. Each rank runs under ``unshare --uts`` with the
     node's address as hostname: the namespaces share the host's hostname otherwise (resolving to 127.0.0.1),
     and torchft advertises ``socket.gethostname()`` for its manager and checkpoint servers."""
@@ -270,19 +278,16 @@ def launch_node(bench: Bench, job: Job, node: int, port: int) -> list[subprocess
     address = cluster.node_address(node)
     procs = []
     for local in range(RANKS_PER_NODE):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": master, "MASTER_PORT": str(port),
-               "WORLD_SIZE": str(RANKS_PER_NODE * job.nodes), "NODE_RANK": str(node if plain else 0),
-               "LOCAL_RANK": str(local), "GLOO_SOCKET_IFNAME": UPLINK, "OMP_NUM_THREADS": "1",
-               "PYTHONWARNINGS": "ignore"}
-        argv = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', address, sys.executable, "-m",
-                "benchmarks.fault_tolerance_worker", "--job", str(path), "--node", str(node)]
+        env = rank_environment(MASTER_ADDR=master, MASTER_PORT=str(port), WORLD_SIZE=str(RANKS_PER_NODE * job.nodes),
+                               NODE_RANK=str(node if plain else 0), LOCAL_RANK=str(local), GLOO_SOCKET_IFNAME=UPLINK)
+        argv = [sys.executable, "-m", "benchmarks.fault_tolerance_worker", "--job", str(path), "--node", str(node)]
         log = Path(job.log_dir) / f"node{node}.rank{local}.port{port}.log"
         with log.open("wb") as handle:
-            procs.append(cluster.spawn(node, argv, env=env, stdout=handle, stderr=subprocess.STDOUT))
+            procs.append(cluster.spawn_rank(node, argv, env, handle, hostname=address))
     return procs
 
 
-def launch_all(bench: Bench, job: Job) -> dict[int, list[subprocess.Popen[bytes]]]:
+def launch_all(bench: Bench, job: Job) -> dict[int, list[RankProcess]]:
     """Every node's ranks: one world on one port (plain), or one world per node on ports of its own (ft)."""
     port = bench.next_port()
     return {node: launch_node(bench, job, node, port if job.mode == "plain" else bench.next_port())
@@ -310,7 +315,7 @@ class RunFailed(RuntimeError):
 
 
 def watch(
-    nodes: dict[int, list[subprocess.Popen[bytes]]], deadline: float, trigger: Callable[[], bool] | None = None
+    nodes: dict[int, list[RankProcess]], deadline: float, trigger: Callable[[], bool] | None = None
 ) -> str:
     """Wait until every rank exited (``"done"``), ``trigger()`` holds (``"trigger"``), a rank failed
     (``"failed: ..."``) or ``deadline`` passed (``"timeout"``)."""
@@ -338,7 +343,7 @@ def logged_step(log_dir: str, node: int, key: str = "global_step") -> int:
     return int(json.loads(complete[-1])[key]) if complete else 0
 
 
-def kill_node(bench: Bench, run: RunLog, procs: list[subprocess.Popen[bytes]]) -> None:
+def kill_node(bench: Bench, run: RunLog, procs: list[RankProcess]) -> None:
     """SIGKILL a node's ranks (their whole process groups: a lost node, no cleanup) half a step after it logged
     the kill step -- in the middle of its next step, where a failure lands on average."""
     times = [row["t"] for row in read_rows(run) if row["node"] == VICTIM][-6:]
@@ -357,7 +362,7 @@ def expect_done(outcome: str, job: Job, what: str) -> None:
         raise RunFailed(f"{what}: {outcome} ({details})")
 
 
-def stop_all(bench: Bench, nodes: dict[int, list[subprocess.Popen[bytes]]]) -> None:
+def stop_all(bench: Bench, nodes: dict[int, list[RankProcess]]) -> None:
     """Every rank of every node at once (one grace period, not one per rank)."""
     bench.cluster.stop_all([proc for procs in nodes.values() for proc in procs])
 
@@ -428,7 +433,7 @@ def run_ft_failure(bench: Bench) -> RunLog:
 
 
 def restart_victim(
-    bench: Bench, job: Job, run: RunLog, nodes: dict[int, list[subprocess.Popen[bytes]]], deadline: float,
+    bench: Bench, job: Job, run: RunLog, nodes: dict[int, list[RankProcess]], deadline: float,
     max_attempts: int = 3,
 ) -> None:
     """Start node 2 again (it joins a running job: no start barrier) and wait for the end. If the restarted
@@ -528,7 +533,7 @@ def schedule_of(args: argparse.Namespace) -> Schedule:
     return Schedule(args.goodput_period, args.goodput_failures, args.restart_delay)
 
 
-def wait_for_window(run: RunLog, job: Job, nodes: dict[int, list[subprocess.Popen[bytes]]], warmup: int,
+def wait_for_window(run: RunLog, job: Job, nodes: dict[int, list[RankProcess]], warmup: int,
                     deadline: float) -> float:
     """Block until node 0 logged its ``warmup + 1``-th step line; that line's time (the window's start)."""
     def started() -> bool:
@@ -546,7 +551,7 @@ def expect_done_or(outcome: str, wanted: str, job: Job, what: str) -> None:
         expect_done(outcome if outcome != "done" else "ended early", job, what)
 
 
-def sigkill(bench: Bench, procs: list[subprocess.Popen[bytes]]) -> None:
+def sigkill(bench: Bench, procs: list[RankProcess]) -> None:
     for proc in procs:
         sigkill_session(proc)
         bench.cluster.forget(proc)
@@ -607,7 +612,7 @@ def run_ft_goodput(bench: Bench, schedule: Schedule) -> RunLog:
     return run
 
 
-def stop_group(bench: Bench, procs: list[subprocess.Popen[bytes]]) -> None:
+def stop_group(bench: Bench, procs: list[RankProcess]) -> None:
     bench.cluster.stop_all(procs)
 
 
@@ -1400,6 +1405,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     started = time.monotonic()
     with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
+        if args.fork_server:
+            cluster.start_fork_server()  # it imports while the links are probed
         network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args.link)
         args.catch_up_bytes_per_s = catch_up_rate(args, network.inter_node_rate_bytes_per_s)
         bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())

@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Optional
+from typing import IO, Any, Optional, Union
+
+from benchmarks.fork_server import ForkedProcess, ForkServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
@@ -41,6 +43,8 @@ NODE_SUBNET = ipaddress.ip_network("198.18.0.0/24")
 UPLINK = "uplink"
 BRIDGE = "br0"
 DEFAULT_PREFIX = "micsbench"
+#: A process the cluster started: spawned, or forked from its fork server (the same ``pid``/``poll``/``wait``).
+RankProcess = Union[subprocess.Popen, ForkedProcess]
 
 
 class PrerequisiteError(RuntimeError):
@@ -105,6 +109,14 @@ class LinkShape:
         ]
 
 
+def rank_environment(**variables: str) -> dict[str, str]:
+    """A rank's environment: this process's, with the repository importable, one OpenMP thread (the ranks share
+    the host's cores) and warnings off -- plus ``variables``. The fork server starts with it too: it holds the
+    variables only a new interpreter reads (``fork_server.STARTUP_VARIABLES``)."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+            **variables}
+
+
 def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(args), check=check, capture_output=True, text=True)
 
@@ -124,8 +136,9 @@ class EmulatedCluster:
         self.num_nodes = num_nodes
         self.mtu = mtu
         self.prefix = prefix
-        self._processes: list[subprocess.Popen[bytes]] = []
+        self._processes: list[RankProcess] = []
         self._created = False
+        self._fork_server: ForkServer | None = None
 
     # ------------------------------------------------------------------ names and addresses
     def node_namespace(self, node: int) -> str:
@@ -205,7 +218,13 @@ class EmulatedCluster:
     def teardown(self) -> None:
         """Stop the processes started here, then delete the namespaces (which removes the veths,
         the bridge and the qdiscs with them). Safe to call more than once."""
-        _terminate_sessions(self._processes)
+        server = self._fork_server
+        self._fork_server = None
+        ranks = [proc for proc in self._processes if server is None or proc is not server.process]
+        _terminate_sessions(ranks)  # the fork server last: it reports its children's exits until they are gone
+        if server is not None:
+            _terminate_sessions([server.process])
+            shutil.rmtree(server.socket_path.parent, ignore_errors=True)
         self._processes.clear()
         if self._created:
             for name in self._existing_namespaces():
@@ -213,6 +232,32 @@ class EmulatedCluster:
             self._created = False
 
     # ------------------------------------------------------------------ processes
+    def start_fork_server(self) -> None:
+        """From now on :meth:`spawn_rank` forks its ranks from one server that imported torch, Lightning and this
+        library once (``benchmarks/fork_server.py``; the smoke runs'). It imports while the caller goes on; the
+        ranks' environments must agree with :func:`rank_environment` on what only a new interpreter reads."""
+        if self._fork_server is None:
+            socket_dir = Path(tempfile.mkdtemp(prefix="micsfork-"))
+            self._fork_server = ForkServer(socket_dir / "socket", rank_environment())
+            self._processes.append(self._fork_server.process)
+
+    def spawn_rank(
+        self, node: int, module_argv: Sequence[str], env: dict[str, str], log: IO[bytes], hostname: str | None = None,
+    ) -> RankProcess:
+        """Start a rank, ``[python, "-m", module, *args]``, in node ``node``'s namespace with stdout and stderr to
+        ``log``: forked from the fork server once one runs (:meth:`start_fork_server`), else a fresh process.
+        ``hostname``: the rank gets a UTS namespace of its own with this name (the namespaces share the host's
+        name otherwise, which resolves to 127.0.0.1)."""
+        if self._fork_server is not None:
+            proc: RankProcess = self._fork_server.start(module_argv, env, REPO_ROOT, log.fileno(),
+                                                        namespace=self.node_namespace(node), hostname=hostname)
+            self._processes.append(proc)
+            return proc
+        argv = list(module_argv)
+        if hostname is not None:
+            argv = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', hostname, *argv]
+        return self.spawn(node, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
     def spawn(
         self, node: int, argv: Sequence[str], env: Optional[dict[str, str]] = None, stdout=None, stderr=None  # noqa: ANN001
     ) -> subprocess.Popen[bytes]:
@@ -247,15 +292,15 @@ class EmulatedCluster:
         _run(["ip", "-n", self.switch_namespace, "addr", "replace", f"{address}/{NODE_SUBNET.prefixlen}", "dev", BRIDGE])
         return address
 
-    def forget(self, proc: subprocess.Popen[bytes]) -> None:
+    def forget(self, proc: RankProcess) -> None:
         """Stop tracking a process that has exited."""
         if proc in self._processes:
             self._processes.remove(proc)
 
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+    def stop(self, proc: RankProcess) -> None:
         self.stop_all([proc])
 
-    def stop_all(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    def stop_all(self, procs: Sequence[RankProcess]) -> None:
         """Stop several processes at once: one grace period for all of them, not one after another (the ranks
         of a job, whose survivors may wait seconds in a collective for a rank that is already gone)."""
         _terminate_sessions(procs)
@@ -306,7 +351,7 @@ class EmulatedCluster:
                     self.stop(proc)
 
 
-def _terminate_sessions(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+def _terminate_sessions(procs: Sequence[RankProcess], grace_s: float = 5.0) -> None:
     """SIGTERM every process's session (each started with ``start_new_session``) at once, wait at most ``grace_s``
     for all of them together, then SIGKILL the sessions still running and reap them."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

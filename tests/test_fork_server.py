@@ -1,0 +1,137 @@
+"""``benchmarks/fork_server.py``: the smoke runs' ranks forked from a server that imported once. A forked rank
+must behave as the spawned one would: its module runs as ``__main__`` with its own arguments, environment,
+working directory and log, in a session of its own (killed with ``os.killpg``), its exit code reported as
+``Popen`` does; a request the server cannot honour is refused with the reason; the network and UTS namespaces
+are entered where asked (root). The server preloads only ``json`` here: the mechanics, not the imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fork_server import ForkedProcess, ForkServer
+
+PROBE = '''
+import json, os, socket, sys
+mode = sys.argv[1]
+if mode == "hang":
+    open(sys.argv[2], "w").close()
+    import time
+    time.sleep(600)
+if mode == "raise":
+    raise ValueError("the probe failed on purpose")
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "value": os.environ.get("PROBE_VALUE"),
+                  "own_session": os.getsid(0) == os.getpid(), "hostname": socket.gethostname(),
+                  "interfaces": sorted(name for _, name in socket.if_nameindex()), "main": __name__,
+                  "sys_class_net": sorted(os.listdir("/sys/class/net"))}))
+sys.exit(int(mode))
+'''
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[ForkServer, dict[str, str], Path]]:
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "fork_probe.py").write_text(PROBE)
+    repo = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "PYTHONPATH": f"{modules}{os.pathsep}{repo}", "OMP_NUM_THREADS": "1",
+                   "PYTHONWARNINGS": "ignore"}
+    started = ForkServer(tmp_path / "socket", environment, preload=["json"])
+    try:
+        started.wait_until_ready(timeout=60)
+        yield started, environment, tmp_path
+    finally:
+        started.process.terminate()
+        started.process.wait(timeout=30)
+
+
+def _start(server: ForkServer, environment: dict[str, str], log: Path, *args: str, **where: str) -> ForkedProcess:
+    with log.open("wb") as handle:
+        return server.start([sys.executable, "-m", "fork_probe", *args], environment, log.parent, handle.fileno(),
+                            **where)
+
+
+def test_a_forked_rank_runs_its_module_as_main_with_its_own_arguments_environment_and_exit_code(server) -> None:
+    fork_server, environment, tmp = server
+    work = tmp / "work"
+    work.mkdir()
+    log = work / "rank.log"
+    proc = _start(fork_server, {**environment, "PROBE_VALUE": "seven"}, log, "3")
+    assert proc.wait(timeout=60) == 3 and proc.poll() == 3
+    record = json.loads(log.read_text().splitlines()[-1])
+    assert record["argv"][1:] == ["3"] and record["main"] == "__main__"
+    assert record["value"] == "seven" and record["cwd"] == str(work) and record["own_session"]
+    assert record["hostname"] == socket.gethostname()  # no hostname asked: the server's
+
+
+def test_an_exception_ends_the_rank_with_code_1_and_its_traceback_in_the_log(server) -> None:
+    fork_server, environment, tmp = server
+    proc = _start(fork_server, environment, tmp / "raise.log", "raise")
+    assert proc.wait(timeout=60) == 1
+    assert "ValueError: the probe failed on purpose" in (tmp / "raise.log").read_text()
+
+
+def test_a_rank_killed_through_its_session_reports_the_signal_and_the_server_serves_on(server) -> None:
+    fork_server, environment, tmp = server
+    ready = tmp / "hanging"
+    proc = _start(fork_server, environment, tmp / "hang.log", "hang", str(ready))
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert _start(fork_server, environment, tmp / "after.log", "0").wait(timeout=60) == 0
+
+
+def test_a_request_whose_startup_variables_differ_is_refused_with_the_names(server) -> None:
+    fork_server, environment, tmp = server
+    with pytest.raises(RuntimeError, match="OMP_NUM_THREADS differ from the fork server's"):
+        _start(fork_server, {**environment, "OMP_NUM_THREADS": "4"}, tmp / "refused.log", "0")
+    with pytest.raises(RuntimeError, match="no network namespace 'micsfork-none'"):
+        _start(fork_server, environment, tmp / "refused.log", "0", namespace="micsfork-none")
+    with pytest.raises(ValueError, match="runs modules"):
+        fork_server.start([sys.executable, "script.py"], environment, tmp, 1)
+
+
+def test_the_server_refuses_to_start_once_an_import_started_a_thread(tmp_path: Path) -> None:
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "starts_a_thread.py").write_text("import threading, time\n"
+                                                "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    environment = {**os.environ, "PYTHONPATH": str(modules)}
+    result = subprocess.run([sys.executable, "-m", "benchmarks.fork_server", "serve", "--socket",
+                             str(tmp_path / "socket"), "--preload", "starts_a_thread"],
+                            env={**environment, "PYTHONPATH": f"{modules}{os.pathsep}{Path.cwd()}"},
+                            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 1 and "2 threads after importing starts_a_thread" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="entering namespaces needs root")
+def test_a_rank_enters_the_network_namespace_and_gets_the_hostname_it_asks_for(server) -> None:
+    fork_server, environment, tmp = server
+    namespace = f"micsfork-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    try:
+        proc = _start(fork_server, environment, tmp / "ns.log", "0", namespace=namespace, hostname="198.18.0.9")
+        assert proc.wait(timeout=60) == 0
+        record = json.loads((tmp / "ns.log").read_text().splitlines()[-1])
+        assert record["interfaces"] == ["lo"]  # a fresh namespace has only its loopback
+        assert record["sys_class_net"] == ["lo"]  # and /sys shows it, as under `ip netns exec`
+        assert "lo" in os.listdir("/sys/class/net") and len(os.listdir("/sys/class/net")) > 1  # the host's untouched
+        assert record["hostname"] == "198.18.0.9"
+        assert socket.gethostname() != "198.18.0.9"  # the test's own (and the server's) name is untouched
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], check=False)
