@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import pickle
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -464,9 +466,12 @@ def test_hostile_and_damaged_checkpoints_given_to_fit(tmp_path: Path) -> None:
 def test_a_save_can_keep_the_data_it_replaces_for_a_reader_that_opened_it(
     tmp_path: Path, keep_previous: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """With fault tolerance a restarted group may be loading ``last`` while a live group saves it: with
-    ``keep_previous`` the data the reader's record named stays whole through the switch (until the next
-    save) and loading warns about nothing; without, it is deleted at the switch."""
+    """With fault tolerance a restarted group may be loading ``last`` while live groups save it, several times
+    while it reads when they save every second: with ``keep_previous`` the data the reader's record named stays
+    whole through later saves (for SUPERSEDED_GRACE_S after its switch, at most MAX_SUPERSEDED generations) and
+    loading warns about nothing; without, it is deleted at the switch."""
+    from lightning_mics.checkpoint.atomic import MAX_SUPERSEDED, SUPERSEDED_GRACE_S
+
     path = tmp_path / "last.ckpt"
     module = ToyModule(RunConfig())
     optimizer, _ = plain_toy_optimizer(module)
@@ -476,23 +481,36 @@ def test_a_save_can_keep_the_data_it_replaces_for_a_reader_that_opened_it(
         checkpoint["optimizer_states"] = [ckpt.optimizer_state_dict(module, optimizer)]
         ckpt.save(path, checkpoint, keep_previous=keep_previous)
 
+    def generations() -> list[Path]:
+        return sorted(p for p in path.iterdir() if p.name.startswith("state-step"))
+
     save(1)
     opened = _data_dir(path)  # a reader read the record just before the next save switched it
     files = {f.relative_to(opened): f.read_bytes() for f in opened.rglob("*") if f.is_file()}
     save(2)
     assert opened.is_dir() == keep_previous
-    if keep_previous:
-        assert {f.relative_to(opened): f.read_bytes() for f in opened.rglob("*") if f.is_file()} == files
-        fresh = ToyModule(RunConfig(seed=5))
-        with caplog.at_level("WARNING", logger="lightning_mics"):
-            ckpt.load(path, fresh)
-        assert not [r for r in caplog.records if "interrupted save" in r.getMessage()]
-        with caplog.at_level("INFO", logger="lightning_mics"):
-            save(3)  # the next save removes what the one before kept: at most two generations on disk
-        assert not opened.exists()
-        removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Removing")]
-        assert removals and all("the previous save's" in m and "interrupted" not in m for m in removals), removals
-        assert len([p for p in path.iterdir() if p.name.startswith("state-step")]) == 2
+    if not keep_previous:
+        return
+    save(3)  # a second save while the reader still reads: its data stays
+    assert {f.relative_to(opened): f.read_bytes() for f in opened.rglob("*") if f.is_file()} == files
+    fresh = ToyModule(RunConfig(seed=5))
+    with caplog.at_level("WARNING", logger="lightning_mics"):
+        ckpt.load(path, fresh)
+    assert not [r for r in caplog.records if "interrupted save" in r.getMessage()]
+    for step in range(4, MAX_SUPERSEDED + 4):  # saves every second: the oldest go beyond MAX_SUPERSEDED
+        save(step)
+    assert len(generations()) == MAX_SUPERSEDED + 1 and not opened.exists()  # the current one and the kept
+    superseded = [p for p in generations() if p != _data_dir(path)]
+    long_ago = time.time() - SUPERSEDED_GRACE_S - 1
+    for old in superseded[:-2]:  # superseded over a grace period ago: the next save removes them
+        os.utime(old, (long_ago, long_ago))
+    current = _data_dir(path)
+    with caplog.at_level("INFO", logger="lightning_mics"):
+        save(100)
+    removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Removing")]
+    assert len(removals) == len(superseded) - 2
+    assert all("the previous save's" in m and "interrupted" not in m for m in removals), removals
+    assert set(generations()) == {*superseded[-2:], current, _data_dir(path)}  # the recent ones stay
 
 
 def test_background_saves_stage_into_the_last_saves_host_buffers_with_the_new_values() -> None:

@@ -109,13 +109,13 @@ def test_a_request_whose_startup_variables_differ_is_refused_with_the_names(serv
 def test_the_server_refuses_to_start_once_an_import_started_a_thread(tmp_path: Path) -> None:
     modules = tmp_path / "modules"
     modules.mkdir()
-    (modules / "starts_a_thread.py").write_text("import threading, time\n"
-                                                "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
-    environment = {**os.environ, "PYTHONPATH": str(modules)}
+    (modules / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    repo = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-m", "benchmarks.fork_server", "serve", "--socket",
                              str(tmp_path / "socket"), "--preload", "starts_a_thread"],
-                            env={**environment, "PYTHONPATH": f"{modules}{os.pathsep}{Path.cwd()}"},
-                            capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+                            env={**os.environ, "PYTHONPATH": f"{modules}{os.pathsep}{repo}"},
+                            capture_output=True, text=True, timeout=60, cwd=repo)
     assert result.returncode == 1 and "2 threads after importing starts_a_thread" in result.stderr
 
 

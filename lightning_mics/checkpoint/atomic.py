@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ from lightning_mics.checkpoint.format import (
 )
 
 log = logging.getLogger(__name__)
+
+#: ``keep_previous`` (fault tolerance: a restarted group may be reading ``last`` while a live group saves over it):
+#: data a save superseded stays on disk at least this long after its switch, so a reader that resolved the record
+#: just before it -- and then took a while (its start-up, its group's collectives) to read the shards -- reads it
+#: whole however often the live groups save ...
+SUPERSEDED_GRACE_S = 60.0
+#: ... but at most this many superseded generations, the oldest deleted first: saves every second would keep a
+#: minute of them otherwise. With saves minutes apart (a large model) it is the one previous generation.
+MAX_SUPERSEDED = 8
 
 
 def fsync_dir(path: Path) -> None:
@@ -78,7 +88,7 @@ class SavePlan:
     data_name: str  #: sharded: the data directory's final name
     token: str
     error: Optional[str] = None
-    #: "update": leave the replaced data until the next save (readers that opened it just before the switch)
+    #: "update": leave the replaced data for readers that opened it just before the switch (see SUPERSEDED_GRACE_S)
     keep_previous: bool = False
 
 
@@ -118,11 +128,34 @@ def _valid_record(target: Path) -> Optional[CommitRecord]:
         return None
 
 
+def _superseded_within_grace(target: Path, leftovers: list[Path]) -> set[Path]:
+    """Of the superseded data directories among ``leftovers``, those to keep: superseded less than
+    :data:`SUPERSEDED_GRACE_S` ago (their modification time is their switch's, see :func:`commit_sharded`), the
+    newest :data:`MAX_SUPERSEDED` - 1 of them (the save being planned supersedes one more)."""
+    now = time.time()
+    recent = []
+    for path in leftovers:
+        if path.parent != target or not DATA_DIR_PATTERN.match(path.name):
+            continue
+        try:
+            superseded_at = path.stat().st_mtime
+        except OSError:
+            continue
+        if now - superseded_at < SUPERSEDED_GRACE_S:
+            recent.append((superseded_at, path))
+    recent.sort(reverse=True)
+    return {path for _, path in recent[: MAX_SUPERSEDED - 1]}
+
+
 def plan_save(target: Path, global_step: int, full: bool, keep_previous: bool = False) -> SavePlan:
     """Rank 0: clear what interrupted saves left, then choose the staging area for this save."""
     token = secrets.token_hex(4)
     data_name = f"state-step{global_step:09d}-{token}"
-    for leftover in staging_leftovers(target):
+    leftovers = staging_leftovers(target)
+    kept = _superseded_within_grace(target, leftovers) if keep_previous else set()
+    for leftover in leftovers:
+        if leftover in kept:
+            continue
         if leftover.parent == target and DATA_DIR_PATTERN.match(leftover.name):
             # an "update" save keeps the data it replaced until the next save, for readers that opened it
             log.info("Removing %s: checkpoint data its record no longer names (the previous save's).", leftover)
@@ -195,8 +228,14 @@ def commit_sharded(plan: SavePlan, record: CommitRecord) -> None:
     except CheckpointError:  # damaged since the save was planned: delete nothing it names
         previous = None
     write_durably(target / MANIFEST_FILE, record.to_json())  # the switch
-    if previous and previous != plan.data_name and not plan.keep_previous:
-        delete(target / previous)  # a validated plain child name: never outside ``target``
+    if previous and previous != plan.data_name:
+        if not plan.keep_previous:
+            delete(target / previous)  # a validated plain child name: never outside ``target``
+        else:  # its modification time says when it was superseded (nothing writes into it any more)
+            try:
+                os.utime(target / previous)
+            except OSError:
+                pass
 
 
 def remove(path: PathLike) -> None:

@@ -128,9 +128,10 @@ def save(
     :func:`optimizer_state_dict` with the same ``full``. Sharded (default): a directory, every shard
     written once. ``full``: one file written by rank 0, in Lightning's standard format. With a
     ``saver``, a sharded save returns once the states are copied and finishes in the background.
-    ``keep_previous``: a sharded save over a checkpoint leaves the data it replaces until the next save to
-    ``path`` (for readers that opened it just before the switch: a restarted fault-tolerant group loading
-    ``last`` while a live group saves it)."""
+    ``keep_previous``: a sharded save over a checkpoint leaves the data it replaces on disk for a while (for
+    readers that opened it just before the switch: a restarted fault-tolerant group loading ``last`` while a live
+    group saves it): at least a minute, at most 8 superseded generations (:data:`.atomic.SUPERSEDED_GRACE_S`,
+    :data:`.atomic.MAX_SUPERSEDED`), deleted by later saves to ``path``."""
     if saver is not None:
         saver.wait()  # at most one save in flight; its failure surfaces here, before a new one starts
     target = Path(coordination.from_rank_zero(os.path.abspath(path)))
