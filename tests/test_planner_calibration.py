@@ -40,3 +40,29 @@ def test_calibration_measures_both_scopes_and_feeds_the_cluster():
     assert calibrated.inter_node_bandwidth == pytest.approx(first["inter_node_bandwidth"])
     assert calibrated.intra_node_bandwidth == pytest.approx(first["intra_node_bandwidth"])
     assert calibrated.compute_flops == CLUSTER_PRESETS["p4d"].compute_flops  # untouched: not measured
+
+
+def _timed_with_budget(rank: int, world_size: int) -> dict:
+    from lightning_mics.planner.calibrate import slowest_rank_seconds
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    calls = {"slow": 0, "fast": 0}
+
+    def slow() -> None:  # the slowest rank's 0.3 s a run is what every rank times
+        calls["slow"] += 1
+        time.sleep(0.3 if rank == 1 else 0.01)
+
+    def fast() -> None:
+        calls["fast"] += 1
+
+    slow_seconds = slowest_rank_seconds(slow, "cpu", repeats=5, budget_s=0.5)
+    fast_seconds = slowest_rank_seconds(fast, "cpu", repeats=5, budget_s=0.5)
+    return {"calls": calls, "slow": slow_seconds, "fast": fast_seconds}
+
+
+def test_a_probe_stops_repeating_once_its_budget_is_spent_on_every_rank_alike():
+    """A warm-up and two timed runs of the slowest rank's 0.3 s pass the 0.5 s budget: every rank stops there
+    (a rank that went on alone would wait in a collective forever); fast runs still repeat all five times."""
+    results = run_ranks(_timed_with_budget, 2, timeout=60)
+    assert [r["calls"] for r in results] == [{"slow": 3, "fast": 6}] * 2
+    assert all(0.3 <= r["slow"] < 0.5 for r in results) and results[0]["slow"] == results[1]["slow"]

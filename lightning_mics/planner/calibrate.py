@@ -104,10 +104,13 @@ def fit_alpha_beta(
     return alpha, 1.0 / inv_bandwidth
 
 
-def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int) -> float:
+def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int, budget_s: Optional[float] = None) -> float:
     """Median over ``repeats`` runs (after one warm-up: connection setup, buffers) of the slowest
     rank's seconds for ``run``, every rank starting together. A collective -- and any work every
-    rank does at once -- lasts as long as its slowest rank; every rank gets the same number."""
+    rank does at once -- lasts as long as its slowest rank; every rank gets the same number.
+    ``budget_s``: stop repeating once the runs timed so far took that long (at least one run): a large
+    probe on a slow link takes seconds a run, and its time varies little. Every rank stops at the same
+    run, the samples being the same MAX-reduced numbers on all of them."""
     import torch
     import torch.distributed as dist
 
@@ -116,7 +119,7 @@ def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int) -> f
             torch.cuda.synchronize(device)
 
     run()
-    samples = []
+    samples: list[float] = []
     for _ in range(repeats):
         dist.barrier()
         synchronize()
@@ -126,6 +129,8 @@ def slowest_rank_seconds(run: Callable[[], Any], device: Any, repeats: int) -> f
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         samples.append(float(elapsed.item()))
+        if budget_s is not None and sum(samples) >= budget_s:
+            break
     return statistics.median(samples)
 
 
@@ -169,7 +174,9 @@ def _probe_groups(world: int, per_node: int) -> list[tuple[_Scope, list[Any], li
     return [("intra_node", intra_handles, intra_groups), ("inter_node", inter_handles, inter_groups)]
 
 
-def _timed_collective(kind: CollectiveKind, group: Any, size: int, elements: int, device: Any, repeats: int) -> float:
+def _timed_collective(
+    kind: CollectiveKind, group: Any, size: int, elements: int, device: Any, repeats: int, budget_s: Optional[float]
+) -> float:
     """:func:`slowest_rank_seconds` of one float32 collective on ``group`` of ``size`` ranks: an
     all-gather into ``elements`` elements, or an all-reduce of them."""
     import torch
@@ -186,7 +193,7 @@ def _timed_collective(kind: CollectiveKind, group: Any, size: int, elements: int
         else:
             dist.all_reduce(full, group=group)
 
-    return slowest_rank_seconds(run, device, repeats)
+    return slowest_rank_seconds(run, device, repeats, budget_s)
 
 
 def _probe_scope(
@@ -197,6 +204,7 @@ def _probe_scope(
     payload_bytes: Sequence[int],
     repeats: int,
     device: Any,
+    budget_s: Optional[float],
 ) -> list[ProbeTiming]:
     """Time all-gather and all-reduce at every payload size on this rank's group of the scope (every
     group of the scope runs at once). Payloads are rounded to float32 elements divisible by the group
@@ -207,7 +215,8 @@ def _probe_scope(
     for kind in ("all_gather", "all_reduce"):
         for payload in payload_bytes:
             elements = max(size, payload // 4 // size * size)  # float32, divisible by the group size
-            seconds = _timed_collective(kind, handles[mine], size, elements, device, repeats)  # type: ignore[arg-type]
+            seconds = _timed_collective(kind, handles[mine], size, elements, device, repeats,  # type: ignore[arg-type]
+                                        budget_s)
             probes.append(ProbeTiming(scope, kind, size, elements * 4, seconds))  # type: ignore[arg-type]
     return probes
 
@@ -227,6 +236,7 @@ def calibrate_cluster(
     payload_bytes: Sequence[int] = (1 << 12, 1 << 20, 1 << 22),
     repeats: int = 5,
     device: Optional[Any] = None,
+    probe_budget_s: Optional[float] = 2.0,
 ) -> Calibration:
     """Measure all-gather and all-reduce inside and across nodes on the running cluster.
 
@@ -238,7 +248,9 @@ def calibrate_cluster(
     slowest rank's time, median over runs), and fits ``alpha`` and ``B`` per scope with
     :func:`fit_alpha_beta`. The probe groups are destroyed before it returns, so the job keeps no
     group it does not train with. Every rank returns the same result. The default sizes take well
-    under a second per probe on NCCL; on CPU/gloo they take a few seconds in all.
+    under a second per probe on NCCL; on CPU/gloo they take a few seconds in all. ``probe_budget_s``
+    bounds each probe's timed runs (fewer than ``repeats`` once they took that long; ``None``: all of
+    them): on a slow link (tens of MB/s) a 4 MB all-reduce takes seconds a run.
     """
     import torch.distributed as dist
 
@@ -251,7 +263,7 @@ def calibrate_cluster(
     try:
         for scope, handles, groups in scopes:
             if handles:
-                probes += _probe_scope(scope, handles, groups, rank, payload_bytes, repeats, device)
+                probes += _probe_scope(scope, handles, groups, rank, payload_bytes, repeats, device, probe_budget_s)
     finally:
         _destroy_probe_groups([handle for _, handles, _ in scopes for handle in handles])
     return _fitted(probes, per_node)
