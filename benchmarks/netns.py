@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
-from benchmarks.fork_server import ForkedProcess, ForkServer
+from benchmarks.fork_server import PRELOAD, ForkedProcess, ForkServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
@@ -232,13 +232,14 @@ class EmulatedCluster:
             self._created = False
 
     # ------------------------------------------------------------------ processes
-    def start_fork_server(self) -> None:
-        """From now on :meth:`spawn_rank` forks its ranks from one server that imported torch, Lightning and this
-        library once (``benchmarks/fork_server.py``; the smoke runs'). It imports while the caller goes on; the
-        ranks' environments must agree with :func:`rank_environment` on what only a new interpreter reads."""
+    def start_fork_server(self, preload: Sequence[str] = PRELOAD, environment: dict[str, str] | None = None) -> None:
+        """From now on :meth:`spawn_rank` forks its ranks from one server that imported ``preload`` (torch,
+        Lightning and this library) once (``benchmarks/fork_server.py``; the smoke runs'). It imports while the
+        caller goes on; the ranks' environments must agree with ``environment`` (default :func:`rank_environment`)
+        on what only a new interpreter reads."""
         if self._fork_server is None:
             socket_dir = Path(tempfile.mkdtemp(prefix="micsfork-"))
-            self._fork_server = ForkServer(socket_dir / "socket", rank_environment())
+            self._fork_server = ForkServer(socket_dir / "socket", environment or rank_environment(), preload)
             self._processes.append(self._fork_server.process)
 
     def spawn_rank(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,3 +136,41 @@ def test_a_rank_enters_the_network_namespace_and_gets_the_hostname_it_asks_for(s
         assert socket.gethostname() != "198.18.0.9"  # the test's own (and the server's) name is untouched
     finally:
         subprocess.run(["ip", "netns", "del", namespace], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and iproute2")
+def test_an_emulated_cluster_starts_a_rank_alike_fresh_or_forked_and_its_teardown_stops_both(tmp_path: Path) -> None:
+    """``EmulatedCluster.spawn_rank``: a fresh rank (``ip netns exec`` + ``unshare --uts``) and a forked one see the
+    same node -- its interfaces, the hostname asked for; the teardown stops a forked rank still running and then
+    the server, leaving no process and no socket directory."""
+    from benchmarks.netns import REPO_ROOT, EmulatedCluster, rank_environment
+
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "fork_probe.py").write_text(PROBE)
+    environment = rank_environment(PYTHONPATH=f"{modules}{os.pathsep}{REPO_ROOT}")
+    records = {}
+    with EmulatedCluster(2, prefix=f"mf{uuid.uuid4().hex[:6]}") as cluster:
+        address = cluster.node_address(1)
+        for how in ("fresh", "forked"):
+            if how == "forked":
+                cluster.start_fork_server(preload=["json"], environment=environment)
+            with (tmp_path / f"{how}.log").open("wb") as log:
+                proc = cluster.spawn_rank(1, [sys.executable, "-m", "fork_probe", "0"], environment, log,
+                                          hostname=address)
+            assert proc.wait(timeout=60) == 0, (tmp_path / f"{how}.log").read_text()
+            records[how] = json.loads((tmp_path / f"{how}.log").read_text().splitlines()[-1])
+        server = cluster._fork_server
+        assert server is not None
+        ready = tmp_path / "hanging"
+        with (tmp_path / "hang.log").open("wb") as log:
+            hanging = cluster.spawn_rank(0, [sys.executable, "-m", "fork_probe", "hang", str(ready)], environment, log)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and hanging.poll() is None
+            time.sleep(0.02)
+    for how, record in records.items():
+        assert record["hostname"] == address and record["sys_class_net"] == ["lo", "uplink"], (how, record)
+    assert records["fresh"]["interfaces"] == records["forked"]["interfaces"]
+    assert hanging.poll() is not None and server.process.poll() is not None
+    assert not server.socket_path.parent.exists()
