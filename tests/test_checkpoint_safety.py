@@ -535,3 +535,37 @@ def test_background_saves_stage_into_the_last_saves_host_buffers_with_the_new_va
     assert second["optim"]["param_groups"][0]["lr"] == 0.05
     grown = saver.stage({"model": {"w": torch.ones(4)}})
     assert grown["model"]["w"].shape == (4,)
+
+
+def _load_with_rank_1_a_generation_behind(rank: int, world_size: int, path: str, patch: bool) -> dict[str, float]:
+    """Two saves with ``keep_previous`` (both generations on disk); rank 1 read the commit record before the
+    second save switched it (its ``read_record`` answers the first record), rank 0 after."""
+    import torch.distributed as dist
+
+    from lightning_mics.checkpoint import loading
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    target = Path(path)
+    module = ToyModule(RunConfig())
+    records = []
+    for step, value in ((1, 1.0), (2, 2.0)):
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.fill_(value)
+        ckpt.save(target, {"state_dict": ckpt.model_state_dict(module), "global_step": step}, keep_previous=True)
+        records.append(ckpt.read_record(target))
+    if patch and rank == 1:
+        loading.read_record = lambda where: records[0]
+    fresh = ToyModule(RunConfig(seed=5))
+    state = ckpt.load(target, fresh)
+    values = {value for parameter in fresh.parameters() for value in parameter.detach().flatten().tolist()}
+    return {"values": sorted(values), "global_step": state.get("global_step")}
+
+
+@pytest.mark.distributed
+def test_every_rank_loads_rank_0s_generation_when_a_save_switched_it_between_their_reads(tmp_path: Path) -> None:
+    """A live fault-tolerant group saves ``last`` while a restarted group's ranks read its record, one before the
+    switch and one after: both load rank 0's generation (the second save's weights, 2.0), not each its own."""
+    results = run_ranks(_load_with_rank_1_a_generation_behind, 2, str(tmp_path / "last.ckpt"), True, timeout=120)
+    assert [r["values"] for r in results] == [[2.0], [2.0]]
+    assert [r["global_step"] for r in results] == [2, 2]

@@ -17,6 +17,7 @@ import logging
 import pickle
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,6 +48,7 @@ from lightning_mics.checkpoint.format import (
     CheckpointError,
     CheckpointInfo,
     CheckpointLayout,
+    CommitRecord,
     PathLike,
     read_record,
 )
@@ -277,6 +279,8 @@ def _load(
 ) -> dict[str, Any]:
     integrity.check_verify_mode(verify)
     info, raw = open_checkpoint(Path(path))
+    if info.kind == "sharded":
+        info = _same_generation_on_every_rank(info)
     _check_usable(info, optimizers, for_trainer)
     saved_world = info.layout.world_size if info.layout else None
     want_rng = restore_rng and saved_world == coordination.world_size()
@@ -307,6 +311,27 @@ def _load(
     elif restore_rng and coordination.rank() == 0:
         _warn_rng_not_restored(info, saved_world)
     return trainer_state
+
+
+def _same_generation_on_every_rank(info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` with the commit record rank 0 read. Each rank reads the record itself, and a save can switch it
+    between two ranks' reads -- a live fault-tolerant group saving ``last`` while a restarted group loads it, an
+    evaluation job loading what training is saving: the ranks would then read the shards of two generations,
+    each consistent alone, mixed without an error. A collective, as the sharded read after it is."""
+    assert info.record is not None
+    if not coordination.distributed():
+        return info
+    names = coordination.everyones(info.record.data)
+    if all(name == names[0] for name in names):
+        return info
+    record: CommitRecord = coordination.from_rank_zero(info.record)
+    if coordination.rank() == 0:
+        log.info(
+            "The ranks read different commit records of %s (a save switched it meanwhile: %s): every rank loads "
+            "rank 0's, %s.", info.path, sorted(set(names)), record.data,
+        )
+    return replace(info, data_dir=info.path / record.data, record=record, layout=record.layout,
+                   num_optimizers=record.num_optimizers, global_step=record.global_step, epoch=record.epoch)
 
 
 def _check_usable(info: CheckpointInfo, optimizers: Sequence[Optimizer], for_trainer: bool) -> None:
