@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import errno
+import functools
 import importlib
 import os
 import pickle
@@ -93,7 +94,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         print(f"fork server: {threads} threads after importing {', '.join(preload)}: an import started one, and "
-              "a fork copies only the forking thread; start the ranks fresh instead (drop --smoke's fork server)",
+              "a fork copies only the forking thread; start the ranks fresh instead (--no-fork-server)",
               file=sys.stderr, flush=True)
         return 1
     stopping = False
@@ -193,10 +194,12 @@ def _run_child(request: StartRequest, output: int) -> None:
 
         runpy.run_module(request.module, run_name="__main__", alter_sys=True)
         code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-        if exit_.code is not None and not isinstance(exit_.code, int):
+    except SystemExit as exit_:  # as the interpreter treats it: None is 0, a message is printed and 1
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
             print(exit_.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -208,11 +211,16 @@ def _run_child(request: StartRequest, output: int) -> None:
             os._exit(code)
 
 
-def _libc_call(name: str, *args: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if getattr(libc, name)(*args) != 0:
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _libc_call(name: str, *args: Any, what: Optional[str] = None) -> None:
+    """Call libc's ``name``; a non-zero return is an ``OSError`` saying ``what`` failed (default: ``name``)."""
+    if getattr(_libc(), name)(*args) != 0:
         number = ctypes.get_errno()
-        raise OSError(number, f"{name}: {os.strerror(number)}")
+        raise OSError(number, f"{what or name}: {os.strerror(number)}")
 
 
 def _enter_network_namespace(namespace: str) -> None:
@@ -224,15 +232,11 @@ def _enter_network_namespace(namespace: str) -> None:
         _libc_call("setns", descriptor, CLONE_NEWNET)
     finally:
         os.close(descriptor)
-    libc = ctypes.CDLL(None, use_errno=True)
     _libc_call("unshare", CLONE_NEWNS)
     # the mounts below stay in this namespace: nothing propagates back to the host's
-    if libc.mount(b"none", b"/", None, MS_SLAVE | MS_REC, None) != 0:
-        raise OSError(ctypes.get_errno(), "mount --make-rslave /")
-    libc.umount2(b"/sys", MNT_DETACH)  # fails harmlessly where /sys was not mounted
-    if libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None) != 0:
-        number = ctypes.get_errno()
-        raise OSError(number, f"mounting /sys for namespace {namespace}: {os.strerror(number)}")
+    _libc_call("mount", b"none", b"/", None, MS_SLAVE | MS_REC, None, what="mount --make-rslave /")
+    _libc().umount2(b"/sys", MNT_DETACH)  # fails harmlessly where /sys was not mounted
+    _libc_call("mount", namespace.encode(), b"/sys", b"sysfs", 0, None, what=f"mounting /sys for {namespace}")
 
 
 def _own_hostname(hostname: str) -> None:

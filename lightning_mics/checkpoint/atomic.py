@@ -128,6 +128,11 @@ def _valid_record(target: Path) -> Optional[CommitRecord]:
         return None
 
 
+def _is_superseded_data(target: Path, leftover: Path) -> bool:
+    """A leftover of :func:`staging_leftovers` that is committed data its record no longer names."""
+    return leftover.parent == target and DATA_DIR_PATTERN.match(leftover.name) is not None
+
+
 def _superseded_within_grace(target: Path, leftovers: list[Path]) -> set[Path]:
     """Of the superseded data directories among ``leftovers``, those to keep: superseded less than
     :data:`SUPERSEDED_GRACE_S` ago (their modification time is their switch's, see :func:`commit_sharded`), the
@@ -135,7 +140,7 @@ def _superseded_within_grace(target: Path, leftovers: list[Path]) -> set[Path]:
     now = time.time()
     recent = []
     for path in leftovers:
-        if path.parent != target or not DATA_DIR_PATTERN.match(path.name):
+        if not _is_superseded_data(target, path):
             continue
         try:
             superseded_at = path.stat().st_mtime
@@ -156,8 +161,8 @@ def plan_save(target: Path, global_step: int, full: bool, keep_previous: bool = 
     for leftover in leftovers:
         if leftover in kept:
             continue
-        if leftover.parent == target and DATA_DIR_PATTERN.match(leftover.name):
-            # an "update" save keeps the data it replaced until the next save, for readers that opened it
+        if _is_superseded_data(target, leftover):
+            # an "update" save with keep_previous leaves the data it replaced to a later save, for its readers
             log.info("Removing %s: checkpoint data its record no longer names (the previous save's).", leftover)
         else:
             log.info("Removing %s left by an interrupted checkpoint save.", leftover)
