@@ -469,3 +469,82 @@ def test_a_quorum_every_third_step_and_after_a_discard_decided_alike_on_every_ra
     assert result["asked"] == [True, False, False, True, False, True, False, True]
     assert result["step"] == 7
     assert result["torchft_commits"] == 4  # torchft's own commit exactly after each quorum
+
+
+class _TwoGroupManager(_StubManager):
+    """Two groups in every quorum (the other one simulated): the agreement's exchange completes only when it is
+    waited on, and then the other group's message is averaged in -- on a parameter-check step, on rank 1 only,
+    with other parameters than this group's (rank 0's shards agree, rank 1's drifted)."""
+
+    def __init__(self, rank: int, every: int, ours: list[int], events: list[str]) -> None:
+        super().__init__()
+        self.rank, self.every, self.ours, self.events = rank, every, ours, events
+
+    def num_participants(self) -> int:
+        return 2
+
+    def allreduce(self, tensor: torch.Tensor) -> Any:
+        from lightning_mics.fault_tolerance.agreement import GroupConfiguration, agreement_message, digest_chunks
+
+        manager, step = self, self.step
+        manager.events.append(f"exchange started at {step}")
+
+        class Work:
+            def wait(self) -> None:
+                manager.events.append(f"exchange waited at {step}")
+                checks = step > 0 and step % manager.every == 0
+                theirs = (digest_chunks(b"drifted") if manager.rank == 1 else manager.ours) if checks else None
+                other = agreement_message(1, GroupConfiguration(()).digest_chunks(), theirs)
+                tensor.add_(other).div_(2)  # torchft's average over the quorum
+
+        return Work()
+
+
+def _parameter_check_behind_the_step(rank: int, world_size: int, quorum_every: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torchft
+
+    from lightning_mics.fault_tolerance import group as group_module
+    from lightning_mics.fault_tolerance.agreement import digest_chunks
+    from lightning_mics.fault_tolerance.errors import ReplicaGroupsDiverged
+
+    dist.init_process_group("gloo")
+    events: list[str] = []
+    ours = digest_chunks(b"ours")
+    torchft.Manager = lambda **_: _TwoGroupManager(rank, 2, ours, events)
+    ft = FaultTolerance("http://unused:1", 0, 2, quorum_every=quorum_every, check_parameters_every=2)
+    group = group_module.ReplicaGroup(ft, torch.device("cpu"), state_fn=dict, load_fn=lambda state: None,
+                                      parameter_digest=lambda: ours)
+    error = None
+    try:
+        for step in range(4):
+            group.start_step()
+            events.append(f"forward and backward at {step}")
+            group.commit()
+    except ReplicaGroupsDiverged as diverged:
+        error = str(diverged)
+    group.shutdown()
+    return {"events": events, "error": error, "step": group.manager.current_step()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("quorum_every", [3, 2])
+def test_a_parameter_check_in_an_unchanged_quorum_runs_behind_the_step_and_ends_the_run_at_its_commit(
+    quorum_every: int,
+) -> None:
+    """``check_parameters_every=2``: the first quorum's agreement waits before the forward (the membership is
+    new); the check at committed step 2 -- between quorums (``quorum_every=3``) or at a quorum that kept the
+    membership (2) -- starts before the step's forward and is waited for at its commit. Only rank 1's shards
+    drifted: both ranks of the group end there, before the optimizer step, rank 1 naming the group and the step,
+    rank 0 saying another rank found it."""
+    ranks = run_ranks(_parameter_check_behind_the_step, 2, quorum_every)
+    for rank, result in enumerate(ranks):
+        assert result["events"] == [
+            "exchange started at 0", "exchange waited at 0", "forward and backward at 0",
+            "forward and backward at 1",
+            "exchange started at 2", "forward and backward at 2", "exchange waited at 2",
+        ], result
+        assert result["step"] == 2, result  # step 2 never committed
+        assert result["error"] is not None and "after committed step 2" in result["error"], result
+    assert "group(s) [1] hold other shards than group(s) [0]" in ranks[1]["error"], ranks[1]
+    assert "another rank of this group found" in ranks[0]["error"], ranks[0]

@@ -28,7 +28,6 @@ from lightning_mics.fault_tolerance.agreement import (
 )
 from lightning_mics.fault_tolerance.catch_up import CatchUp, SnapshotServer
 from lightning_mics.fault_tolerance.config import LIGHTHOUSE_ENV, FaultTolerance
-from lightning_mics.fault_tolerance.heal_state import split_shards
 from lightning_mics.fault_tolerance.errors import (
     CatchUpFailed,
     LighthouseUnavailable,
@@ -37,6 +36,7 @@ from lightning_mics.fault_tolerance.errors import (
     ReplicaGroupsDiverged,
     TooFewReplicaGroups,
 )
+from lightning_mics.fault_tolerance.heal_state import split_shards
 
 #: Seconds between two quorums while fewer than ``min_replica_groups`` groups are live.
 BELOW_MINIMUM_POLL_S = 1.0
@@ -47,6 +47,10 @@ log = logging.getLogger("lightning_mics.fault_tolerance")
 class ReplicaGroup:
     """This group's torchft ``Manager``: quorum, commit, and the state a joining
     group heals from (``state_fn`` / ``load_fn``, called on every rank of the group for its own shards)."""
+
+    #: a parameter check's exchange started at this step's start, finished at its commit
+    #: (:meth:`_start_parameter_check`)
+    _parameter_check: Optional[_ParameterCheck] = None
 
     def __init__(
         self,
@@ -146,15 +150,19 @@ class ReplicaGroup:
         every rank of this group is there (a lost one ends the group at once, not after ``quorum_timeout``), at
         least ``min_replica_groups`` groups are live (else wait, without training, at most ``quorum_timeout``),
         every rank of this group healed (or none did), every group in the quorum was started alike, and -- every
-        ``check_parameters_every`` steps -- the groups' parameters are still bit-identical. A failed check ends
-        this group (or, for diverged parameters, the run) with an error that says which."""
+        ``check_parameters_every`` steps -- the groups' parameters are still bit-identical (that exchange runs
+        behind the step's forward and backward where the membership is the last step's: :meth:`commit` finishes
+        it). A failed check ends this group (or, for diverged parameters, the run) with an error that says
+        which."""
         self._watchdog.kick()
         self._holders = None  # the quorum and its contributors may change below
+        if self._parameter_check is not None:  # started by a step that never committed (no hop 2 ran)
+            self._settle_parameter_check()
         step = self.manager.current_step()
         self._quorum_this_step = force_quorum or self._needs_quorum(step)
         if not self._quorum_this_step:  # the last commit's all-reduce was this group's presence check
             if self._checks_parameters(step):
-                self._check_agreement()
+                self._start_parameter_check(step)
             return
         self._check_ranks_present()
         self._quorum()
@@ -180,9 +188,12 @@ class ReplicaGroup:
         same_quorum = self._same_quorum_as_last_step(step)
         if not same_quorum:  # a heal (and a group started unlike the others) can only come with a new quorum
             check_healed_whole(step, self.device)
-        # with catch-up heals, at every quorum: who contributes can change without a new membership
-        if not same_quorum or self._checks_parameters(step) or self.snapshots is not None:
+        # while a group catches up, at every quorum: it starts contributing without a new membership (a catch-up
+        # starts only with one: its heal)
+        if not same_quorum or self.not_contributing:
             self._check_agreement()
+        elif self._checks_parameters(step):
+            self._start_parameter_check(step)
         participants = self.manager.num_participants()
         if participants != self._participants:
             self._log_membership(participants)
@@ -393,11 +404,47 @@ class ReplicaGroup:
         if verdict is not None:
             raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
         if drifted:  # any rank of the group: the whole group ends
-            drift = drift or (
-                f"another rank of this group found the replica groups' parameters differ after committed step "
-                f"{step} (its error names the groups)"
-            )
-            raise ReplicaGroupsDiverged(f"fault tolerance: {drift}")
+            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
+
+    def _start_parameter_check(self, step: int) -> None:
+        """Start comparing the groups' parameter digests (the agreement's exchange, the membership as the last
+        step's) without waiting for it: the exchange is one more cross-group synchronisation, which behind the
+        forward and backward costs nothing -- hop 2 waits for every group anyway -- where before the forward it
+        stalled every group for the slowest one (about a tenth of a step per check on the benchmark's host). The
+        parameters it digests are the step's starting ones; :meth:`commit` finishes it before the optimizer
+        steps. Every group of the quorum starts it at the same step, before hop 2's collectives: the same order
+        of collectives on every rank."""
+        assert self.parameter_digest is not None and self.options.replica_group is not None
+        message = agreement_message(
+            self.options.replica_group, self.configuration.digest_chunks(), self.parameter_digest(),
+            catching_up=self.catch_up is not None,
+        ).to(self.device)
+        self._parameter_check = _ParameterCheck(step, message, self.manager.allreduce(message))
+
+    def _finish_parameter_check(self) -> Optional[tuple[int, Optional[str]]]:
+        """Wait for the started parameter check: ``None`` if none was started, else (the committed step it
+        checks, why the groups' parameters differ or ``None`` -- they agree, or the exchange failed: then torchft
+        recorded the error and the step does not commit)."""
+        check, self._parameter_check = self._parameter_check, None
+        if check is None:
+            return None
+        check.work.wait()
+        if self.manager.errored() is not None:
+            return check.step, None
+        return check.step, drift_verdict(check.message.cpu() * self.manager.num_participants(), check.step)
+
+    def _settle_parameter_check(self) -> None:
+        """Finish the started parameter check and end the run on every rank of this group if any rank saw the
+        groups' parameters differ (each rank compares its own rank index's shards): one tiny all-reduce in the
+        group's own world, so no rank goes on into a collective another skipped."""
+        step, drift = self._finish_parameter_check() or (0, None)
+        flag = torch.tensor([0.0 if drift is None else 1.0], device=self.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        except RuntimeError as error:  # DistBackendError included
+            raise self._rank_lost(error) from error
+        if flag.item() > 0:
+            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
 
     def _start(self, collective: Callable[[], Any]) -> Optional[_RecordedOnFailure]:
         """Start one of hop 2's collectives over torchft's process group: ``None`` when the step already failed
@@ -536,7 +583,12 @@ class ReplicaGroup:
         also closes a heal's checkpoint window). On a step that kept the last quorum it is one all-reduce of a
         flag in this group's own world -- what ``should_commit`` decides, without its round trip to the manager
         server (several ms a step) -- and torchft's step count is advanced through its public state."""
-        committed = self.manager.should_commit() if self._quorum_this_step else self._commit_within_group()
+        if self._quorum_this_step:
+            if self._parameter_check is not None:
+                self._settle_parameter_check()
+            committed = self.manager.should_commit()
+        else:
+            committed = self._commit_within_group(self._finish_parameter_check())
         self.last_step_discarded = not committed
         if not committed:
             self.discarded_steps += 1
@@ -548,22 +600,28 @@ class ReplicaGroup:
             )
         return committed
 
-    def _commit_within_group(self) -> bool:
+    def _commit_within_group(self, parameter_check: Optional[tuple[int, Optional[str]]] = None) -> bool:
         """torchft's commit rule -- no error recorded on any rank of this group (its process group's included)
-        and enough groups live -- decided by one MIN all-reduce in this group's world; a committed step advances
+        and enough groups live -- decided by one all-reduce in this group's world; a committed step advances
         torchft's step and committed-batch counts as ``should_commit`` does. A rank lost since the step began
-        fails the all-reduce: this group ends, saying so."""
+        fails the all-reduce: this group ends, saying so. The same all-reduce tells every rank whether one found
+        the groups' parameters differ (``parameter_check``: the step's, as :meth:`_finish_parameter_check` gives
+        it): then the run ends on all of them."""
         manager = self.manager
         error = self.pg.errored()
         if error is not None:
             manager.report_error(error)
         ok = manager.errored() is None and manager.num_participants() >= self.options.min_replica_groups
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        step, drift = parameter_check or (manager.current_step(), None)
+        flags = torch.tensor([0.0 if ok else 1.0, 0.0 if drift is None else 1.0], device=self.device)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         except RuntimeError as error:  # DistBackendError included
             raise self._rank_lost(error) from error
-        if flag.item() <= 0:
+        failed, drifted = (value > 0 for value in flags.tolist())
+        if drifted:
+            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
+        if failed:
             return False
         state = manager.state_dict()
         manager.load_state_dict(
@@ -621,6 +679,21 @@ class ReplicaGroup:
 #: What rank 0 publishes as its Manager's address when it could not start one (the Lighthouse did not answer):
 #: the other ranks then fail to connect within the timeout too, instead of waiting for an address forever.
 _NO_MANAGER = "http://127.0.0.1:1"
+
+
+def _drift_seen_elsewhere(step: int) -> str:
+    return (
+        f"another rank of this group found the replica groups' parameters differ after committed step {step} (its "
+        "error names the groups)"
+    )
+
+
+class _ParameterCheck:
+    """A parameter check's exchange in flight: the step it checks, the agreement message (averaged in place over
+    the quorum by torchft) and torchft's work."""
+
+    def __init__(self, step: int, message: Tensor, work: Any) -> None:
+        self.step, self.message, self.work = step, message, work
 
 
 class _RecordedOnFailure:
