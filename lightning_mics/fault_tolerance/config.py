@@ -51,10 +51,11 @@ class FaultTolerance:
     #: seconds without a new step (quorum) after which a rank takes its whole process down: a hung group must
     #: die, not keep heartbeating and block everyone's quorum. Longer than a step plus any validation or save.
     watchdog: float = 900.0
-    #: every this many committed steps the groups compare a digest of their parameter shards at the quorum: a
-    #: group that drifted (another learning rate slipped through, a bit flip) ends the run with an error naming
-    #: the groups and the step, instead of training on silently diverged. The digest is exact integer
-    #: arithmetic over the shards' bits, one read of them per check.
+    #: every this many committed steps the groups compare a digest of their parameter shards: a group that
+    #: drifted (another learning rate slipped through, a bit flip) ends the run with an error naming the groups
+    #: and the step, at that step's commit, instead of training on silently diverged. The digest is exact
+    #: integer arithmetic over the shards' bits, one read of them per check; the exchange runs behind the
+    #: step's forward and backward (before it where the quorum's membership changed).
     check_parameters_every: int = 10
     #: the groups ask the Lighthouse for a quorum at every committed step that is a multiple of this (and after
     #: a discarded step, and at a process's first step); in between they train in the last quorum. A lost group
