@@ -19,6 +19,10 @@ def test_quick_fills_every_run_length_and_bad_lengths_are_refused(tmp_path: Path
         bench.QUICK.steps, bench.QUICK.kill_at_step, bench.QUICK.checkpoint_every
     )
     assert bench.parse_args(["--quick", "--steps", "50", "--kill-at-step", "20"]).steps == 50
+    # the smoke's restarted node joins sooner when the ranks fork (its default): fewer steps then, unless asked
+    assert bench.parse_args(["--smoke"]).steps == bench.SMOKE_FORKED_STEPS < bench.SMOKE.steps
+    assert bench.parse_args(["--smoke", "--no-fork-server"]).steps == bench.SMOKE.steps
+    assert bench.parse_args(["--smoke", "--steps", "90"]).steps == 90
     with pytest.raises(SystemExit):
         bench.parse_args(["--quick", "--kill-at-step", str(bench.QUICK.steps)])
     (tmp_path / "old.log").write_text("x")
