@@ -156,8 +156,7 @@ class ReplicaGroup:
         which."""
         self._watchdog.kick()
         self._holders = None  # the quorum and its contributors may change below
-        if self._parameter_check is not None:  # started by a step that never committed (no hop 2 ran)
-            self._settle_parameter_check()
+        self._settle_parameter_check()  # one a step started and never committed (no hop 2 ran)
         step = self.manager.current_step()
         self._quorum_this_step = force_quorum or self._needs_quorum(step)
         if not self._quorum_this_step:  # the last commit's all-reduce was this group's presence check
@@ -365,13 +364,10 @@ class ReplicaGroup:
         assert group is not None
         step = self.manager.current_step()
         checks_parameters = self._checks_parameters(step)
-        parameters = self.parameter_digest() if checks_parameters else None  # type: ignore[misc]
-        message = agreement_message(
-            group, self.configuration.digest_chunks(), parameters, catching_up=self.catch_up is not None
-        ).to(self.device)
+        message = self._agreement_message(with_parameters=checks_parameters)
         self.manager.allreduce(message).wait()
         exchanged = self.manager.errored() is None
-        summed = message.cpu() * self.manager.num_participants() if exchanged else None  # torchft averaged
+        summed = self._quorum_sum(message) if exchanged else None
         drift = drift_verdict(summed, step) if summed is not None and checks_parameters else None
         # One outcome for the whole group. Each rank exchanged over its own torchft process group, and a peer lost
         # during the exchange can fail it on one rank while another's completed. Seen: a group killed during a
@@ -379,12 +375,7 @@ class ReplicaGroup:
         # step, rank 1's completed and it waited in the drift check's all-reduce rank 0 had skipped -- both
         # survivors hung (the group's own world has no short timeout). And a rank that went on with this quorum's
         # membership while another kept the last would place the data shares otherwise (other collectives).
-        flags = torch.tensor([0.0 if exchanged else 1.0, 0.0 if drift is None else 1.0], device=self.device)
-        try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        except RuntimeError as error:  # DistBackendError included
-            raise self._rank_lost(error) from error
-        failed, drifted = (value > 0 for value in flags.tolist())
+        failed, drifted = self._on_any_rank(not exchanged, drift is not None)
         if failed:  # every rank of the group discards the step; the next quorum checks again
             if exchanged:
                 self.manager.report_error(RuntimeError(
@@ -404,7 +395,32 @@ class ReplicaGroup:
         if verdict is not None:
             raise ReplicaGroupRefused(f"fault tolerance: replica group {group} refused at the quorum: {verdict}")
         if drifted:  # any rank of the group: the whole group ends
-            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
+            raise _diverged(drift, step)
+
+    def _agreement_message(self, with_parameters: bool) -> Tensor:
+        """This group's entry of the agreement (:func:`~.agreement.agreement_message`), with this rank's parameter
+        digest on a parameter-check step, on the device torchft's group exchanges it from."""
+        assert self.options.replica_group is not None
+        parameters = self.parameter_digest() if with_parameters else None  # type: ignore[misc]
+        return agreement_message(
+            self.options.replica_group, self.configuration.digest_chunks(), parameters,
+            catching_up=self.catch_up is not None,
+        ).to(self.device)
+
+    def _quorum_sum(self, message: Tensor) -> Tensor:
+        """Every group's entries added, from the exchanged ``message`` (torchft averaged it over the quorum)."""
+        return message.cpu() * self.manager.num_participants()
+
+    def _on_any_rank(self, *conditions: bool) -> tuple[bool, ...]:
+        """Each of this rank's ``conditions`` or'ed over every rank of the group (one MAX all-reduce in the group's
+        own world), so every rank takes the same branch after it; a rank lost meanwhile fails it: the group ends,
+        saying so."""
+        flags = torch.tensor([1.0 if condition else 0.0 for condition in conditions], device=self.device)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        except RuntimeError as error:  # DistBackendError included
+            raise self._rank_lost(error) from error
+        return tuple(value > 0 for value in flags.tolist())
 
     def _start_parameter_check(self, step: int) -> None:
         """Start comparing the groups' parameter digests (the agreement's exchange, the membership as the last
@@ -414,11 +430,7 @@ class ReplicaGroup:
         parameters it digests are the step's starting ones; :meth:`commit` finishes it before the optimizer
         steps. Every group of the quorum starts it at the same step, before hop 2's collectives: the same order
         of collectives on every rank."""
-        assert self.parameter_digest is not None and self.options.replica_group is not None
-        message = agreement_message(
-            self.options.replica_group, self.configuration.digest_chunks(), self.parameter_digest(),
-            catching_up=self.catch_up is not None,
-        ).to(self.device)
+        message = self._agreement_message(with_parameters=True)
         self._parameter_check = _ParameterCheck(step, message, self.manager.allreduce(message))
 
     def _finish_parameter_check(self) -> Optional[tuple[int, Optional[str]]]:
@@ -431,20 +443,20 @@ class ReplicaGroup:
         check.work.wait()
         if self.manager.errored() is not None:
             return check.step, None
-        return check.step, drift_verdict(check.message.cpu() * self.manager.num_participants(), check.step)
+        return check.step, drift_verdict(self._quorum_sum(check.message), check.step)
 
     def _settle_parameter_check(self) -> None:
-        """Finish the started parameter check and end the run on every rank of this group if any rank saw the
-        groups' parameters differ (each rank compares its own rank index's shards): one tiny all-reduce in the
-        group's own world, so no rank goes on into a collective another skipped."""
-        step, drift = self._finish_parameter_check() or (0, None)
-        flag = torch.tensor([0.0 if drift is None else 1.0], device=self.device)
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        except RuntimeError as error:  # DistBackendError included
-            raise self._rank_lost(error) from error
-        if flag.item() > 0:
-            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
+        """Finish a started parameter check, if there is one, and end the run on every rank of this group if any
+        rank saw the groups' parameters differ (each rank compares its own rank index's shards): one tiny
+        all-reduce in the group's own world, so no rank goes on into a collective another skipped. Whether a
+        check is pending is the same on every rank of the group."""
+        finished = self._finish_parameter_check()
+        if finished is None:
+            return
+        step, drift = finished
+        (drifted,) = self._on_any_rank(drift is not None)
+        if drifted:
+            raise _diverged(drift, step)
 
     def _start(self, collective: Callable[[], Any]) -> Optional[_RecordedOnFailure]:
         """Start one of hop 2's collectives over torchft's process group: ``None`` when the step already failed
@@ -584,8 +596,7 @@ class ReplicaGroup:
         flag in this group's own world -- what ``should_commit`` decides, without its round trip to the manager
         server (several ms a step) -- and torchft's step count is advanced through its public state."""
         if self._quorum_this_step:
-            if self._parameter_check is not None:
-                self._settle_parameter_check()
+            self._settle_parameter_check()
             committed = self.manager.should_commit()
         else:
             committed = self._commit_within_group(self._finish_parameter_check())
@@ -613,14 +624,9 @@ class ReplicaGroup:
             manager.report_error(error)
         ok = manager.errored() is None and manager.num_participants() >= self.options.min_replica_groups
         step, drift = parameter_check or (manager.current_step(), None)
-        flags = torch.tensor([0.0 if ok else 1.0, 0.0 if drift is None else 1.0], device=self.device)
-        try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        except RuntimeError as error:  # DistBackendError included
-            raise self._rank_lost(error) from error
-        failed, drifted = (value > 0 for value in flags.tolist())
+        failed, drifted = self._on_any_rank(not ok, drift is not None)
         if drifted:
-            raise ReplicaGroupsDiverged(f"fault tolerance: {drift or _drift_seen_elsewhere(step)}")
+            raise _diverged(drift, step)
         if failed:
             return False
         state = manager.state_dict()
@@ -681,11 +687,14 @@ class ReplicaGroup:
 _NO_MANAGER = "http://127.0.0.1:1"
 
 
-def _drift_seen_elsewhere(step: int) -> str:
-    return (
+def _diverged(drift: Optional[str], step: int) -> ReplicaGroupsDiverged:
+    """The error that ends the run when a rank of this group saw the groups' parameters differ at ``step``:
+    ``drift``, this rank's verdict, or -- where another rank saw it -- a pointer to that rank's error."""
+    drift = drift or (
         f"another rank of this group found the replica groups' parameters differ after committed step {step} (its "
         "error names the groups)"
     )
+    return ReplicaGroupsDiverged(f"fault tolerance: {drift}")
 
 
 class _ParameterCheck:
