@@ -9,10 +9,12 @@ the measured gloo loopback throughput), the Lighthouse on the switch (a host no 
 With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Runs
 of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
 
-1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant
-   (``--quorum-every``): the parameters' largest difference, and the step-time ratio (fault-tolerant / plain,
-   ``overhead``: each mode run twice, interleaved plain / ft / ft / plain, the step intervals of both runs
-   pooled), then once more fault-tolerant with a quorum at every step (``overhead_quorum_every_step``);
+1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant as configured by
+   default (``--quorum-every``, ``exact_trajectory=False``): the parameters' largest difference, and the
+   step-time ratio (fault-tolerant / plain, ``overhead``: each mode run twice, interleaved plain / ft / ft / plain,
+   the step intervals of both runs pooled); with ``--exact-trajectory`` (the default) two runs with
+   ``exact_trajectory=True`` in the middle (``overhead_exact_trajectory``, against the same plain runs); then once
+   more fault-tolerant with a quorum at every step (``overhead_quorum_every_step``);
 2. fault-tolerant, every rank of node 2 SIGKILLed once it logged step ``--kill-at-step``: seconds from the
    kill to the survivors' next committed step without it, steps discarded, the survivors' committed steps
    during the outage;
@@ -28,7 +30,7 @@ of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
    global batch as run 5 (``samples_skipped``, ``samples_repeated``, ``steps_differing``,
    ``global_batch_constant``) and its largest per-step training-loss difference (``max_loss_diff``; the loss of
    a step: the mean over its committed samples, from each rank's mean loss -- per share with
-   ``--exact-trajectory``, the default, which runs every fault-tolerant run with
+   ``--exact-trajectory``, the default, which runs every fault-tolerant run but run 1's default ones with
    ``FaultTolerance(exact_trajectory=True)``);
 6. goodput (``goodput.*``) under a failure schedule: a group killed every ``--goodput-period`` seconds (the
    groups in turn, ``--goodput-failures`` kills, mid-period) and started again ``--restart-delay`` s later,
@@ -172,9 +174,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "trajectory: runs 2-3 and 5 (the failure, rejoin and trajectory numbers); goodput: runs 5 "
                         "and 6 (fault tolerance's goodput under the schedule, without the restart baseline)")
     parser.add_argument("--exact-trajectory", action=argparse.BooleanOptionalAction, default=True,
-                        help="FaultTolerance(exact_trajectory=...) of every fault-tolerant run (default on: the run "
-                        "with a failure bit-identical to the run without; --no-exact-trajectory sums a group's "
-                        "shares in fp32, equal up to rounding)")
+                        help="FaultTolerance(exact_trajectory=...) of the failure, trajectory and goodput runs "
+                        "(default on: the run with a failure bit-identical to the run without; --no-exact-trajectory "
+                        "sums a group's shares in fp32, equal up to rounding); on: two more no-failure runs measure "
+                        "its overhead (the no-failure comparison itself runs fault tolerance's default, off)")
     parser.add_argument("--catch-up-share", type=float, default=0.25,
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
@@ -387,13 +390,18 @@ class RunLog:
     failures: list[str] = field(default_factory=list)  #: restarts that failed themselves (and were retried)
 
 
-def run_no_failure(bench: Bench, mode: str, name: str = "", quorum_every: int | None = None) -> RunLog:
+def run_no_failure(
+    bench: Bench, mode: str, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
+) -> RunLog:
     """Run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards at the end.
     The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum.
-    ``name``: the run's directory (default ``<mode>-no-failure``); ``quorum_every``: instead of the option's."""
+    ``name``: the run's directory (default ``<mode>-no-failure``); ``quorum_every``: instead of the option's;
+    ``exact_trajectory``: ``FaultTolerance(exact_trajectory=...)`` -- off by default here, whatever
+    ``--exact-trajectory`` says: the no-failure comparison measures fault tolerance as a user gets it by default
+    (and ``exact_trajectory``'s runs on their own, ``no_failure.overhead_exact_trajectory``)."""
     steps = bench.args.no_failure_steps
     name = name or f"{mode}-no-failure"
-    fields: dict[str, Any] = {"save_params": True, "digests": True}
+    fields: dict[str, Any] = {"save_params": True, "digests": True, "exact_trajectory": exact_trajectory}
     if quorum_every is not None:
         fields["quorum_every"] = quorum_every
     lighthouse = None
@@ -761,9 +769,12 @@ def identical_steps(plain: RunLog, ft: RunLog) -> int:
     return len(steps)
 
 
-def no_failure_results(plains: list[RunLog], fts: list[RunLog], every_step: RunLog | None = None) -> dict[str, Any]:
+def no_failure_results(
+    plains: list[RunLog], fts: list[RunLog], every_step: RunLog | None = None, exacts: list[RunLog] | None = None
+) -> dict[str, Any]:
     """The no-failure numbers: exactness from the first plain / fault-tolerant pair, step times pooled over every
-    run of a mode (they ran interleaved), and -- with ``every_step`` -- the overhead of a quorum at every step."""
+    run of a mode (they ran interleaved), with ``every_step`` the overhead of a quorum at every step, and with
+    ``exacts`` (``exact_trajectory=True``'s runs, interleaved with the others) that option's overhead."""
     plain, ft = plains[0], fts[0]
     to_plain, between_groups = max_abs_diff(plain, ft)
     plain_step, ft_step = pooled_median_step_seconds(plains), pooled_median_step_seconds(fts)
@@ -779,7 +790,20 @@ def no_failure_results(plains: list[RunLog], fts: list[RunLog], every_step: RunL
             "cpu_overhead": cpu_ratio(plains, fts),
             "runs_cpu_seconds_per_step": {"plain": [cpu_seconds_per_step(run) for run in plains],
                                           "ft": [cpu_seconds_per_step(run) for run in fts]},
-            "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step}
+            "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step,
+            **exact_trajectory_overhead(plains, plain_step, exacts)}
+
+
+def exact_trajectory_overhead(plains: list[RunLog], plain_step: float, exacts: list[RunLog] | None) -> dict[str, Any]:
+    """``no_failure.overhead_exact_trajectory`` and its CPU ratio: ``FaultTolerance(exact_trajectory=True)``'s
+    no-failure runs against the same plain runs (``{}`` without such runs)."""
+    if not exacts:
+        return {}
+    exact_step = pooled_median_step_seconds(exacts)
+    return {"overhead_exact_trajectory": exact_step / plain_step, "exact_trajectory_step_seconds": exact_step,
+            "cpu_overhead_exact_trajectory": cpu_ratio(plains, exacts),
+            "runs_exact_trajectory": {"step_seconds": [median_step_seconds(run) for run in exacts],
+                                      "cpu_seconds_per_step": [cpu_seconds_per_step(run) for run in exacts]}}
 
 
 def cpu_ratio(plains: list[RunLog], fts: list[RunLog]) -> float | None:
@@ -1230,6 +1254,7 @@ def markdown_table(results: dict[str, Any]) -> str:
          f"{n['plain_step_seconds']:.3f} s)")),
         ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
         ("no failure: CPU per step (all ranks), fault-tolerant / plain", _num(n.get("cpu_overhead"), 3)),
+        ("no failure: step time with `exact_trajectory=True` / plain", _num(n.get("overhead_exact_trajectory"), 3)),
     ]
     if f is not None and r is not None:  # not --only no_failure / goodput
         rows += _failure_rows(f, r)
@@ -1300,6 +1325,23 @@ def trajectory_section(reference: list[dict[str, Any]], failure: RunLog, args: a
     }
 
 
+def no_failure_plan(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
+    """Run (1)'s runs in the order they run, as (name, mode, :func:`run_no_failure`'s keywords): plain / ft /
+    (ft exact / ft exact /) ft / plain -- interleaved, so that a load drifting during the benchmark weighs on
+    every mode alike -- then fault tolerance with torchft's quorum at every step; ``--smoke``: one plain, one ft."""
+    plan: list[tuple[str, str, dict[str, Any]]] = [("plain", "plain", {}), ("ft", "ft", {})]
+    if args.smoke:
+        return plan
+    if args.exact_trajectory:
+        plan += [(name, "ft", {"name": f"{name}-no-failure", "exact_trajectory": True})
+                 for name in ("ft-exact", "ft-exact-2")]
+    return plan + [
+        ("ft-2", "ft", {"name": "ft-no-failure-2"}),
+        ("plain-2", "plain", {"name": "plain-no-failure-2"}),
+        ("ft-quorum-every-step", "ft", {"name": "ft-no-failure-every-step", "quorum_every": 1}),
+    ]
+
+
 def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     """The runs, in order, and their numbers (``--only rejoin``: runs 2-3 alone)."""
     args = bench.args
@@ -1312,17 +1354,10 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     schedule = schedule_of(args)
     if args.only == "trajectory":
         schedule = replace(schedule, failures=0)
-    # the no-failure step times interleaved, plain / ft / ft / plain (a drifting load weighs on both alike), then
-    # fault tolerance with torchft's quorum at every step; --smoke: one of each
     todo: list[tuple[str, Callable[[], RunLog]]] = []
     if args.only in ("all", "no_failure"):
-        todo += [("plain", lambda: run_no_failure(bench, "plain")), ("ft", lambda: run_no_failure(bench, "ft"))]
-    if args.only in ("all", "no_failure") and not args.smoke:
-        todo += [
-            ("ft-2", lambda: run_no_failure(bench, "ft", "ft-no-failure-2")),
-            ("plain-2", lambda: run_no_failure(bench, "plain", "plain-no-failure-2")),
-            ("ft-quorum-every-step", lambda: run_no_failure(bench, "ft", "ft-no-failure-every-step", quorum_every=1)),
-        ]
+        todo += [(name, lambda mode=mode, fields=fields: run_no_failure(bench, mode, **fields))
+                 for name, mode, fields in no_failure_plan(args)]
     if args.only in ("all", "trajectory"):
         todo.append(("ft-failure", lambda: run_ft_failure(bench)))
     if args.only == "all":
@@ -1345,7 +1380,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     if "plain" in runs:
         no_failure = no_failure_results(
             [runs[k] for k in ("plain", "plain-2") if k in runs], [runs[k] for k in ("ft", "ft-2") if k in runs],
-            runs.get("ft-quorum-every-step"),
+            runs.get("ft-quorum-every-step"), [runs[k] for k in ("ft-exact", "ft-exact-2") if k in runs],
         )
     if args.only == "no_failure":
         return {"no_failure": no_failure}, runs["ft"], None

@@ -404,3 +404,43 @@ def test_the_goodput_window_is_split_into_the_stretches_of_each_outage(tmp_path:
     assert phases["alone"]["rate_vs_failure_free"] == pytest.approx(1.0)
     committed = bench.ft_progress(rows, 40.0) - bench.ft_progress(rows, 0.0)
     assert sum(stretch["goodput_lost"] for stretch in phases.values()) == pytest.approx(1 - committed / 40.0)
+
+
+def _timed_run(directory: Path, name: str, step_seconds: float) -> bench.RunLog:
+    """A no-failure run whose ranks log 10 steps ``step_seconds`` apart, the first 3 slower (warm-up)."""
+    run_dir = directory / name
+    run_dir.mkdir()
+    for node in range(3):
+        for rank in range(2):
+            t, rows = 0.0, []
+            for step in range(1, 11):
+                t += 5.0 if step <= 3 else step_seconds
+                rows.append({"t": t, "node": node, "rank": rank, "step": step, "cpu": t})
+            (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return bench.RunLog(name, str(run_dir), 0.0)
+
+
+def test_exact_trajectorys_overhead_is_its_runs_pooled_against_the_same_plain_runs(tmp_path: Path) -> None:
+    plains = [_timed_run(tmp_path, "plain", 0.10), _timed_run(tmp_path, "plain-2", 0.10)]
+    exacts = [_timed_run(tmp_path, "exact", 0.12), _timed_run(tmp_path, "exact-2", 0.13)]
+    numbers = bench.exact_trajectory_overhead(plains, bench.pooled_median_step_seconds(plains), exacts)
+    assert numbers["overhead_exact_trajectory"] == pytest.approx(1.25)  # the pooled median of 0.12 and 0.13 steps
+    assert numbers["runs_exact_trajectory"]["step_seconds"] == pytest.approx([0.12, 0.13])
+    assert numbers["cpu_overhead_exact_trajectory"] == pytest.approx(1.25)
+    assert bench.exact_trajectory_overhead(plains, 0.1, []) == {}
+
+
+@pytest.mark.parametrize("extra, exact_runs", [([], 2), (["--no-exact-trajectory"], 0), (["--smoke"], 0)])
+def test_the_no_failure_runs_interleave_the_modes_and_measure_fault_tolerances_default(
+    extra: list[str], exact_runs: int
+) -> None:
+    plan = bench.no_failure_plan(bench.parse_args(["--quick", *extra]))
+    names = [name for name, _, _ in plan]
+    exacts = [name for name, _, fields in plan if fields.get("exact_trajectory")]
+    assert len(exacts) == exact_runs
+    assert all(not fields.get("exact_trajectory") for name, mode, fields in plan if name not in exacts)
+    if "--smoke" in extra:
+        assert names == ["plain", "ft"]
+    else:  # plain / ft / (exact / exact /) ft / plain: every mode's runs centred on the same point in time
+        assert names[:2] == ["plain", "ft"] and names[-3:] == ["ft-2", "plain-2", "ft-quorum-every-step"]
+        assert names[2:-3] == exacts
