@@ -178,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default on: the run with a failure bit-identical to the run without; --no-exact-trajectory "
                         "sums a group's shares in fp32, equal up to rounding); on: two more no-failure runs measure "
                         "its overhead (the no-failure comparison itself runs fault tolerance's default, off)")
+    parser.add_argument("--heartbeat-interval", type=float,
+                        help="FaultTolerance(heartbeat_interval=...) of every fault-tolerant run, seconds (default: "
+                        "the option's, torchft's 0.1)")
     parser.add_argument("--catch-up-share", type=float, default=0.25,
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
@@ -208,6 +211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "--restart-delay >= 0.")
     if not 0 <= args.catch_up_share <= 1:
         parser.error("--catch-up-share must be between 0 (uncapped) and 1.")
+    if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < LIGHTHOUSE_HEARTBEAT_TIMEOUT_S / 2:
+        parser.error(f"--heartbeat-interval must be positive and well under the Lighthouse's heartbeat timeout "
+                     f"({LIGHTHOUSE_HEARTBEAT_TIMEOUT_S:g} s here).")
     if args.goodput_failures < 0 or (args.goodput_failures > 0 and args.goodput_period <= args.restart_delay):
         parser.error("--goodput-failures must be >= 0, and --goodput-period longer than --restart-delay.")
     setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
@@ -267,6 +273,7 @@ class Bench:
         fields.setdefault("catch_up_bytes_per_s", getattr(self.args, "catch_up_bytes_per_s", None))
         fields.setdefault("exact_trajectory", getattr(self.args, "exact_trajectory", False))
         fields.setdefault("async_save", self.args.checkpoints == "async")
+        fields.setdefault("heartbeat_interval", getattr(self.args, "heartbeat_interval", None))
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
                    timeout=self.args.ft_timeout, **fields)
@@ -304,6 +311,10 @@ def launch_all(bench: Bench, job: Job) -> dict[int, list[RankProcess]]:
             for node in range(NODES)}
 
 
+#: the Lighthouse's ``--heartbeat_timeout_ms``, in seconds: a group whose last heartbeat is older is lost
+LIGHTHOUSE_HEARTBEAT_TIMEOUT_S = 2.0
+
+
 def start_lighthouse(bench: Bench, min_replicas: int, port: int) -> tuple[str, subprocess.Popen[bytes]]:
     """A Lighthouse on the switch (its own host): join timeout :data:`LIGHTHOUSE_JOIN_TIMEOUT_MS`, heartbeat
     timeout 2 s, as the demo's."""
@@ -311,7 +322,7 @@ def start_lighthouse(bench: Bench, min_replicas: int, port: int) -> tuple[str, s
     assert binary is not None
     bind = f"{bench.lighthouse_host}:{port}"
     argv = [binary, "--min_replicas", str(min_replicas), "--bind", bind, "--join_timeout_ms",
-            str(LIGHTHOUSE_JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", "2000"]
+            str(LIGHTHOUSE_JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(int(LIGHTHOUSE_HEARTBEAT_TIMEOUT_S * 1000))]
     log = (bench.work / f"lighthouse-{port}.log").open("wb")
     proc = bench.cluster.spawn_in(bench.cluster.switch_namespace, argv, stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)

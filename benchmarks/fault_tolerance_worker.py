@@ -82,6 +82,7 @@ class Job:
     async_save: bool = False  #: MiCSStrategy(async_save=...): checkpoints written in the background
     check_parameters_every: int = 10  #: ft: FaultTolerance(check_parameters_every=...)
     exact_trajectory: bool = False  #: ft: FaultTolerance(exact_trajectory=...)
+    heartbeat_interval: float | None = None  #: ft: FaultTolerance(heartbeat_interval=...); None: its default
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -222,7 +223,8 @@ def build_strategy(job: Job, node: int) -> MiCSStrategy:
     ft = FaultTolerance(lighthouse=job.lighthouse, replica_group=node, num_replica_groups=job.num_groups,
                         timeout=job.timeout, quorum_timeout=60.0, quorum_every=job.quorum_every, heal=job.heal,
                         catch_up_bytes_per_s=job.catch_up_bytes_per_s,
-                        check_parameters_every=job.check_parameters_every, exact_trajectory=job.exact_trajectory)
+                        check_parameters_every=job.check_parameters_every, exact_trajectory=job.exact_trajectory,
+                        **({} if job.heartbeat_interval is None else {"heartbeat_interval": job.heartbeat_interval}))
     return MiCSStrategy(fault_tolerance=ft, process_group_backend="gloo", async_save=job.async_save)
 
 

@@ -56,6 +56,8 @@ def test_fault_tolerance_reads_the_environment_and_names_what_is_missing(monkeyp
         FaultTolerance(quorum_every=0)
     with pytest.raises(ValueError, match=r"quorum_every=2.5\) must be a whole number"):
         FaultTolerance(quorum_every=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"heartbeat_interval=0\) must be a positive number"):
+        FaultTolerance(heartbeat_interval=0)
 
 
 def test_the_strategy_takes_fault_tolerance_as_an_object_true_or_a_dict() -> None:
@@ -429,6 +431,33 @@ class _StubManager:
 
     def shutdown(self, wait: bool = False) -> None:
         pass
+
+
+def _manager_arguments(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torchft
+
+    from lightning_mics.fault_tolerance import group as group_module
+
+    dist.init_process_group("gloo")
+    built: dict[str, Any] = {}
+
+    def recording_manager(**arguments: Any) -> _StubManager:
+        built.update(arguments)
+        return _StubManager()
+
+    torchft.Manager = recording_manager
+    options = FaultTolerance("http://unused:1", 0, 1, heartbeat_interval=0.5, quorum_timeout=30)
+    group = group_module.ReplicaGroup(options, torch.device("cpu"), state_fn=dict, load_fn=lambda state: None)
+    group.shutdown()
+    return {name: built[name].total_seconds() for name in ("heartbeat_interval", "quorum_timeout")}
+
+
+@pytest.mark.distributed
+def test_the_heartbeat_interval_and_the_quorum_timeout_reach_torchfts_manager() -> None:
+    """``FaultTolerance(heartbeat_interval=...)`` is torchft's own knob (its default 0.1 s), passed through."""
+    assert run_ranks(_manager_arguments, 1)[0] == {"heartbeat_interval": 0.5, "quorum_timeout": 30.0}
+    assert FaultTolerance().heartbeat_interval == 0.1
 
 
 def _quorum_decisions(rank: int, world_size: int) -> dict[str, Any]:

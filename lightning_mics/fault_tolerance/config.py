@@ -48,6 +48,12 @@ class FaultTolerance:
     #: seconds to wait for a quorum (longer than a step); also how long a group waits, without training, while
     #: fewer than ``min_replica_groups`` groups are live, before it ends with an error saying how many are
     quorum_timeout: float = 60.0
+    #: seconds between this group's heartbeats to the Lighthouse (torchft's default, 0.1). The Lighthouse counts a
+    #: group as lost once its last heartbeat is older than its ``--heartbeat_timeout_ms``, so a slower heartbeat
+    #: does not notice a loss later -- keep it a quarter of that timeout or less, or a busy host's late heartbeat
+    #: reads as a loss. Every heartbeat is one RPC to the Lighthouse: with many groups, or on hosts whose cores the
+    #: ranks share, a slower one takes load off the Lighthouse and the training's cores (``docs/fault-tolerance.md``).
+    heartbeat_interval: float = 0.1
     #: seconds without a new step (quorum) after which a rank takes its whole process down: a hung group must
     #: die, not keep heartbeating and block everyone's quorum. Longer than a step plus any validation or save.
     watchdog: float = 900.0
@@ -95,7 +101,7 @@ class FaultTolerance:
 
     def __post_init__(self) -> None:
         whole = ("min_replica_groups", "check_parameters_every", "quorum_every")
-        for name in ("timeout", "quorum_timeout", "watchdog") + whole:
+        for name in ("timeout", "quorum_timeout", "heartbeat_interval", "watchdog") + whole:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"FaultTolerance({name}={value!r}) must be a positive number.")

@@ -107,6 +107,7 @@ class ReplicaGroup:
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=options.quorum_timeout),
                 connect_timeout=timeout,  # an unreachable Lighthouse is an error within the configured timeout
+                heartbeat_interval=timedelta(seconds=options.heartbeat_interval),
                 rank=dist.get_rank(),
                 world_size=dist.get_world_size(),
                 lighthouse_addr=options.lighthouse,
