@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import resource
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -166,10 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"settings": vars(args) | {"output": str(args.output)}, "variants": {}}
     base = None
     for variant in VARIANTS:
-        per_round = [gathered[rank][variant] for rank in range(args.groups)]
-        cpu_ms = 1e3 * sum(cpu for runs in per_round for cpu, _, _ in runs) / (args.groups * args.rounds)
-        main_ms = 1e3 * sum(main for runs in per_round for _, _, main in runs) / (args.groups * args.rounds)
-        wall_ms = 1e3 * max(wall for runs in per_round for _, wall, _ in runs)
+        # (process CPU, wall, main-thread CPU) per step, of every rank's every round
+        measured = [run for rank in range(args.groups) for run in gathered[rank][variant]]
+        cpu_ms = 1e3 * statistics.fmean(cpu for cpu, _, _ in measured)
+        main_ms = 1e3 * statistics.fmean(main for _, _, main in measured)
+        wall_ms = 1e3 * max(wall for _, wall, _ in measured)
         base = base or cpu_ms
         report["variants"][variant] = {"cpu_ms_per_step_per_rank": cpu_ms, "main_thread_cpu_ms_per_step_per_rank":
                                        main_ms, "slowest_wall_ms_per_step": wall_ms, "cpu_vs_all_reduce": cpu_ms / base}

@@ -1353,6 +1353,28 @@ def no_failure_plan(args: argparse.Namespace) -> list[tuple[str, str, dict[str, 
     ]
 
 
+def no_failure_runs_by_kind(
+    plan: list[tuple[str, str, dict[str, Any]]], runs: dict[str, RunLog]
+) -> tuple[list[RunLog], list[RunLog], RunLog | None, list[RunLog]]:
+    """:func:`no_failure_plan`'s runs that ran, sorted by what they compare, in plan order: the plain ones, the
+    fault-tolerant ones as configured by default, the one with a quorum at every step (or ``None``), and the
+    ``exact_trajectory`` ones -- read from each run's keywords, so the plan is the one place that names them."""
+    plains, defaults, exacts, every_step = [], [], [], None
+    for name, mode, fields in plan:
+        run = runs.get(name)
+        if run is None:
+            continue
+        if mode == "plain":
+            plains.append(run)
+        elif fields.get("exact_trajectory"):
+            exacts.append(run)
+        elif "quorum_every" in fields:
+            every_step = run
+        else:
+            defaults.append(run)
+    return plains, defaults, every_step, exacts
+
+
 def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     """The runs, in order, and their numbers (``--only rejoin``: runs 2-3 alone)."""
     args = bench.args
@@ -1365,10 +1387,10 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     schedule = schedule_of(args)
     if args.only == "trajectory":
         schedule = replace(schedule, failures=0)
-    todo: list[tuple[str, Callable[[], RunLog]]] = []
-    if args.only in ("all", "no_failure"):
-        todo += [(name, lambda mode=mode, fields=fields: run_no_failure(bench, mode, **fields))
-                 for name, mode, fields in no_failure_plan(args)]
+    plan = no_failure_plan(args) if args.only in ("all", "no_failure") else []
+    todo: list[tuple[str, Callable[[], RunLog]]] = [
+        (name, lambda mode=mode, fields=fields: run_no_failure(bench, mode, **fields)) for name, mode, fields in plan
+    ]
     if args.only in ("all", "trajectory"):
         todo.append(("ft-failure", lambda: run_ft_failure(bench)))
     if args.only == "all":
@@ -1388,11 +1410,9 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         print(f"    {time.monotonic() - began:.0f} s; events: " + ", ".join(
             f"{k} at {t - runs[name].started:.1f} s" for k, t in runs[name].events.items()), flush=True)
     no_failure = None
-    if "plain" in runs:
-        no_failure = no_failure_results(
-            [runs[k] for k in ("plain", "plain-2") if k in runs], [runs[k] for k in ("ft", "ft-2") if k in runs],
-            runs.get("ft-quorum-every-step"), [runs[k] for k in ("ft-exact", "ft-exact-2") if k in runs],
-        )
+    if plan:
+        plains, defaults, every_step, exacts = no_failure_runs_by_kind(plan, runs)
+        no_failure = no_failure_results(plains, defaults, every_step, exacts)
     if args.only == "no_failure":
         return {"no_failure": no_failure}, runs["ft"], None
     reference = read_sample_records(runs["ft-reference"].log_dir)  # run 5's: runs 2 and 6 are held to it

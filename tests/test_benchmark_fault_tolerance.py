@@ -444,3 +444,9 @@ def test_the_no_failure_runs_interleave_the_modes_and_measure_fault_tolerances_d
     else:  # plain / ft / (exact / exact /) ft / plain: every mode's runs centred on the same point in time
         assert names[:2] == ["plain", "ft"] and names[-3:] == ["ft-2", "plain-2", "ft-quorum-every-step"]
         assert names[2:-3] == exacts
+    runs = {name: bench.RunLog(name, f"/logs/{name}", 0.0) for name in names}
+    plains, defaults, every_step, exact = bench.no_failure_runs_by_kind(plan, runs)
+    assert [run.name for run in plains] == [name for name in names if name.startswith("plain")]
+    assert [run.name for run in defaults] == [name for name in ("ft", "ft-2") if name in names]
+    assert [run.name for run in exact] == exacts
+    assert (every_step is None) == ("--smoke" in extra)
