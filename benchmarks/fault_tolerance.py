@@ -11,10 +11,12 @@ of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
 
 1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant as configured by
    default (``--quorum-every``, ``exact_trajectory=False``): the parameters' largest difference, and the
-   step-time ratio (fault-tolerant / plain, ``overhead``: each mode run twice, interleaved plain / ft / ft / plain,
-   the step intervals of both runs pooled); with ``--exact-trajectory`` (the default) two runs with
-   ``exact_trajectory=True`` in the middle (``overhead_exact_trajectory``, against the same plain runs); then once
-   more fault-tolerant with a quorum at every step (``overhead_quorum_every_step``);
+   step-time ratio (fault-tolerant / plain, ``overhead``); with ``--exact-trajectory`` (the default) a run with
+   ``exact_trajectory=True`` (``overhead_exact_trajectory``), and one with a quorum at every step
+   (``overhead_quorum_every_step``). These runs share the host in time slices: all launched at once, each runs
+   alone for 3 s while the others wait stopped (SIGSTOP), round after round, so that the other tenants' load,
+   which drifts over minutes, weighs on every mode alike; each run's step times are the steps inside its slices
+   (``time_sliced``, and ``overhead_by_round``: how the ratio moves from one round to the next);
 2. fault-tolerant, every rank of node 2 SIGKILLed once it logged step ``--kill-at-step``: seconds from the
    kill to the survivors' next committed step without it, steps discarded, the survivors' committed steps
    during the outage;
@@ -54,6 +56,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -111,9 +114,9 @@ class Preset:
     reference_steps: int = 0
 
 
-FULL = Preset(no_failure_steps=100, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=20.0,
+FULL = Preset(no_failure_steps=400, steps=300, kill_at_step=70, checkpoint_every=25, restart_delay=20.0,
               probe_seconds=3.0, run_timeout=900.0, goodput_period=90.0, goodput_failures=4)
-QUICK = Preset(no_failure_steps=80, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
+QUICK = Preset(no_failure_steps=300, steps=200, kill_at_step=35, checkpoint_every=10, restart_delay=10.0,
                probe_seconds=1.0, run_timeout=400.0, goodput_period=40.0, goodput_failures=3)
 #: The main path in about two minutes (what the test suite runs): every run, the kill and the rejoin, few steps.
 #: No goodput runs (a kill schedule needs minutes), and the trajectory compared over the first 30 steps only (the
@@ -144,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the main path with few steps, about 3 minutes: checks that it runs, measures nothing")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
     parser.add_argument("--steps", type=int, help="optimizer steps of the failure runs (quick: 200, default 300)")
-    parser.add_argument("--no-failure-steps", type=int, help="steps of the no-failure runs (quick: 80, default 100)")
+    parser.add_argument("--no-failure-steps", type=int, help="steps of each no-failure run (quick: 300, default 400)")
     parser.add_argument("--kill-at-step", type=int,
                         help="kill node 2 half a step after it logged this step (quick: 35, default 70)")
     parser.add_argument("--checkpoint-every", type=int, help="ModelCheckpoint interval in steps (quick: 10, 25)")
@@ -399,37 +402,156 @@ class RunLog:
     started: float
     events: dict[str, float] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)  #: restarts that failed themselves (and were retried)
+    #: run (1): the stretches ``(resumed, paused)`` in which this run's processes ran while every other run of
+    #: the comparison waited, up to the round in which the first run ended (:func:`run_no_failure_sliced`);
+    #: ``None``: it ran alone
+    slices: list[tuple[float, float]] | None = None
 
 
-def run_no_failure(
-    bench: Bench, mode: str, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
-) -> RunLog:
-    """Run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards at the end.
-    The Lighthouse wants all 3 groups, and the start barrier holds every group before the first quorum.
+#: Run (1): seconds each no-failure run runs at a time while the others wait stopped (:func:`run_no_failure_sliced`).
+#: Short against the host's drift (other tenants come and go over tens of seconds), long against a step (0.15-0.25
+#: s here): the step a stop cuts through is left out, so a slice of 3 s keeps about 12 whole steps.
+SLICE_SECONDS = 3.0
+#: Run (1)'s fault-tolerant collective timeout: a collective in flight when its run is stopped waits out the other
+#: runs' slices (3 s each) before its peers answer, which the benchmark's usual 10 s would not always allow.
+SLICED_FT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class SlicedRun:
+    """One run of run (1) while it shares the host with the others: its processes, its Lighthouse (fault
+    tolerance: each run its own, stopped and resumed with it) and its log."""
+
+    name: str
+    job: Job
+    nodes: dict[int, list[RankProcess]]
+    lighthouse: subprocess.Popen[bytes] | None
+    log: RunLog
+
+    def processes(self) -> list[Any]:
+        return [proc for procs in self.nodes.values() for proc in procs]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the run (each rank's session: the rank and anything it started), then its
+        Lighthouse: what is in flight waits where it is, and nothing of this run takes CPU meanwhile."""
+        _signal_sessions([*self.processes(), *([self.lighthouse] if self.lighthouse else [])], signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the Lighthouse first, then the ranks (whose heartbeats and quorum requests it answers)."""
+        _signal_sessions([*([self.lighthouse] if self.lighthouse else []), *self.processes()], signal.SIGCONT)
+
+    def trained(self) -> bool:
+        """Whether every rank logged its first step (start-up done: imports, sharding, the first quorum)."""
+        paths = [Path(self.job.log_dir) / f"node{node}.rank{rank}.jsonl"
+                 for node in range(NODES) for rank in range(RANKS_PER_NODE)]
+        return all(path.exists() and path.stat().st_size > 0 for path in paths)
+
+
+def _signal_sessions(procs: list[Any], sig: signal.Signals) -> None:
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+
+
+def run_no_failure_sliced(bench: Bench, plan: list[tuple[str, str, dict[str, Any]]]) -> dict[str, RunLog]:
+    """Run (1): every run of ``plan`` (:func:`no_failure_plan`) launched at once, each taking the host alone in
+    turn for :data:`SLICE_SECONDS` while the others wait stopped (SIGSTOP), round after round until each finished.
+    Each run is then measured on the same minutes of this shared host as the others, a few seconds apart: the
+    drift of the other tenants' load, which moved runs made one after the other by 10-30 % here, weighs on every
+    run alike. The steps each run took within its slices while every run was still going are its measurement
+    (:attr:`RunLog.slices`); a step that a stop cut through is not. A run's start-up (imports, sharding, the first
+    quorum) is not measured: each run is stopped once every rank logged a step, until all have."""
+    started: list[SlicedRun] = []
+    try:
+        for index, (name, mode, fields) in enumerate(plan):
+            started.append(launch_no_failure(bench, mode, index, **fields))
+        deadline = time.monotonic() + bench.args.run_timeout * len(plan)  # each run gets 1 / len(plan) of the host
+        waiting = list(started)
+        while waiting:  # start-up: all at once; each waits stopped from its first step until every run got there
+            for run in list(waiting):
+                _check_running(run, deadline, "starting")
+                if run.trained():
+                    run.pause()
+                    waiting.remove(run)
+            time.sleep(0.05)
+        slices: dict[str, list[tuple[float, float]]] = {run.name: [] for run in started}
+        for run in started:
+            run.log.slices = slices[run.name]
+        rotation, paired = list(started), True
+        while rotation:
+            ended = False
+            for run in list(rotation):
+                run.resume()
+                resumed = time.time()
+                outcome = watch(run.nodes, min(time.monotonic() + SLICE_SECONDS, deadline))
+                run.pause()
+                if paired:
+                    slices[run.name].append((resumed, time.time()))
+                if outcome == "done":
+                    rotation.remove(run)
+                    ended = True
+                elif outcome != "timeout":
+                    expect_done(outcome, run.job, f"{run.name} without failure (time-sliced)")
+                else:
+                    _check_running(run, deadline, "training")
+            paired = paired and not ended  # later rounds are no comparison of every run: one has ended
+        return {name: run.log for (name, _, _), run in zip(plan, started)}
+    finally:
+        for run in started:
+            run.resume()  # a stopped process does not act on SIGTERM
+        bench.cluster.stop_all([proc for run in started for proc in run.processes()])
+        for run in started:
+            if run.lighthouse is not None:
+                bench.cluster.stop(run.lighthouse)
+
+
+def _check_running(run: SlicedRun, deadline: float, doing: str) -> None:
+    """Raise :class:`RunFailed` (with the ranks' last errors) if a rank of ``run`` failed or ``deadline`` passed."""
+    failed = [(node, code) for node, procs in run.nodes.items() for code in (proc.poll() for proc in procs)
+              if code not in (None, 0)]
+    if failed:
+        expect_done(f"failed: node {failed[0][0]} exited with {failed[0][1]}", run.job,
+                    f"{run.name} without failure, {doing}")
+    if time.monotonic() >= deadline:
+        expect_done("timeout", run.job, f"{run.name} without failure, still {doing} at the deadline")
+
+
+def launch_no_failure(
+    bench: Bench, mode: str, index: int, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
+) -> SlicedRun:
+    """Launch one run of run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards
+    at the end. Fault tolerance gets a Lighthouse of its own (port ``index`` above the benchmark's), which wants all
+    3 groups, and a start barrier that holds every group before the first quorum.
     ``name``: the run's directory (default ``<mode>-no-failure``); ``quorum_every``: instead of the option's;
     ``exact_trajectory``: ``FaultTolerance(exact_trajectory=...)`` -- off by default here, whatever
     ``--exact-trajectory`` says: the no-failure comparison measures fault tolerance as a user gets it by default
     (and ``exact_trajectory``'s runs on their own, ``no_failure.overhead_exact_trajectory``)."""
-    steps = bench.args.no_failure_steps
     name = name or f"{mode}-no-failure"
     fields: dict[str, Any] = {"save_params": True, "digests": True, "exact_trajectory": exact_trajectory}
     if quorum_every is not None:
         fields["quorum_every"] = quorum_every
     lighthouse = None
     if mode == "ft":
-        address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT)
+        address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT + 10 + index)
         fields |= {"lighthouse": address, "start_barrier": str(bench.work / f"{name}-barrier")}
         Path(fields["start_barrier"]).mkdir()
-    job = bench.job(name, mode, steps, **fields)
-    run = RunLog(job.log_dir, job.log_dir, time.time())
-    nodes = launch_all(bench, job)
+    job = replace(bench.job(name, mode, bench.args.no_failure_steps, **fields), timeout=SLICED_FT_TIMEOUT_S)
+    log = RunLog(job.log_dir, job.log_dir, time.time())
+    return SlicedRun(name, job, launch_all(bench, job), lighthouse, log)
+
+
+def run_no_failure(
+    bench: Bench, mode: str, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
+) -> RunLog:
+    """One run of run (1) alone on the host, not time-sliced (the A/B scripts kept with earlier results call it)."""
+    run = launch_no_failure(bench, mode, 0, name, quorum_every, exact_trajectory)
     try:
-        expect_done(watch(nodes, time.monotonic() + bench.args.run_timeout), job, f"{mode} without failure")
+        expect_done(watch(run.nodes, time.monotonic() + bench.args.run_timeout), run.job, f"{mode} without failure")
     finally:
-        stop_all(bench, nodes)
-        if lighthouse is not None:
-            bench.cluster.stop(lighthouse)
-    return run
+        stop_all(bench, run.nodes)
+        if run.lighthouse is not None:
+            bench.cluster.stop(run.lighthouse)
+    return run.log
 
 
 def run_ft_failure(bench: Bench) -> RunLog:
@@ -710,24 +832,62 @@ def commits(rows: list[dict[str, Any]], node: int) -> list[dict[str, Any]]:
     return out
 
 
+Row = dict[str, Any]
+
+
+def measured_pairs(run: RunLog, rows: list[Row], skip: int = 3) -> list[tuple[Row, Row]]:
+    """One rank's consecutive lines (``rows``, in time order) whose interval is a measured step: in a time-sliced
+    run (:attr:`RunLog.slices`), both lines within one slice -- the step began and ended while the run had the host,
+    so a stop cut through none; else every pair after the first ``skip`` lines (warm-up)."""
+    if run.slices is None:
+        return list(itertools.pairwise(rows[skip:]))
+    return [(a, b) for a, b in itertools.pairwise(rows)
+            if any(start <= a["t"] and b["t"] <= end for start, end in run.slices)]
+
+
+def step_intervals(run: RunLog, skip: int = 3) -> list[float]:
+    """Node 0 rank 0's measured step times (:func:`measured_pairs`)."""
+    rows = [row for row in read_rows(run) if row["node"] == 0]
+    return [b["t"] - a["t"] for a, b in measured_pairs(run, rows, skip)]
+
+
 def median_step_seconds(run: RunLog, skip: int = 3) -> float:
-    """Median time between node 0 rank 0's consecutive steps, the first ``skip`` left out (warm-up)."""
-    return median_interval([row["t"] for row in read_rows(run) if row["node"] == 0][skip:])
+    """Median of node 0 rank 0's measured step times (:func:`measured_pairs`: the first ``skip`` left out as
+    warm-up, or in a time-sliced run those within its slices)."""
+    return statistics.median(step_intervals(run, skip))
 
 
 def pooled_median_step_seconds(runs: list[RunLog], skip: int = 3) -> float:
-    """:func:`median_step_seconds` over the step intervals of several runs together (the interleaved repeats
-    of one mode: a load that drifts during the benchmark weighs on both modes alike)."""
-    intervals = []
-    for run in runs:
-        times = [row["t"] for row in read_rows(run) if row["node"] == 0][skip:]
-        intervals += [b - a for a, b in itertools.pairwise(times)]
-    return statistics.median(intervals)
+    """:func:`median_step_seconds` over the step intervals of several runs together (several runs of one mode:
+    a load that drifts during the benchmark weighs on every mode alike)."""
+    return statistics.median([interval for run in runs for interval in step_intervals(run, skip)])
+
+
+def slice_step_seconds(run: RunLog) -> list[float | None]:
+    """A time-sliced run's median step time in each of its slices (``None``: no whole step in it)."""
+    rows = [row for row in read_rows(run) if row["node"] == 0]
+    out: list[float | None] = []
+    for start, end in run.slices or []:
+        intervals = [b["t"] - a["t"] for a, b in itertools.pairwise(rows) if start <= a["t"] and b["t"] <= end]
+        out.append(statistics.median(intervals) if intervals else None)
+    return out
+
+
+def ratio_by_round(plain: RunLog, other: RunLog) -> dict[str, Any] | None:
+    """Round by round of a time-sliced run (1), ``other``'s median step time in its slice over plain MiCS's in
+    the same round (seconds apart): how much one round's ratio moves -- the host's noise at this time scale --
+    as the quartiles over the rounds. ``None`` for runs that were not time-sliced."""
+    ratios = [b / a for a, b in zip(slice_step_seconds(plain), slice_step_seconds(other)) if a and b]
+    if len(ratios) < 2:
+        return None
+    q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) >= 4 else (min(ratios), statistics.median(ratios),
+                                                                            max(ratios))
+    return {"rounds": len(ratios), "quartiles": [q1, q2, q3]}
 
 
 def cpu_seconds_per_step(run: RunLog, skip: int = 3) -> float | None:
     """CPU seconds that all ranks together spent per step (every thread of every rank's process: the
-    ``time.process_time()`` of each logged line), over the steps the step times use (the first ``skip`` left out).
+    ``time.process_time()`` of each logged line), over the steps the step times use (:func:`measured_pairs`).
     The ranks keep this host's cores busy (6 ranks on 2 cores), so a step takes as long as the CPU it needs: this
     ratio is the overhead without the wall clock's noise, and where it comes from is in each thread's CPU (the
     Lighthouse, a process of its own, is not counted: about 1 ms a step)."""
@@ -736,19 +896,20 @@ def cpu_seconds_per_step(run: RunLog, skip: int = 3) -> float | None:
         by_rank.setdefault((row["node"], row["rank"]), []).append(row)
     total = 0.0
     for rows in by_rank.values():
-        rows = rows[skip:]
-        if len(rows) < 2 or "cpu" not in rows[0] or rows[-1]["step"] == rows[0]["step"]:
+        pairs = measured_pairs(run, rows, skip)
+        steps = sum(b["step"] - a["step"] for a, b in pairs)
+        if not pairs or "cpu" not in rows[0] or steps == 0:
             return None
-        total += (rows[-1]["cpu"] - rows[0]["cpu"]) / (rows[-1]["step"] - rows[0]["step"])
+        total += sum(b["cpu"] - a["cpu"] for a, b in pairs) / steps
     return total
-
-
-def mean_or_none(values: list[float | None]) -> float | None:
-    return None if not values or any(value is None for value in values) else statistics.fmean(values)  # type: ignore[arg-type]
 
 
 def median_interval(times: list[float]) -> float:
     return statistics.median([b - a for a, b in itertools.pairwise(times)])
+
+
+def mean_or_none(values: list[float | None]) -> float | None:
+    return None if not values or any(value is None for value in values) else statistics.fmean(values)  # type: ignore[arg-type]
 
 
 def max_abs_diff(plain: RunLog, ft: RunLog) -> tuple[float, float]:
@@ -784,8 +945,10 @@ def no_failure_results(
     plains: list[RunLog], fts: list[RunLog], every_step: RunLog | None = None, exacts: list[RunLog] | None = None
 ) -> dict[str, Any]:
     """The no-failure numbers: exactness from the first plain / fault-tolerant pair, step times pooled over every
-    run of a mode (they ran interleaved), with ``every_step`` the overhead of a quorum at every step, and with
-    ``exacts`` (``exact_trajectory=True``'s runs, interleaved with the others) that option's overhead."""
+    run of a mode (each run's measured steps: :func:`measured_pairs`), with ``every_step`` the overhead of a quorum
+    at every step, and with ``exacts`` (``exact_trajectory=True``'s runs) that option's overhead. Time-sliced runs
+    (:func:`run_no_failure_sliced`) add how each overhead moves from one round of slices to the next
+    (``overhead_by_round``, :func:`ratio_by_round`) and the slicing itself (``time_sliced``)."""
     plain, ft = plains[0], fts[0]
     to_plain, between_groups = max_abs_diff(plain, ft)
     plain_step, ft_step = pooled_median_step_seconds(plains), pooled_median_step_seconds(fts)
@@ -802,7 +965,20 @@ def no_failure_results(
             "runs_cpu_seconds_per_step": {"plain": [cpu_seconds_per_step(run) for run in plains],
                                           "ft": [cpu_seconds_per_step(run) for run in fts]},
             "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step,
-            **exact_trajectory_overhead(plains, plain_step, exacts)}
+            **exact_trajectory_overhead(plains, plain_step, exacts),
+            **time_slicing(plain, {"ft": ft, "quorum_every_step": every_step,
+                                   "exact_trajectory": exacts[0] if exacts else None})}
+
+
+def time_slicing(plain: RunLog, others: dict[str, RunLog | None]) -> dict[str, Any]:
+    """For a time-sliced run (1): the slices (seconds each, rounds, whole steps measured per run) and each
+    overhead's quartiles over the rounds (:func:`ratio_by_round`); ``{}`` for runs made one after the other."""
+    if plain.slices is None:
+        return {}
+    runs = {"plain": plain, **{name: run for name, run in others.items() if run is not None}}
+    return {"time_sliced": {"slice_seconds": SLICE_SECONDS, "rounds": len(plain.slices),
+                            "measured_steps": {name: len(step_intervals(run)) for name, run in runs.items()}},
+            "overhead_by_round": {name: ratio_by_round(plain, run) for name, run in runs.items() if name != "plain"}}
 
 
 def exact_trajectory_overhead(plains: list[RunLog], plain_step: float, exacts: list[RunLog] | None) -> dict[str, Any]:
@@ -1267,6 +1443,10 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("no failure: CPU per step (all ranks), fault-tolerant / plain", _num(n.get("cpu_overhead"), 3)),
         ("no failure: step time with `exact_trajectory=True` / plain", _num(n.get("overhead_exact_trajectory"), 3)),
     ]
+    by_round = (n or {}).get("overhead_by_round", {}).get("ft")
+    if by_round is not None:
+        rows.append((f"no failure: fault-tolerant / plain, round by round of {SLICE_SECONDS:g} s slices: quartiles",
+                     " / ".join(f"{q:.3f}" for q in by_round["quartiles"]) + f" ({by_round['rounds']} rounds)"))
     if f is not None and r is not None:  # not --only no_failure / goodput
         rows += _failure_rows(f, r)
     if "restart_baseline" in results:
@@ -1337,20 +1517,15 @@ def trajectory_section(reference: list[dict[str, Any]], failure: RunLog, args: a
 
 
 def no_failure_plan(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
-    """Run (1)'s runs in the order they run, as (name, mode, :func:`run_no_failure`'s keywords): plain / ft /
-    (ft exact / ft exact /) ft / plain -- interleaved, so that a load drifting during the benchmark weighs on
-    every mode alike -- then fault tolerance with torchft's quorum at every step; ``--smoke``: one plain, one ft."""
+    """Run (1)'s runs, as (name, mode, :func:`launch_no_failure`'s keywords), all sharing the host in time slices
+    (:func:`run_no_failure_sliced`): plain MiCS, fault tolerance as configured by default, ``exact_trajectory=True``
+    (unless ``--no-exact-trajectory``) and a quorum at every step; ``--smoke``: plain and fault tolerance."""
     plan: list[tuple[str, str, dict[str, Any]]] = [("plain", "plain", {}), ("ft", "ft", {})]
     if args.smoke:
         return plan
     if args.exact_trajectory:
-        plan += [(name, "ft", {"name": f"{name}-no-failure", "exact_trajectory": True})
-                 for name in ("ft-exact", "ft-exact-2")]
-    return plan + [
-        ("ft-2", "ft", {"name": "ft-no-failure-2"}),
-        ("plain-2", "plain", {"name": "plain-no-failure-2"}),
-        ("ft-quorum-every-step", "ft", {"name": "ft-no-failure-every-step", "quorum_every": 1}),
-    ]
+        plan.append(("ft-exact", "ft", {"name": "ft-exact-no-failure", "exact_trajectory": True}))
+    return plan + [("ft-quorum-every-step", "ft", {"name": "ft-no-failure-every-step", "quorum_every": 1})]
 
 
 def no_failure_runs_by_kind(
@@ -1388,9 +1563,7 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     if args.only == "trajectory":
         schedule = replace(schedule, failures=0)
     plan = no_failure_plan(args) if args.only in ("all", "no_failure") else []
-    todo: list[tuple[str, Callable[[], RunLog]]] = [
-        (name, lambda mode=mode, fields=fields: run_no_failure(bench, mode, **fields)) for name, mode, fields in plan
-    ]
+    todo: list[tuple[str, Callable[[], RunLog]]] = []
     if args.only in ("all", "trajectory"):
         todo.append(("ft-failure", lambda: run_ft_failure(bench)))
     if args.only == "all":
@@ -1402,8 +1575,17 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     if schedule.failures > 0 and args.only == "all":
         todo.append(("restart-goodput", lambda: run_restart_goodput(bench, schedule)))
     runs: dict[str, RunLog] = {}
-    for name, run in todo:
-        print(f"[{len(runs) + 1}/{len(todo)}] {name} ...", flush=True)
+    steps_total = len(todo) + bool(plan)
+    if plan:
+        print(f"[1/{steps_total}] no failure, time-sliced: {', '.join(name for name, _, _ in plan)} ...", flush=True)
+        began = time.monotonic()
+        runs = run_no_failure_sliced(bench, plan)
+        for run in runs.values():
+            (Path(run.log_dir) / "run.json").write_text(json.dumps(asdict(run)))  # kept with --work-dir
+        print(f"    {time.monotonic() - began:.0f} s; slices: " + ", ".join(
+            f"{name} {len(run.slices or [])}" for name, run in runs.items()), flush=True)
+    for number, (name, run) in enumerate(todo, start=1 + bool(plan)):
+        print(f"[{number}/{steps_total}] {name} ...", flush=True)
         began = time.monotonic()
         runs[name] = run()
         (Path(runs[name].log_dir) / "run.json").write_text(json.dumps(asdict(runs[name])))  # kept with --work-dir

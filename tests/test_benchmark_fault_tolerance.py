@@ -430,8 +430,8 @@ def test_exact_trajectorys_overhead_is_its_runs_pooled_against_the_same_plain_ru
     assert bench.exact_trajectory_overhead(plains, 0.1, []) == {}
 
 
-@pytest.mark.parametrize("extra, exact_runs", [([], 2), (["--no-exact-trajectory"], 0), (["--smoke"], 0)])
-def test_the_no_failure_runs_interleave_the_modes_and_measure_fault_tolerances_default(
+@pytest.mark.parametrize("extra, exact_runs", [([], 1), (["--no-exact-trajectory"], 0), (["--smoke"], 0)])
+def test_the_no_failure_runs_measure_fault_tolerances_default_and_each_option_once(
     extra: list[str], exact_runs: int
 ) -> None:
     plan = bench.no_failure_plan(bench.parse_args(["--quick", *extra]))
@@ -439,14 +439,59 @@ def test_the_no_failure_runs_interleave_the_modes_and_measure_fault_tolerances_d
     exacts = [name for name, _, fields in plan if fields.get("exact_trajectory")]
     assert len(exacts) == exact_runs
     assert all(not fields.get("exact_trajectory") for name, mode, fields in plan if name not in exacts)
+    assert names[:2] == ["plain", "ft"] and plan[1][2] == {}  # fault tolerance as configured by default
     if "--smoke" in extra:
         assert names == ["plain", "ft"]
-    else:  # plain / ft / (exact / exact /) ft / plain: every mode's runs centred on the same point in time
-        assert names[:2] == ["plain", "ft"] and names[-3:] == ["ft-2", "plain-2", "ft-quorum-every-step"]
-        assert names[2:-3] == exacts
+    else:
+        assert names[-1] == "ft-quorum-every-step" and plan[-1][2]["quorum_every"] == 1
     runs = {name: bench.RunLog(name, f"/logs/{name}", 0.0) for name in names}
     plains, defaults, every_step, exact = bench.no_failure_runs_by_kind(plan, runs)
-    assert [run.name for run in plains] == [name for name in names if name.startswith("plain")]
-    assert [run.name for run in defaults] == [name for name in ("ft", "ft-2") if name in names]
+    assert [run.name for run in plains] == ["plain"]
+    assert [run.name for run in defaults] == ["ft"]
     assert [run.name for run in exact] == exacts
     assert (every_step is None) == ("--smoke" in extra)
+
+
+def _sliced_run(directory: Path, name: str, step_seconds: list[float], slices: list[tuple[float, float]],
+                cpu_per_second: float = 2.0) -> bench.RunLog:
+    """A time-sliced run: every rank logs a step every ``step_seconds[k]`` while slice ``k`` runs (its first line
+    at the slice's start ends a step that a stop cut through), and nothing in between; a start-up line before."""
+    run_dir = directory / name
+    run_dir.mkdir()
+    for node in range(3):
+        for rank in range(2):
+            rows, step, cpu = [{"t": slices[0][0] - 30.0, "node": node, "rank": rank, "step": 1, "cpu": 5.0}], 1, 5.0
+            for (start, end), seconds in zip(slices, step_seconds):
+                t = start + 0.5 * seconds  # the step in flight when the run was stopped ends here
+                while t <= end:
+                    step, cpu = step + 1, cpu + cpu_per_second * seconds / 6
+                    rows.append({"t": t, "node": node, "rank": rank, "step": step, "cpu": cpu})
+                    t += seconds
+            (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return bench.RunLog(name, str(run_dir), 0.0, slices=list(slices))
+
+
+def test_a_time_sliced_run_measures_only_the_steps_inside_its_slices_and_each_round_against_plain(
+    tmp_path: Path
+) -> None:
+    """Plain and fault tolerance took the host in turn, 3 s each; the host got slower in round 2 (both modes alike).
+    The steps cut by a stop (they span the other run's slice) and the start-up are not step times."""
+    plain_slices = [(100.0, 103.0), (106.0, 109.0), (112.0, 115.0)]
+    ft_slices = [(103.0, 106.0), (109.0, 112.0), (115.0, 118.0)]
+    plain = _sliced_run(tmp_path, "plain", [0.2, 0.3, 0.2], plain_slices)
+    ft = _sliced_run(tmp_path, "ft", [0.25, 0.375, 0.25], ft_slices, cpu_per_second=2.0)
+    assert max(bench.step_intervals(plain)) == pytest.approx(0.3)  # no interval spans a stop or the start-up
+    assert bench.median_step_seconds(plain) == pytest.approx(0.2)
+    assert bench.slice_step_seconds(ft) == pytest.approx([0.25, 0.375, 0.25])
+    by_round = bench.ratio_by_round(plain, ft)
+    assert by_round is not None and by_round["rounds"] == 3
+    assert by_round["quartiles"] == pytest.approx([1.25, 1.25, 1.25])  # the slow round cancels out
+    # CPU per step: 2 CPU-s per second over 6 ranks, so a step costs 2 x its seconds, from in-slice steps only
+    plain_cpu = bench.cpu_seconds_per_step(plain)
+    assert plain_cpu is not None and 0.4 < plain_cpu < 0.6
+    assert bench.cpu_ratio([plain], [ft]) == pytest.approx(1.25, rel=1e-2)  # each mean weighs rounds by their steps
+    unsliced = bench.RunLog("plain", plain.log_dir, 0.0)  # the same lines read as a run made alone
+    assert max(bench.step_intervals(unsliced)) > 3.0 and bench.ratio_by_round(unsliced, ft) is None
+    assert bench.time_slicing(unsliced, {"ft": ft}) == {}
+    sliced = bench.time_slicing(plain, {"ft": ft, "quorum_every_step": None})
+    assert sliced["time_sliced"]["rounds"] == 3 and set(sliced["overhead_by_round"]) == {"ft"}
