@@ -1273,6 +1273,17 @@ def steps_per_second(rows: list[dict[str, Any]], key: str = "step", skip: int = 
     return (mine[-1][key] - mine[0][key]) / (mine[-1]["t"] - mine[0]["t"])
 
 
+def failure_free_steps_per_second(run: RunLog, key: str = "step") -> float | None:
+    """The mean rate of a failure-free run (:func:`steps_per_second`); of a time-sliced one (run 1), over the steps
+    inside its slices only -- its wall clock also holds the other runs' slices, when it was stopped."""
+    rows = read_rows(run)
+    if run.slices is None:
+        return steps_per_second(rows, key)
+    pairs = measured_pairs(run, [row for row in rows if row["node"] == 0])
+    seconds = sum(b["t"] - a["t"] for a, b in pairs)
+    return sum(b[key] - a[key] for a, b in pairs) / seconds if seconds > 0 else None
+
+
 def ft_progress(rows: list[dict[str, Any]], at: float) -> int:
     """Fault tolerance: the committed steps at time ``at`` (the most any group had logged by then)."""
     return max((r["step"] for r in rows if r["t"] <= at), default=0)
@@ -1364,7 +1375,7 @@ def goodput_results(ft: RunLog, restart: RunLog | None, ft_reference: RunLog, pl
         kills = [t for name, t in restart.events.items() if name.startswith("kill")]
         restart_steps = (restart_progress(restart_rows, launches, kills, restart_start + schedule.window)
                          - restart_progress(restart_rows, launches, kills, restart_start))
-        plain_free = steps_per_second(read_rows(plain_reference), key="global_step")
+        plain_free = failure_free_steps_per_second(plain_reference, key="global_step")
         restart_rate = restart_steps * global_batch / schedule.window
         restart_goodput = restart_rate / (plain_free * global_batch) if plain_free else None
     return {

@@ -495,3 +495,9 @@ def test_a_time_sliced_run_measures_only_the_steps_inside_its_slices_and_each_ro
     assert bench.time_slicing(unsliced, {"ft": ft}) == {}
     sliced = bench.time_slicing(plain, {"ft": ft, "quorum_every_step": None})
     assert sliced["time_sliced"]["rounds"] == 3 and set(sliced["overhead_by_round"]) == {"ft"}
+    # the failure-free rate the restarts' goodput is held to: steps per second while the run had the host, not
+    # over its wall clock, which holds the other run's slices
+    rate = bench.failure_free_steps_per_second(plain)
+    assert rate is not None and 1 / 0.3 < rate < 1 / 0.2
+    alone = bench.failure_free_steps_per_second(unsliced)
+    assert alone == pytest.approx(bench.steps_per_second(bench.read_rows(plain))) and alone < rate / 1.5
