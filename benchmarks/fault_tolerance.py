@@ -1,7 +1,7 @@
 """Fault tolerance on the emulated cluster: what losing a node costs with ``MiCSStrategy(fault_tolerance=...)``
 and without it.
 
-    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # ~11 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # ~15 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/fault_tolerance.py --output-dir /tmp/ft
 
 3 emulated nodes x 2 CPU ranks (:mod:`benchmarks.netns`; links shaped as in ``emulated_cluster.py``: 1/15 of
