@@ -183,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "its overhead (the no-failure comparison itself runs fault tolerance's default, off)")
     parser.add_argument("--heartbeat-interval", type=float,
                         help="FaultTolerance(heartbeat_interval=...) of every fault-tolerant run, seconds (default: "
-                        "the option's, torchft's 0.1)")
+                        "the option's, 0.5)")
     parser.add_argument("--catch-up-share", type=float, default=0.25,
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
@@ -841,8 +841,12 @@ def measured_pairs(run: RunLog, rows: list[Row], skip: int = 3) -> list[tuple[Ro
     so a stop cut through none; else every pair after the first ``skip`` lines (warm-up)."""
     if run.slices is None:
         return list(itertools.pairwise(rows[skip:]))
-    return [(a, b) for a, b in itertools.pairwise(rows)
-            if any(start <= a["t"] and b["t"] <= end for start, end in run.slices)]
+    return [pair for start, end in run.slices for pair in pairs_within(rows, start, end)]
+
+
+def pairs_within(rows: list[Row], start: float, end: float) -> list[tuple[Row, Row]]:
+    """Consecutive lines of one rank that both fall within ``[start, end]``: the steps of one slice."""
+    return [(a, b) for a, b in itertools.pairwise(rows) if start <= a["t"] and b["t"] <= end]
 
 
 def step_intervals(run: RunLog, skip: int = 3) -> list[float]:
@@ -868,7 +872,7 @@ def slice_step_seconds(run: RunLog) -> list[float | None]:
     rows = [row for row in read_rows(run) if row["node"] == 0]
     out: list[float | None] = []
     for start, end in run.slices or []:
-        intervals = [b["t"] - a["t"] for a, b in itertools.pairwise(rows) if start <= a["t"] and b["t"] <= end]
+        intervals = [b["t"] - a["t"] for a, b in pairs_within(rows, start, end)]
         out.append(statistics.median(intervals) if intervals else None)
     return out
 
