@@ -37,6 +37,7 @@ from lightning_mics.fault_tolerance import (
     agreement_verdict,
     check_healed_whole,
 )
+from lightning_mics.fault_tolerance.group_vote import GroupVote
 
 pytest.importorskip("torchft")
 
@@ -272,6 +273,7 @@ def _agreement_failing_on_rank_0(rank: int, world_size: int, port: int) -> dict[
     group.catch_up = group.snapshots = None
     group.parameter_digest = lambda: [7, 9]
     group._quorum_groups, group.not_contributing = (0, 1), frozenset()
+    group._vote = GroupVote("127.0.0.1", port, timeout=20)
     group._check_agreement()
     forward = torch.ones(3)
     dist.all_reduce(forward)

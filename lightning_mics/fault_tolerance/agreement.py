@@ -211,7 +211,7 @@ def tensor_digest_chunks(shards: Sequence[Tensor]) -> list[int]:
     sums = []
     with torch.no_grad():
         for param in shards:
-            local = local_shard(param.detach())
+            local = local_shard(param).detach()  # a DTensor's own detach dispatches: ~15 us per parameter
             bits = local.view(integer[local.dtype]) if local.dtype in integer else local
             sums.append(bits.sum(dtype=torch.int64).cpu())
     return digest_chunks(repr(torch.stack(sums).tolist() if sums else []).encode())

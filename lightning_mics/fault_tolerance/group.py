@@ -36,6 +36,7 @@ from lightning_mics.fault_tolerance.errors import (
     ReplicaGroupsDiverged,
     TooFewReplicaGroups,
 )
+from lightning_mics.fault_tolerance.group_vote import GroupVote, GroupVoteFailed
 from lightning_mics.fault_tolerance.heal_state import split_shards
 
 #: Seconds between two quorums while fewer than ``min_replica_groups`` groups are live.
@@ -92,6 +93,8 @@ class ReplicaGroup:
         #: :meth:`share_holders` of the current step (``None``: not asked yet since the step's quorum)
         self._holders: Optional[tuple[list[tuple[int, int]], int]] = None
         _forget_earlier_manager()
+        #: the group's own yes/no exchange (a step's commit, a lost rank's check): direct connections to its rank 0
+        self._vote = GroupVote(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), _vote_timeout(options))
         timeout = timedelta(seconds=options.timeout)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         #: torchft's reconfigurable group of this rank index across the quorum's groups (hop 2's wire)
@@ -248,13 +251,9 @@ class ReplicaGroup:
             ) from error
 
     def _check_ranks_present(self) -> None:
-        """One tiny all-reduce of this group's own world before the quorum: a rank that died fails it at once
-        (its connections are reset), where the quorum would wait ``quorum_timeout`` for it and then blame the
-        Lighthouse."""
-        try:
-            dist.all_reduce(torch.zeros(1, device=self.device))
-        except RuntimeError as error:  # DistBackendError included
-            raise self._rank_lost(error) from error
+        """One vote of the group before the quorum: a rank that died fails it at once (its connections are
+        reset), where the quorum would wait ``quorum_timeout`` for it and then blame the Lighthouse."""
+        self._on_any_rank(False)
 
     def _rank_lost(self, error: Exception) -> ReplicaGroupRankLost:
         return ReplicaGroupRankLost(
@@ -311,7 +310,7 @@ class ReplicaGroup:
 
     def finish_catch_up(self, wait: bool = False) -> None:
         """At the start of a step while catching up: once every rank of the group has its snapshot (one tiny
-        all-reduce of this group's world, every step until then), load it and replay the kept steps. The group
+        vote of the group, every step until then), load it and replay the kept steps. The group
         contributes from this step on (its quorum's agreement tells the others). A rank whose download failed ends
         the whole group, saying why.
         ``wait``: first wait for this rank's download (up to ``timeout``) -- before an evaluation or the end of
@@ -321,12 +320,8 @@ class ReplicaGroup:
             return
         if wait:
             catch_up.wait(self.options.timeout)
-        flags = torch.tensor([float(catch_up.downloaded), float(not catch_up.failed)], device=self.device)
-        try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        except RuntimeError as error:  # DistBackendError included
-            raise self._rank_lost(error) from error
-        done, ok = flags.tolist()
+        some_not_done, some_failed = self._on_any_rank(not catch_up.downloaded, catch_up.failed)
+        done, ok = not some_not_done, not some_failed
         if not done:
             return
         if not ok:
@@ -413,15 +408,13 @@ class ReplicaGroup:
         return message.cpu() * self.manager.num_participants()
 
     def _on_any_rank(self, *conditions: bool) -> tuple[bool, ...]:
-        """Each of this rank's ``conditions`` or'ed over every rank of the group (one MAX all-reduce in the group's
-        own world), so every rank takes the same branch after it; a rank lost meanwhile fails it: the group ends,
-        saying so."""
-        flags = torch.tensor([1.0 if condition else 0.0 for condition in conditions], device=self.device)
+        """Each of this rank's ``conditions`` or'ed over every rank of the group (the group's vote,
+        :mod:`~.group_vote`), so every rank takes the same branch after it; a rank lost meanwhile fails it: the
+        group ends, saying so."""
         try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        except RuntimeError as error:  # DistBackendError included
+            return self._vote.any(*conditions)
+        except GroupVoteFailed as error:
             raise self._rank_lost(error) from error
-        return tuple(value > 0 for value in flags.tolist())
 
     def _start_parameter_check(self, step: int) -> None:
         """Start comparing the groups' parameter digests (the agreement's exchange, the membership as the last
@@ -678,6 +671,7 @@ class ReplicaGroup:
         if not self.closed:
             self.closed = True
             self._watchdog.stop()
+            self._vote.close()
             if self.snapshots is not None:
                 self.snapshots.close()
             self.manager.shutdown(wait=False)
@@ -721,6 +715,13 @@ class _RecordedOnFailure:
             self.work.wait()
         except Exception as error:  # noqa: BLE001 -- whatever failed the message fails the step, not the rank
             self.manager.report_error(error)
+
+
+def _vote_timeout(options: FaultTolerance) -> float:
+    """How long a vote waits for a rank of the group. A rank that hangs in Python is taken down by its own
+    watchdog within ``watchdog`` seconds (its connections close: the vote fails at once); the vote's own timeout
+    is the backstop for a rank that cannot run even that (stopped, its host gone): the longer of the two."""
+    return max(options.timeout, options.watchdog)
 
 
 def _manager_keys() -> tuple[str, str]:
