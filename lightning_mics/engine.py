@@ -35,9 +35,9 @@ from torch.optim import Optimizer
 
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
-from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
+from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
 from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
     GroupConfiguration,
@@ -103,6 +103,9 @@ class MiCSEngine:
         self._share_gradients: Optional[ShareGradients] = None
         #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
         self.replica_group: Optional[ReplicaGroup] = None
+        #: (group, quorums it asked, groups not contributing) when the logging rank was last set: the same at the
+        #: next step means the same quorum, so the same group leads (:meth:`_log_from_first_live_group`)
+        self._logging_membership: Optional[tuple[Any, ...]] = None
         self._step_open = False
         #: with ``fault_tolerance``: the training data on the global sample order (:meth:`training_data`)
         self._training_data: Optional[TrajectoryDataLoader] = None
@@ -318,6 +321,7 @@ class MiCSEngine:
         ``run``: what else every group must share besides the layout (precision, accumulation, model,
         optimizers), checked at every quorum."""
         ft = self.options.fault_tolerance
+        self._logging_membership = None  # the front end's setup set the logging rank back to the global rank
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
             ft = ft.resolved()
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
@@ -454,9 +458,14 @@ class MiCSEngine:
     def _log_from_first_live_group(self) -> None:
         """With fault tolerance one group logs for all: the first of the current quorum -- group 0 while it is
         live, else the next -- so that a lost group 0 does not silence the run's loggers and progress."""
-        assert self.replica_group is not None
+        group = self.replica_group
+        assert group is not None
+        membership = (group, group.quorums_asked, group.not_contributing)
+        if membership == self._logging_membership:  # no quorum since: the same group leads (~0.1 ms a step saved)
+            return
+        self._logging_membership = membership
         rank, world = dist.get_rank(), dist.get_world_size()
-        process_groups.set_logging_rank(rank if self.replica_group.leads else world + rank)
+        process_groups.set_logging_rank(rank if group.leads else world + rank)
 
     def detach_optimizers(self) -> None:
         """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit)."""

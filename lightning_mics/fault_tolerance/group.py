@@ -131,7 +131,7 @@ class ReplicaGroup:
         #: a step was discarded since the last quorum: the next step asks for one (torchft's commit decision is
         #: the same on every rank of the group, where an error it recorded may be on one rank only)
         self._discarded_since_quorum = False
-        #: whether this step ran a quorum (then torchft's own commit ends it; else the group's one-flag all-reduce)
+        #: whether this step ran a quorum (then torchft's own commit ends it; else the group's vote)
         self._quorum_this_step = False
         #: whether the last step this group finished was discarded
         self.last_step_discarded = False
@@ -163,7 +163,7 @@ class ReplicaGroup:
         self._settle_parameter_check()  # one a step started and never committed (no hop 2 ran)
         step = self.manager.current_step()
         self._quorum_this_step = force_quorum or self._needs_quorum(step)
-        if not self._quorum_this_step:  # the last commit's all-reduce was this group's presence check
+        if not self._quorum_this_step:  # the last commit's vote was this group's presence check
             if self._checks_parameters(step):
                 self._start_parameter_check(step)
             return
@@ -441,8 +441,8 @@ class ReplicaGroup:
 
     def _settle_parameter_check(self) -> None:
         """Finish a started parameter check, if there is one, and end the run on every rank of this group if any
-        rank saw the groups' parameters differ (each rank compares its own rank index's shards): one tiny
-        all-reduce in the group's own world, so no rank goes on into a collective another skipped. Whether a
+        rank saw the groups' parameters differ (each rank compares its own rank index's shards): one vote of
+        the group, so no rank goes on into a collective another skipped. Whether a
         check is pending is the same on every rank of the group."""
         finished = self._finish_parameter_check()
         if finished is None:
