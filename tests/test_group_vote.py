@@ -24,6 +24,18 @@ def _join(rank: int, world_size: int, port: int, timeout: float = 20.0) -> Group
     return GroupVote("127.0.0.1", port, timeout)
 
 
+def _last_vote(vote: GroupVote, flag: bool) -> dict[str, Any]:
+    """One more vote, then the connections closed: its error (``None`` if it answered) and how long it took."""
+    began = time.monotonic()
+    try:
+        vote.any(flag)
+        error = None
+    except GroupVoteFailed as failed:
+        error = str(failed)
+    vote.close()
+    return {"error": error, "seconds": time.monotonic() - began}
+
+
 def _many_votes(rank: int, world_size: int, port: int) -> list[Any]:
     vote = _join(rank, world_size, port)
     seeded = random.Random(0)  # the same draws on every rank: each knows every rank's flags
@@ -51,14 +63,7 @@ def _one_rank_leaves(rank: int, world_size: int, port: int) -> dict[str, Any]:
     if rank == 2:  # what a killed process's connections do: closed by its kernel
         vote.close()
         return {"error": None, "seconds": 0.0}
-    began = time.monotonic()
-    try:
-        vote.any(False)
-        error = None
-    except GroupVoteFailed as failed:
-        error = str(failed)
-    vote.close()  # rank 0 ending: its connections close too
-    return {"error": error, "seconds": time.monotonic() - began}
+    return _last_vote(vote, False)  # rank 0 ends after it: its connections close too
 
 
 def test_a_rank_that_leaves_fails_the_next_vote_at_once_on_every_other_rank() -> None:
@@ -72,14 +77,7 @@ def _one_rank_hangs(rank: int, world_size: int, port: int) -> dict[str, Any]:
     vote = _join(rank, world_size, port, timeout=1.0)
     if rank == 1:
         time.sleep(4.0)  # past the others' 1 s
-    began = time.monotonic()
-    try:
-        vote.any(True)
-        error = None
-    except GroupVoteFailed as failed:
-        error = str(failed)
-    vote.close()
-    return {"error": error, "seconds": time.monotonic() - began}
+    return _last_vote(vote, True)
 
 
 def test_a_rank_that_does_not_vote_within_the_timeout_fails_the_vote() -> None:
