@@ -321,10 +321,9 @@ class ReplicaGroup:
         if wait:
             catch_up.wait(self.options.timeout)
         some_not_done, some_failed = self._on_any_rank(not catch_up.downloaded, catch_up.failed)
-        done, ok = not some_not_done, not some_failed
-        if not done:
+        if some_not_done:
             return
-        if not ok:
+        if some_failed:
             raise CatchUpFailed(
                 f"fault tolerance: replica group {self.options.replica_group} could not fetch its shards from the "
                 f"live group serving them ({catch_up.error or 'another rank of this group failed'}; snapshot "

@@ -30,14 +30,14 @@ class GroupVoteFailed(RuntimeError):
     timeout, or is out of step with the others."""
 
 
-def local_address_towards(host: str, port: int) -> str:
-    """This host's address on the route to ``host`` (the job's ``MASTER_ADDR``): every rank of the world reaches
-    the master through it, so the group's other ranks can reach this one there. Found with a connected UDP
-    socket, which sends nothing."""
+def local_address_towards(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """This host's address on the route to ``host`` (the job's ``MASTER_ADDR``), and its family: every rank of
+    the world reaches the master through it, so the group's other ranks can reach this one there. Found with a
+    connected UDP socket, which sends nothing."""
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)
-        return probe.getsockname()[0]
+        return family, probe.getsockname()[0]
 
 
 class GroupVote:
@@ -57,8 +57,8 @@ class GroupVote:
         listener = None
         address: list[object] = [None]
         if self.rank == 0:
-            host = local_address_towards(master_addr, master_port)
-            listener = socket.create_server((host, 0), family=_family(host), backlog=self.world_size)
+            family, host = local_address_towards(master_addr, master_port)
+            listener = socket.create_server((host, 0), family=family, backlog=self.world_size)
             listener.settimeout(timeout)
             address = [listener.getsockname()[:2]]
         dist.broadcast_object_list(address, src=0)
@@ -131,10 +131,6 @@ class GroupVote:
         if self._to_root is not None:
             self._to_root.close()
             self._to_root = None
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _receive(connection: socket.socket, size: int) -> bytes:
