@@ -136,6 +136,8 @@ QUORUM_EVERY = 10
 #: first, the others left out (docs/fault-tolerance.md). A lost group is dropped after the heartbeat timeout (2 s)
 #: whatever this is.
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 5000
+#: ``--node-start``'s choices: how every node's ranks start (``parse_args`` says what each means).
+NODE_STARTS = ("own-cores", "fresh", "forked")
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
@@ -188,10 +190,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
                         "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
                         "the rest left to hop 2); 0: uncapped")
+    parser.add_argument("--node-start", choices=NODE_STARTS,
+                        help="how a node's ranks start (every start: the first, a replacement, a restart). "
+                        "own-cores: forked from one process that imported torch and Lightning once "
+                        "(benchmarks/fork_server.py), each after sleeping as long as those imports took of CPU -- "
+                        "as late as a node importing on cores of its own, without taking the cores the other "
+                        "nodes train on (default; docs/fault-tolerance.md says why); fresh: a new interpreter "
+                        "that imports on the host's shared cores (~6 s of CPU per rank, from the survivors' "
+                        "share while a replacement starts); forked: forked without the sleep, a node up in a "
+                        "second (faster than a real one; the default with --smoke)")
     parser.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
-                        help="start every rank (restarts too) forked from one process that imported torch and "
-                        "Lightning once (benchmarks/fork_server.py): no ~6 s of imports per rank, which also makes "
-                        "a restarted node start faster than a real one. Default: on with --smoke only")
+                        help="--fork-server: --node-start forked; --no-fork-server: --node-start fresh")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
     parser.add_argument("--work-dir", type=Path, help="keep every rank's log and step lines here (default: a "
                         "temporary directory, removed at the end)")
@@ -199,9 +208,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.work_dir is not None and args.work_dir.exists() and any(args.work_dir.iterdir()):
         parser.error(f"--work-dir {args.work_dir} is not empty: give a new or empty directory.")
     preset = SMOKE if args.smoke else QUICK if args.quick else FULL
-    if args.fork_server is None:
-        args.fork_server = args.smoke
-    if args.smoke and args.fork_server and args.steps is None:
+    if args.fork_server is not None:
+        aliased = "forked" if args.fork_server else "fresh"
+        if args.node_start not in (None, aliased):
+            parser.error(f"--{'' if args.fork_server else 'no-'}fork-server means --node-start {aliased}; "
+                         f"give one of the two, not --node-start {args.node_start} with it.")
+        args.node_start = aliased
+    if args.node_start is None:
+        args.node_start = "forked" if args.smoke else "own-cores"
+    args.fork_server = args.node_start != "fresh"
+    if args.smoke and args.node_start == "forked" and args.steps is None:
         args.steps = SMOKE_FORKED_STEPS
     for name, value in asdict(preset).items():
         if getattr(args, name, None) is None:
@@ -1676,9 +1692,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
         if args.fork_server:
-            cluster.start_fork_server()  # it imports while the links are probed
+            cluster.start_fork_server(as_own_cores=args.node_start == "own-cores")  # imports while links are probed
         network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args.link)
         args.catch_up_bytes_per_s = catch_up_rate(args, network.inter_node_rate_bytes_per_s)
+        args.node_start_delay_seconds = cluster.forked_start_delay()
         bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())
         results, ft, baseline = measure(bench)
         title = (f"{NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), one replica group per node; GPT "

@@ -9,8 +9,11 @@ imports are most of its time. The fork server pays them once per benchmark: it r
 fault-tolerance benchmark's ``unshare --uts`` does), takes the requester's environment, working directory and
 log file, and runs the rank's module as ``__main__`` -- the same code a fresh ``python -m module`` runs.
 
-Only the smoke runs use it (``--smoke``: they check that every path runs and measure nothing). A measured run
-keeps fresh processes: a restarted node starting from preloaded modules would be faster than a real one.
+The smoke runs use it as it is (``--smoke``: they check that every path runs and measure nothing): a node
+started that way is up in a second, faster than a real one. The fault-tolerance benchmark's measured runs use it
+with a start delay (``--node-start own-cores``): each forked rank first sleeps as long as the server's imports
+took of CPU, so that a node starts as late as one importing on cores of its own would, without taking the
+cores of the nodes that train meanwhile -- which fresh processes here do, and a real node never does.
 
 The server forks from a single thread (a lock held by another thread at the fork would stay held in every
 child): it refuses to serve if an import started one. Each child runs in a session of its own, so a benchmark
@@ -84,17 +87,24 @@ class StartRequest:
     cwd: str
     namespace: Optional[str]  #: the network namespace (``ip netns`` name) to enter; ``None``: the server's
     hostname: Optional[str]  #: a UTS namespace of its own with this hostname; ``None``: the server's
+    #: seconds the child sleeps before it runs: the time its node's own cores would have spent on the imports the
+    #: server did for it (:meth:`ForkServer.preload_cpu_seconds`), taken without using the host's CPU
+    start_delay: float = 0.0
 
 
 # ---------------------------------------------------------------------------------- server
 def serve(socket_path: str, preload: Sequence[str]) -> int:
-    """Import ``preload``, then fork one child per request on ``socket_path`` until SIGTERM."""
+    """Import ``preload``, then fork one child per request on ``socket_path`` until SIGTERM. The ready file
+    holds the CPU seconds the imports took (:meth:`ForkServer.preload_cpu_seconds`)."""
+    cpu_before = time.process_time()
     for name in preload:
         importlib.import_module(name)
+    preload_cpu_seconds = time.process_time() - cpu_before
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         print(f"fork server: {threads} threads after importing {', '.join(preload)}: an import started one, and "
-              "a fork copies only the forking thread; start the ranks fresh instead (--no-fork-server)",
+              "a fork copies only the forking thread; start the ranks fresh instead (--no-fork-server; the "
+              "fault-tolerance benchmark's --node-start fresh)",
               file=sys.stderr, flush=True)
         return 1
     stopping = False
@@ -108,7 +118,9 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
-    Path(ready_path(socket_path)).touch()
+    ready = Path(ready_path(socket_path))
+    ready.with_name(ready.name + ".tmp").write_text(f"{preload_cpu_seconds:.3f}\n")
+    os.replace(ready.with_name(ready.name + ".tmp"), ready)  # whole: a reader never sees it empty
     children: dict[int, socket.socket] = {}
     while not stopping:
         try:
@@ -130,7 +142,8 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
 
 
 def ready_path(socket_path: str | Path) -> str:
-    """The file the server creates once it listens (the socket's file exists a moment before)."""
+    """The file the server creates once it listens (the socket's file exists a moment before); it holds the CPU
+    seconds the server's imports took."""
     return f"{socket_path}.ready"
 
 
@@ -182,6 +195,8 @@ def _run_child(request: StartRequest, output: int) -> None:
         os.close(output)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
+        if request.start_delay > 0:  # in its own session, default signals: a benchmark's stop ends it meanwhile
+            time.sleep(request.start_delay)
         if request.namespace is not None:
             _enter_network_namespace(request.namespace)
         if request.hostname is not None:
@@ -374,14 +389,24 @@ class ForkServer:
                 raise RuntimeError(f"the fork server did not listen on {self.socket_path} within {timeout:.0f} s")
             time.sleep(0.05)
 
+    def preload_cpu_seconds(self) -> float:
+        """The CPU seconds the server's imports took (waits until it listens): what each rank it forks would
+        have spent importing the same modules itself, on cores of its own."""
+        self.wait_until_ready()
+        return float(Path(ready_path(self.socket_path)).read_text())
+
     def start(self, argv: Sequence[str], environment: dict[str, str], cwd: Path, output: int,
-              namespace: Optional[str] = None, hostname: Optional[str] = None) -> ForkedProcess:
+              namespace: Optional[str] = None, hostname: Optional[str] = None,
+              start_delay: float = 0.0) -> ForkedProcess:
         """Start ``argv`` (``[python, "-m", module, *args]``, as it would be spawned) forked from the server,
-        in ``namespace``, writing to the descriptor ``output``."""
+        in ``namespace``, writing to the descriptor ``output``; the child sleeps ``start_delay`` seconds first."""
         if len(argv) < 3 or argv[1] != "-m":
             raise ValueError(f"the fork server runs modules (`python -m module ...`), not {list(argv)}")
+        if start_delay < 0:
+            raise ValueError(f"start_delay must be >= 0 seconds, got {start_delay}")
         self.wait_until_ready()
-        request = StartRequest(argv[2], tuple(argv[3:]), dict(environment), str(cwd), namespace, hostname)
+        request = StartRequest(argv[2], tuple(argv[3:]), dict(environment), str(cwd), namespace, hostname,
+                               start_delay)
         payload = pickle.dumps(request)
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

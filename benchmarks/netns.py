@@ -139,6 +139,8 @@ class EmulatedCluster:
         self._processes: list[RankProcess] = []
         self._created = False
         self._fork_server: ForkServer | None = None
+        self._forked_as_own_cores = False
+        self._preload_cpu_seconds: float | None = None
 
     # ------------------------------------------------------------------ names and addresses
     def node_namespace(self, node: int) -> str:
@@ -232,15 +234,28 @@ class EmulatedCluster:
             self._created = False
 
     # ------------------------------------------------------------------ processes
-    def start_fork_server(self, preload: Sequence[str] = PRELOAD, environment: dict[str, str] | None = None) -> None:
+    def start_fork_server(self, preload: Sequence[str] = PRELOAD, environment: dict[str, str] | None = None,
+                          as_own_cores: bool = False) -> None:
         """From now on :meth:`spawn_rank` forks its ranks from one server that imported ``preload`` (torch,
         Lightning and this library) once (``benchmarks/fork_server.py``; the smoke runs'). It imports while the
         caller goes on; the ranks' environments must agree with ``environment`` (default :func:`rank_environment`)
-        on what only a new interpreter reads."""
+        on what only a new interpreter reads. ``as_own_cores``: each forked rank first sleeps as long as the
+        server's imports took of CPU (:meth:`forked_start_delay`) -- a node that starts as late as one importing
+        on cores of its own, without taking the host's cores from the nodes that run meanwhile."""
         if self._fork_server is None:
             socket_dir = Path(tempfile.mkdtemp(prefix="micsfork-"))
             self._fork_server = ForkServer(socket_dir / "socket", environment or rank_environment(), preload)
             self._processes.append(self._fork_server.process)
+        self._forked_as_own_cores = as_own_cores
+
+    def forked_start_delay(self) -> float:
+        """Seconds each forked rank sleeps before it runs: 0 without a fork server or ``as_own_cores``, else the
+        server's import CPU seconds (read once it has imported)."""
+        if self._fork_server is None or not self._forked_as_own_cores:
+            return 0.0
+        if self._preload_cpu_seconds is None:
+            self._preload_cpu_seconds = self._fork_server.preload_cpu_seconds()
+        return self._preload_cpu_seconds
 
     def spawn_rank(
         self, node: int, module_argv: Sequence[str], env: dict[str, str], log: IO[bytes], hostname: str | None = None,
@@ -251,7 +266,8 @@ class EmulatedCluster:
         name otherwise, which resolves to 127.0.0.1)."""
         if self._fork_server is not None:
             proc: RankProcess = self._fork_server.start(module_argv, env, REPO_ROOT, log.fileno(),
-                                                        namespace=self.node_namespace(node), hostname=hostname)
+                                                        namespace=self.node_namespace(node), hostname=hostname,
+                                                        start_delay=self.forked_start_delay())
             self._processes.append(proc)
             return proc
         argv = list(module_argv)

@@ -23,6 +23,13 @@ def test_quick_fills_every_run_length_and_bad_lengths_are_refused(tmp_path: Path
     assert bench.parse_args(["--smoke"]).steps == bench.SMOKE_FORKED_STEPS < bench.SMOKE.steps
     assert bench.parse_args(["--smoke", "--no-fork-server"]).steps == bench.SMOKE.steps
     assert bench.parse_args(["--smoke", "--steps", "90"]).steps == 90
+    # measured runs start every node as one with cores of its own would (forked after the imports' CPU time)
+    assert bench.parse_args(["--quick"]).node_start == "own-cores" and bench.parse_args(["--quick"]).fork_server
+    assert bench.parse_args(["--smoke", "--node-start", "own-cores"]).steps == bench.SMOKE.steps
+    assert bench.parse_args(["--quick", "--no-fork-server"]).node_start == "fresh"
+    assert not bench.parse_args(["--quick", "--node-start", "fresh"]).fork_server
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--fork-server", "--node-start", "own-cores"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--quick", "--kill-at-step", str(bench.QUICK.steps)])
     (tmp_path / "old.log").write_text("x")

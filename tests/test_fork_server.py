@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,7 +57,7 @@ def server(tmp_path: Path) -> Iterator[tuple[ForkServer, dict[str, str], Path]]:
         started.process.wait(timeout=30)
 
 
-def _start(server: ForkServer, environment: dict[str, str], log: Path, *args: str, **where: str) -> ForkedProcess:
+def _start(server: ForkServer, environment: dict[str, str], log: Path, *args: str, **where: Any) -> ForkedProcess:
     with log.open("wb") as handle:
         return server.start([sys.executable, "-m", "fork_probe", *args], environment, log.parent, handle.fileno(),
                             **where)
@@ -95,6 +96,25 @@ def test_a_rank_killed_through_its_session_reports_the_signal_and_the_server_ser
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     assert _start(fork_server, environment, tmp / "after.log", "0").wait(timeout=60) == 0
+
+
+def test_a_start_delay_holds_the_rank_back_without_cpu_and_a_kill_meanwhile_stops_it(server) -> None:
+    """``--node-start own-cores``: the child sleeps ``start_delay`` before its module runs, in its own session
+    already (a benchmark that stops a starting node stops it), and the server tells what its imports cost."""
+    fork_server, environment, tmp = server
+    assert 0.0 <= fork_server.preload_cpu_seconds() < 60  # json only: a few milliseconds
+    began = time.monotonic()
+    proc = _start(fork_server, environment, tmp / "late.log", "0", start_delay=1.5)
+    assert proc.wait(timeout=60) == 0
+    assert time.monotonic() - began >= 1.5 and json.loads((tmp / "late.log").read_text())["main"] == "__main__"
+    sleeping = _start(fork_server, environment, tmp / "stopped.log", "0", start_delay=60.0)
+    time.sleep(0.3)
+    ticks = Path(f"/proc/{sleeping.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+    assert sum(int(tick) for tick in ticks) < 50  # user + system clock ticks: asleep, not importing or spinning
+    os.killpg(sleeping.pid, signal.SIGTERM)
+    assert sleeping.wait(timeout=30) == -signal.SIGTERM and (tmp / "stopped.log").read_text() == ""
+    with pytest.raises(ValueError, match="start_delay must be >= 0"):
+        _start(fork_server, environment, tmp / "refused.log", "0", start_delay=-1.0)
 
 
 def test_a_request_whose_startup_variables_differ_is_refused_with_the_names(server) -> None:
