@@ -31,6 +31,7 @@ import ctypes
 import errno
 import functools
 import importlib
+import importlib.util
 import os
 import pickle
 import select
@@ -46,6 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+#: Imported too where installed: torchft (~1 s of CPU per rank). Its ``Manager`` takes ``socket.gethostname()``
+#: as a default argument, evaluated at import -- the server's name, not the node address a forked rank is given
+#: -- so the library passes the rank's own name when it builds one.
+OPTIONAL_PRELOAD = ("torchft",)
 #: What (nearly) every rank of the emulated benchmarks imports: the rest a rank imports in milliseconds.
 PRELOAD = (
     "torch",
@@ -55,8 +60,7 @@ PRELOAD = (
     "lightning_mics",
     "lightning_mics.telemetry",
     "examples.models",
-    # not torchft (~1 s per rank): its Manager takes ``hostname=socket.gethostname()`` as a default argument,
-    # evaluated at import -- in the server, whose name is the host's, not the node address a rank is given
+    *OPTIONAL_PRELOAD,
 )
 #: Read by the interpreter or a library as it starts or loads, so a child cannot take them from its request:
 #: the server is started with the values its children ask for, and a request asking for others is refused.
@@ -98,6 +102,8 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
     holds the CPU seconds the imports took (:meth:`ForkServer.preload_cpu_seconds`)."""
     cpu_before = time.process_time()
     for name in preload:
+        if name in OPTIONAL_PRELOAD and importlib.util.find_spec(name) is None:
+            continue
         importlib.import_module(name)
     preload_cpu_seconds = time.process_time() - cpu_before
     threads = len(os.listdir("/proc/self/task"))

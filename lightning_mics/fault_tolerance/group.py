@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -111,6 +112,9 @@ class ReplicaGroup:
                 quorum_timeout=timedelta(seconds=options.quorum_timeout),
                 connect_timeout=timeout,  # an unreachable Lighthouse is an error within the configured timeout
                 heartbeat_interval=timedelta(seconds=options.heartbeat_interval),
+                # torchft's default is evaluated when torchft is imported: a process forked after that import
+                # (a fork server, a launcher that preloads) would advertise its parent's host name to the others
+                hostname=socket.gethostname(),
                 rank=dist.get_rank(),
                 world_size=dist.get_world_size(),
                 lighthouse_addr=options.lighthouse,
