@@ -125,8 +125,9 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
     listener.bind(socket_path)
     listener.listen(64)
     ready = Path(ready_path(socket_path))
-    ready.with_name(ready.name + ".tmp").write_text(f"{preload_cpu_seconds:.3f}\n")
-    os.replace(ready.with_name(ready.name + ".tmp"), ready)  # whole: a reader never sees it empty
+    partial = ready.with_name(ready.name + ".tmp")
+    partial.write_text(f"{preload_cpu_seconds:.3f}\n")
+    os.replace(partial, ready)  # whole: a reader never sees it empty
     children: dict[int, socket.socket] = {}
     while not stopping:
         try:

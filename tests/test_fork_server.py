@@ -108,9 +108,15 @@ def test_a_start_delay_holds_the_rank_back_without_cpu_and_a_kill_meanwhile_stop
     assert proc.wait(timeout=60) == 0
     assert time.monotonic() - began >= 1.5 and json.loads((tmp / "late.log").read_text())["main"] == "__main__"
     sleeping = _start(fork_server, environment, tmp / "stopped.log", "0", start_delay=60.0)
-    time.sleep(0.3)
-    ticks = Path(f"/proc/{sleeping.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
-    assert sum(int(tick) for tick in ticks) < 50  # user + system clock ticks: asleep, not importing or spinning
+
+    def cpu_ticks() -> int:  # user + system clock ticks (1/100 s) the child used so far
+        fields = Path(f"/proc/{sleeping.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    time.sleep(0.2)
+    before = cpu_ticks()
+    time.sleep(1.0)
+    assert cpu_ticks() - before <= 10  # asleep: a child importing or spinning would use ~100 ticks in that second
     os.killpg(sleeping.pid, signal.SIGTERM)
     assert sleeping.wait(timeout=30) == -signal.SIGTERM and (tmp / "stopped.log").read_text() == ""
     with pytest.raises(ValueError, match="start_delay must be >= 0"):
