@@ -5,15 +5,18 @@ and without it.
     sudo "$(command -v python)" benchmarks/fault_tolerance.py --output-dir /tmp/ft
 
 3 emulated nodes x 2 CPU ranks (:mod:`benchmarks.netns`; links shaped as in ``emulated_cluster.py``: 1/15 of
-the measured gloo loopback throughput), the Lighthouse on the switch (a host no node's failure takes down).
-With fault tolerance each node is one replica group: its own ``torch.distributed`` world of 2 gloo ranks. Runs
-of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
+the measured gloo loopback throughput; each node's processes in a cpu cgroup of host cores / 3, so that a lost
+node's CPU is not lent to the survivors and a starting node imports on its own), the Lighthouse on the switch
+(a host no node's failure takes down). With fault tolerance each node is one replica group: its own
+``torch.distributed`` world of 2 gloo ranks, built with ``FaultTolerance()``'s defaults -- only the Lighthouse,
+the group indices and the timeouts set (``settings.fault_tolerance``) -- for every headline key. Runs of the same
+GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
 
-1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant as configured by
-   default (``--quorum-every``, ``exact_trajectory=False``): the parameters' largest difference, and the
-   step-time ratio (fault-tolerant / plain, ``overhead``); with ``--exact-trajectory`` (the default) a run with
-   ``exact_trajectory=True`` (``overhead_exact_trajectory``), and one with a quorum at every step
-   (``overhead_quorum_every_step``). These runs share the host in time slices: all launched at once, each runs
+1. no failure, plain ``mics`` (one world of 6 ranks, partition = node) and fault-tolerant: the parameters'
+   largest difference, and the step-time ratio (fault-tolerant / plain, ``overhead``); with
+   ``--exact-trajectory`` (the default) a run with ``exact_trajectory=True`` (``exact_trajectory.overhead``), and
+   one with a quorum at every step (``variants.quorum_every_1.overhead``). These runs share the host in time
+   slices: all launched at once, each runs
    alone for 3 s while the others wait stopped (SIGSTOP), round after round, so that the other tenants' load,
    which drifts over minutes, weighs on every mode alike; each run's step times are the steps inside its slices
    (``time_sliced``, and ``overhead_by_round``: how the ratio moves from one round to the next);
@@ -32,13 +35,17 @@ of the same GPT, data and seeds (:mod:`benchmarks.fault_tolerance_worker`):
    global batch as run 5 (``samples_skipped``, ``samples_repeated``, ``steps_differing``,
    ``global_batch_constant``) and its largest per-step training-loss difference (``max_loss_diff``; the loss of
    a step: the mean over its committed samples, from each rank's mean loss -- per share with
-   ``--exact-trajectory``, the default, which runs every fault-tolerant run but run 1's default ones with
-   ``FaultTolerance(exact_trajectory=True)``);
+   ``exact_trajectory``), and the mean loss of the last 20 steps of each (``final_loss_rel_diff``); with
+   ``--exact-trajectory`` (the default) runs 2 and 5 once more with ``FaultTolerance(exact_trajectory=True)``: the
+   ``exact_trajectory`` section;
 6. goodput (``goodput.*``) under a failure schedule: a group killed every ``--goodput-period`` seconds (the
    groups in turn, ``--goodput-failures`` kills, mid-period) and started again ``--restart-delay`` s later,
    for a window of ``failures x period`` seconds from the 4th committed step -- once fault-tolerant, once
    plain ``mics`` restarted whole from its last checkpoint. Goodput: committed samples per second in the
-   window over the failure-free rate (run 5's for fault tolerance, run 1's plain one for the restarts).
+   window over plain MiCS's failure-free rate (run 1's, for both); ``limit``: the time-weighted fraction of
+   the nodes alive under the schedule (the most any method could commit), ``efficiency`` = goodput / limit;
+   ``survivor_rate_while_out``: the survivors' committed samples per second while a group is out, over the
+   failure-free rate (G - 1 / G on nodes with CPUs of their own).
    ``--smoke`` skips it (``{"skipped": "..."}``): the kills need minutes.
 
 Writes ``<output-dir>/fault_tolerance.json`` (nested objects: ``{"no_failure": {"max_abs_diff": ...}, ...}``)
@@ -128,16 +135,20 @@ SMOKE = Preset(no_failure_steps=6, steps=100, kill_at_step=8, checkpoint_every=5
 #: a step later; 70 steps leave it three more quorums' margin and 40 steps to be compared on. Fresh processes
 #: keep :data:`SMOKE`'s 100.
 SMOKE_FORKED_STEPS = 70
-#: The groups ask for a quorum every this many committed steps: with 0.15-0.25 s steps torchft's per-step quorum
-#: round trip is several percent of the step; a restarted group then waits at most 9 steps (~2 s) to join.
-QUORUM_EVERY = 10
-#: The Lighthouse's join timeout: longer than the stretch between two quorums (``--quorum-every`` steps of 0.15-0.25
+#: The Lighthouse's join timeout: longer than the stretch between two quorums (``quorum_every`` steps of 0.15-0.25
 #: s), else a restarted group that waits for the survivors' next quorum gets one with whichever survivor asks
 #: first, the others left out (docs/fault-tolerance.md). A lost group is dropped after the heartbeat timeout (2 s)
 #: whatever this is.
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 5000
 #: ``--node-start``'s choices: how every node's ranks start (``parse_args`` says what each means).
-NODE_STARTS = ("own-cores", "fresh", "forked")
+NODE_STARTS = ("fresh", "forked")
+#: ``FaultTolerance``'s options the benchmark sets itself in every fault-tolerant run: where the Lighthouse is, the
+#: group's indices and the timeouts. Every other option of the headline runs is the default.
+FT_SET_BY_BENCHMARK = ("lighthouse", "replica_group", "num_replica_groups", "timeout", "quorum_timeout")
+#: The ``exact_trajectory`` section's runs: the one option it changes.
+EXACT = {"exact_trajectory": True}
+#: ``trajectory.final_loss_rel_diff``: the mean loss over this many last steps, with failures against without.
+FINAL_LOSS_STEPS = 20
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
@@ -163,42 +174,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ft-timeout", type=float, default=5.0,
                         help="FaultTolerance(timeout=...): how long a survivor's hop 2 waits for a dead peer (5 s)")
     parser.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
-    parser.add_argument("--quorum-every", type=int, default=QUORUM_EVERY,
-                        help=f"FaultTolerance(quorum_every=...) of every fault-tolerant run (default {QUORUM_EVERY}); "
-                        "the no-failure comparison also runs 1, torchft's quorum at every step")
     parser.add_argument("--checkpoints", choices=("async", "sync"), default="async",
                         help="how the runs that checkpoint write (MiCSStrategy(async_save=...)); default async: a "
                         "save then stalls training for the copy only, which keeps the saves out of the survivors' "
                         "stall while a group heals")
-    parser.add_argument("--heal", choices=("blocking", "catch_up"), default="catch_up",
-                        help="FaultTolerance(heal=...) of every fault-tolerant run (default catch_up: the restarted "
-                        "group fetches the shards in the background and replays the steps it missed)")
     parser.add_argument("--only", choices=("all", "rejoin", "no_failure", "trajectory", "goodput"), default="all",
                         help="rejoin: runs 2-3 only (a node killed and restarted): the failure and rejoin numbers, "
                         "in about two minutes (to compare heal settings); no_failure: run 1 only (the overhead); "
                         "trajectory: runs 2-3 and 5 (the failure, rejoin and trajectory numbers); goodput: runs 5 "
                         "and 6 (fault tolerance's goodput under the schedule, without the restart baseline)")
     parser.add_argument("--exact-trajectory", action=argparse.BooleanOptionalAction, default=True,
-                        help="FaultTolerance(exact_trajectory=...) of the failure, trajectory and goodput runs "
-                        "(default on: the run with a failure bit-identical to the run without; --no-exact-trajectory "
-                        "sums a group's shares in fp32, equal up to rounding); on: two more no-failure runs measure "
-                        "its overhead (the no-failure comparison itself runs fault tolerance's default, off)")
-    parser.add_argument("--heartbeat-interval", type=float,
-                        help="FaultTolerance(heartbeat_interval=...) of every fault-tolerant run, seconds (default: "
-                        "the option's, 0.5)")
-    parser.add_argument("--catch-up-share", type=float, default=0.25,
-                        help="catch_up: the share of the inter-node link a node's serving ranks send snapshots at "
-                        "together (FaultTolerance(catch_up_bytes_per_s=share x link / ranks per node); default 0.25, "
-                        "the rest left to hop 2); 0: uncapped")
+                        help="also run the exact_trajectory section: the failure and reference runs and a "
+                        "no-failure run with FaultTolerance(exact_trajectory=True) (the run with a failure "
+                        "bit-identical to the run without; off by default in the library); default on")
     parser.add_argument("--node-start", choices=NODE_STARTS,
-                        help="how a node's ranks start (every start: the first, a replacement, a restart). "
-                        "own-cores: forked from one process that imported torch and Lightning once "
-                        "(benchmarks/fork_server.py), each after sleeping as long as those imports took of CPU -- "
-                        "as late as a node importing on cores of its own, without taking the cores the other "
-                        "nodes train on (default; docs/fault-tolerance.md says why); fresh: a new interpreter "
-                        "that imports on the host's shared cores (~6 s of CPU per rank, from the survivors' "
-                        "share while a replacement starts); forked: forked without the sleep, a node up in a "
-                        "second (faster than a real one; the default with --smoke)")
+                        help="how a node's ranks start (every start: the first, a replacement, a restart). fresh: a "
+                        "new interpreter in the node's cpu cgroup, importing on the node's own CPU as a real node "
+                        "does (the default); forked: forked from one process that imported torch and Lightning "
+                        "once (benchmarks/fork_server.py), a node up in a second -- faster than a real one, for "
+                        "--smoke (its default), which measures nothing")
     parser.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
                         help="--fork-server: --node-start forked; --no-fork-server: --node-start fresh")
     add_link_arguments(parser)  # the emulated network's options, as emulated_cluster.py has them
@@ -215,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          f"give one of the two, not --node-start {args.node_start} with it.")
         args.node_start = aliased
     if args.node_start is None:
-        args.node_start = "forked" if args.smoke else "own-cores"
+        args.node_start = "forked" if args.smoke else "fresh"
     args.fork_server = args.node_start != "fresh"
     if args.smoke and args.node_start == "forked" and args.steps is None:
         args.steps = SMOKE_FORKED_STEPS
@@ -224,15 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if not 0 < args.kill_at_step < args.steps:
         parser.error(f"--kill-at-step must lie between 0 and --steps ({args.steps}), got {args.kill_at_step}.")
-    if min(args.checkpoint_every, args.no_failure_steps, args.batch_size, args.quorum_every) < 1 or \
-            args.restart_delay < 0:
-        parser.error("--checkpoint-every, --no-failure-steps, --batch-size and --quorum-every must be positive, "
-                     "--restart-delay >= 0.")
-    if not 0 <= args.catch_up_share <= 1:
-        parser.error("--catch-up-share must be between 0 (uncapped) and 1.")
-    if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < LIGHTHOUSE_HEARTBEAT_TIMEOUT_S / 2:
-        parser.error(f"--heartbeat-interval must be positive and well under the Lighthouse's heartbeat timeout "
-                     f"({LIGHTHOUSE_HEARTBEAT_TIMEOUT_S:g} s here).")
+    if min(args.checkpoint_every, args.no_failure_steps, args.batch_size) < 1 or args.restart_delay < 0:
+        parser.error("--checkpoint-every, --no-failure-steps and --batch-size must be positive, --restart-delay >= 0.")
     if args.goodput_failures < 0 or (args.goodput_failures > 0 and args.goodput_period <= args.restart_delay):
         parser.error("--goodput-failures must be >= 0, and --goodput-period longer than --restart-delay.")
     setup = TrainingSetup(model=MODEL, micro_batch=args.batch_size, accumulate=1, warmup_steps=0,
@@ -259,10 +246,20 @@ def check_host() -> None:
         )
 
 
-def catch_up_rate(args: argparse.Namespace, link_bytes_per_s: float) -> float | None:
-    """FaultTolerance(catch_up_bytes_per_s=...) of the runs: ``--catch-up-share`` of the link, split among a node's
-    serving ranks (each sends its own snapshot); ``None`` (uncapped) for a share of 0."""
-    return args.catch_up_share * link_bytes_per_s / RANKS_PER_NODE if args.catch_up_share > 0 else None
+def fault_tolerance_settings(ft_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``settings.fault_tolerance``: the options of the runs, as the worker builds them (``ft_options`` on top of
+    the defaults), without what differs per group (the Lighthouse's address, the group's index), and which of them
+    are not ``FaultTolerance()``'s defaults besides those the benchmark sets (``non_default``: empty for the
+    headline runs)."""
+    from lightning_mics import FaultTolerance
+
+    from benchmarks.fault_tolerance_worker import QUORUM_TIMEOUT_S
+
+    built = FaultTolerance(timeout=5.0, quorum_timeout=QUORUM_TIMEOUT_S, **(ft_options or {}))
+    defaults = asdict(FaultTolerance())
+    options = {name: value for name, value in asdict(built).items() if name not in ("lighthouse", "replica_group")}
+    return {"options": options, "non_default": sorted(name for name, value in asdict(built).items()
+                                                      if name not in FT_SET_BY_BENCHMARK and value != defaults[name])}
 
 
 def lighthouse_binary() -> str | None:
@@ -287,12 +284,7 @@ class Bench:
         log_dir = self.work / name
         log_dir.mkdir(parents=True, exist_ok=True)
         nodes = NODES if mode == "plain" else 1
-        fields.setdefault("quorum_every", self.args.quorum_every)
-        fields.setdefault("heal", self.args.heal)
-        fields.setdefault("catch_up_bytes_per_s", getattr(self.args, "catch_up_bytes_per_s", None))
-        fields.setdefault("exact_trajectory", getattr(self.args, "exact_trajectory", False))
         fields.setdefault("async_save", self.args.checkpoints == "async")
-        fields.setdefault("heartbeat_interval", getattr(self.args, "heartbeat_interval", None))
         return Job(mode=mode, steps=steps, nodes=nodes, ranks_per_node=RANKS_PER_NODE, num_groups=NODES,
                    model=asdict(MODEL), batch_size=self.args.batch_size, corpus_bytes=400_000, log_dir=str(log_dir),
                    timeout=self.args.ft_timeout, **fields)
@@ -532,20 +524,15 @@ def _check_running(run: SlicedRun, deadline: float, doing: str) -> None:
         expect_done("timeout", run.job, f"{run.name} without failure, still {doing} at the deadline")
 
 
-def launch_no_failure(
-    bench: Bench, mode: str, index: int, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
-) -> SlicedRun:
+def launch_no_failure(bench: Bench, mode: str, index: int, name: str = "",
+                      ft_options: dict[str, Any] | None = None) -> SlicedRun:
     """Launch one run of run (1): plain MiCS or fault tolerance, no failure; every rank saves its parameter shards
     at the end. Fault tolerance gets a Lighthouse of its own (port ``index`` above the benchmark's), which wants all
     3 groups, and a start barrier that holds every group before the first quorum.
-    ``name``: the run's directory (default ``<mode>-no-failure``); ``quorum_every``: instead of the option's;
-    ``exact_trajectory``: ``FaultTolerance(exact_trajectory=...)`` -- off by default here, whatever
-    ``--exact-trajectory`` says: the no-failure comparison measures fault tolerance as a user gets it by default
-    (and ``exact_trajectory``'s runs on their own, ``no_failure.overhead_exact_trajectory``)."""
+    ``name``: the run's directory (default ``<mode>-no-failure``); ``ft_options``: FaultTolerance options other
+    than its defaults (a labelled section's run; none for the headline's)."""
     name = name or f"{mode}-no-failure"
-    fields: dict[str, Any] = {"save_params": True, "digests": True, "exact_trajectory": exact_trajectory}
-    if quorum_every is not None:
-        fields["quorum_every"] = quorum_every
+    fields: dict[str, Any] = {"save_params": True, "digests": True, "ft_options": dict(ft_options or {})}
     lighthouse = None
     if mode == "ft":
         address, lighthouse = start_lighthouse(bench, NODES, LIGHTHOUSE_PORT + 10 + index)
@@ -556,11 +543,9 @@ def launch_no_failure(
     return SlicedRun(name, job, launch_all(bench, job), lighthouse, log)
 
 
-def run_no_failure(
-    bench: Bench, mode: str, name: str = "", quorum_every: int | None = None, exact_trajectory: bool = False
-) -> RunLog:
-    """One run of run (1) alone on the host, not time-sliced (the A/B scripts kept with earlier results call it)."""
-    run = launch_no_failure(bench, mode, 0, name, quorum_every, exact_trajectory)
+def run_no_failure(bench: Bench, mode: str, name: str = "", ft_options: dict[str, Any] | None = None) -> RunLog:
+    """One run of run (1) alone on the host, not time-sliced (for A/B experiments)."""
+    run = launch_no_failure(bench, mode, 0, name, ft_options)
     try:
         expect_done(watch(run.nodes, time.monotonic() + bench.args.run_timeout), run.job, f"{mode} without failure")
     finally:
@@ -570,17 +555,19 @@ def run_no_failure(
     return run.log
 
 
-def run_ft_failure(bench: Bench) -> RunLog:
+def run_ft_failure(bench: Bench, name: str = "ft-failure", ft_options: dict[str, Any] | None = None,
+                   port_offset: int = 1) -> RunLog:
     """Runs (2) and (3): fault tolerance, node 2 SIGKILLed at ``--kill-at-step`` and started again (as the
-    first time: ``ckpt_path="last"``) ``--restart-delay`` seconds later; every rank logs its shard digests."""
+    first time: ``ckpt_path="last"``) ``--restart-delay`` seconds later; every rank logs its shard digests.
+    ``ft_options``: other than the defaults (the ``exact_trajectory`` section's run)."""
     args = bench.args
-    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + 1)  # fewest groups that may train
-    barrier = bench.work / "ft-failure-barrier"
+    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + port_offset)  # fewest groups that may train
+    barrier = bench.work / f"{name}-barrier"
     barrier.mkdir()
-    job = bench.job("ft-failure", "ft", args.steps, lighthouse=address, digests=True, start_barrier=str(barrier),
-                    checkpoint_dir=str(bench.work / "ft-checkpoints"), checkpoint_every=args.checkpoint_every,
-                    record_samples=True)
-    run = RunLog("ft-failure", job.log_dir, time.time())
+    job = bench.job(name, "ft", args.steps, lighthouse=address, digests=True, start_barrier=str(barrier),
+                    checkpoint_dir=str(bench.work / f"{name}-checkpoints"), checkpoint_every=args.checkpoint_every,
+                    record_samples=True, ft_options=dict(ft_options or {}))
+    run = RunLog(name, job.log_dir, time.time())
     nodes = launch_all(bench, job)
     deadline = time.monotonic() + args.run_timeout
     try:
@@ -647,18 +634,19 @@ def run_restart_baseline(bench: Bench, max_attempts: int = 4) -> RunLog:
     raise RunFailed(f"plain MiCS with restarts did not finish in {max_attempts} attempts: {job.log_dir}")
 
 
-def run_ft_reference(bench: Bench) -> RunLog:
+def run_ft_reference(bench: Bench, name: str = "ft-reference", ft_options: dict[str, Any] | None = None,
+                     port_offset: int = 2) -> RunLog:
     """Run (5): run 2 without its failure -- fault tolerance, as many steps, the same seed, data, checkpoints
-    and Lighthouse; every rank logs its micro-steps' samples (the trajectory run 2 is held to). No digests:
-    its step rate is also the goodput runs' failure-free rate, and they log none."""
+    and Lighthouse; every rank logs its micro-steps' samples (the trajectory run 2 is held to). No digests: its
+    step time is also the failure-free step the survivors' stall is counted in. ``ft_options``: as run 2's."""
     args = bench.args
-    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + 2)
-    barrier = bench.work / "ft-reference-barrier"
+    address, lighthouse = start_lighthouse(bench, 2, LIGHTHOUSE_PORT + port_offset)
+    barrier = bench.work / f"{name}-barrier"
     barrier.mkdir()
-    job = bench.job("ft-reference", "ft", args.steps, lighthouse=address, start_barrier=str(barrier),
-                    checkpoint_dir=str(bench.work / "ft-reference-checkpoints"),
-                    checkpoint_every=args.checkpoint_every, record_samples=True)
-    run = RunLog("ft-reference", job.log_dir, time.time())
+    job = bench.job(name, "ft", args.steps, lighthouse=address, start_barrier=str(barrier),
+                    checkpoint_dir=str(bench.work / f"{name}-checkpoints"),
+                    checkpoint_every=args.checkpoint_every, record_samples=True, ft_options=dict(ft_options or {}))
+    run = RunLog(name, job.log_dir, time.time())
     nodes = launch_all(bench, job)
     # two steps past: every group's records of the steps compared are written before it is stopped
     enough = (lambda: logged_step(job.log_dir, 0, "step") >= args.reference_steps + 2) if args.reference_steps else None
@@ -984,8 +972,6 @@ def no_failure_results(
             "cpu_overhead": cpu_ratio(plains, fts),
             "runs_cpu_seconds_per_step": {"plain": [cpu_seconds_per_step(run) for run in plains],
                                           "ft": [cpu_seconds_per_step(run) for run in fts]},
-            "overhead_quorum_every_step": None if every_step is None else median_step_seconds(every_step) / plain_step,
-            **exact_trajectory_overhead(plains, plain_step, exacts),
             **time_slicing(plain, {"ft": ft, "quorum_every_step": every_step,
                                    "exact_trajectory": exacts[0] if exacts else None})}
 
@@ -1001,16 +987,15 @@ def time_slicing(plain: RunLog, others: dict[str, RunLog | None]) -> dict[str, A
             "overhead_by_round": {name: ratio_by_round(plain, run) for name, run in runs.items() if name != "plain"}}
 
 
-def exact_trajectory_overhead(plains: list[RunLog], plain_step: float, exacts: list[RunLog] | None) -> dict[str, Any]:
-    """``no_failure.overhead_exact_trajectory`` and its CPU ratio: ``FaultTolerance(exact_trajectory=True)``'s
-    no-failure runs against the same plain runs (``{}`` without such runs)."""
-    if not exacts:
+def variant_overhead(plains: list[RunLog], variants: list[RunLog]) -> dict[str, Any]:
+    """A labelled section's no-failure cost: its runs' step time over the same plain runs' (time-sliced with them),
+    and the CPU ratio; ``{}`` without such runs."""
+    if not variants:
         return {}
-    exact_step = pooled_median_step_seconds(exacts)
-    return {"overhead_exact_trajectory": exact_step / plain_step, "exact_trajectory_step_seconds": exact_step,
-            "cpu_overhead_exact_trajectory": cpu_ratio(plains, exacts),
-            "runs_exact_trajectory": {"step_seconds": [median_step_seconds(run) for run in exacts],
-                                      "cpu_seconds_per_step": [cpu_seconds_per_step(run) for run in exacts]}}
+    step = pooled_median_step_seconds(variants)
+    return {"overhead": step / pooled_median_step_seconds(plains), "step_seconds": step,
+            "cpu_overhead": cpu_ratio(plains, variants),
+            "runs_step_seconds": [median_step_seconds(run) for run in variants]}
 
 
 def cpu_ratio(plains: list[RunLog], fts: list[RunLog]) -> float | None:
@@ -1044,11 +1029,13 @@ def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
     }
 
 
-def rejoin_results(run: RunLog, checkpoint_every: int = 0) -> dict[str, Any]:
+def rejoin_results(run: RunLog, failure_free_step: float, checkpoint_every: int = 0) -> dict[str, Any]:
     """Run (3)'s numbers: the restarted node's first commit, its first commit with its shards current (a catch-up
     heal downloads them meanwhile; the blocking one has them at once), its digests vs the survivors' (per rank,
     at every step both committed after the heal, from its shards being current), and what the heal cost the
-    survivors (:func:`survivor_gaps`: ``checkpoint_every``, the survivors' saves, are taken out of it)."""
+    survivors: ``survivor_stall_steps`` (:func:`survivor_stall_steps`, in ``failure_free_step`` seconds -- run 5's
+    median step) and the heal step's own gap (``heal_step_stall_steps``, the survivors' saves every
+    ``checkpoint_every`` steps taken out)."""
     restart = run.events["restart"]
     mine = [r for r in commits(read_rows(run), VICTIM) if r["t"] > restart]
     current = [r for r in mine if r.get("current", True)]
@@ -1074,9 +1061,8 @@ def rejoin_results(run: RunLog, checkpoint_every: int = 0) -> dict[str, Any]:
             "first_contributing_step": contributing[0]["step"] if contributing else None,
             "seconds_starting": heal_began - restart,
             "checkpoint_save_seconds": gaps.save_seconds,
-            "survivor_stall_steps": survivor_stall_steps(gaps, heal_began, healed_at),
-            "survivor_stall_steps_as_before": survivor_stall_steps(
-                gaps, restart, healed_at, outage=(run.events["kill"], restart)),
+            "failure_free_step_seconds": failure_free_step,
+            "survivor_stall_steps": survivor_stall_steps(gaps.rows, restart, healed_at, failure_free_step),
             "heal_step_stall_steps": heal_step_stall_steps(gaps, mine[0]["step"] if mine else None)}
 
 
@@ -1116,30 +1102,18 @@ def survivor_gaps(run: RunLog, checkpoint_every: int) -> SurvivorGaps:
     return SurvivorGaps(rows, gaps, saved, max(excess, 0.0))
 
 
-def survivor_stall_steps(gaps: SurvivorGaps, began: float, healed_at: float | None,
-                         outage: tuple[float, float] | None = None) -> float | None:
-    """How long the survivors stood still while the restarted group healed: node 0's longest gap between two
-    commits that spans any of [``began``, the restarted group's first commit with its shards current -- with a
-    catch-up heal, after its background download and replay], a checkpoint save taken out, in node 0's median
-    step time in that window, minus one (0: no step lost to the heal). ``began`` is when the restarted processes
-    were set up and asked for their first quorum: their start before (imports, loading the checkpoint) is no
-    heal, and on this host its CPU time is taken from the survivors' two cores, which a separate node would not
-    take. ``outage`` (kill, restart): the definition this benchmark had first -- from the restart, saves left in,
-    in the survivors' median step during the outage (when 4 of the 6 ranks share the cores: shorter steps).
-    ``None`` when the group never rejoined."""
-    if healed_at is None:
+def survivor_stall_steps(rows: list[dict[str, Any]], restart: float, healed_at: float | None,
+                         failure_free_step: float) -> float | None:
+    """How long the survivors stood still while the restarted group healed: node 0's longest gap between two of
+    its commits that spans any of [``restart`` -- the replacement's launch --, the restarted group's first commit
+    with its shards current (with a catch-up heal, after its background download and replay)], in median
+    failure-free step times (``failure_free_step``), minus one: 0 when no step was lost. Nothing is taken out
+    (checkpoint saves and quorums that fall in the window count). ``None`` when the group never rejoined."""
+    if healed_at is None or failure_free_step <= 0:
         return None
-    times = [row["t"] for row in gaps.rows]
-    spans = [i for i, (a, b) in enumerate(itertools.pairwise(times)) if b >= began and a <= healed_at]
-    if not spans:
-        return None
-    if outage is not None:
-        during = [t for t in times if outage[0] < t < outage[1]]
-        step = median_interval(during) if len(during) > 2 else median_interval(times)
-        return max(gaps.gaps[i] for i in spans) / step - 1
-    window = [gaps.corrected(i) for i in spans]
-    step = statistics.median(window) if len(window) > 2 else median_interval(times)
-    return max(window) / step - 1 if step > 0 else None
+    times = [row["t"] for row in rows]
+    spans = [b - a for a, b in itertools.pairwise(times) if b >= restart and a <= healed_at]
+    return max(spans) / failure_free_step - 1 if spans else None
 
 
 def heal_step_stall_steps(gaps: SurvivorGaps, first_step: int | None) -> float | None:
@@ -1244,6 +1218,8 @@ def trajectory_results(reference: list[dict[str, Any]], run: list[dict[str, Any]
     * ``steps_differing``: steps whose samples (as a multiset) are not the reference's same step's;
     * ``global_batch_constant``: every step of both read the same number of samples;
     * ``max_loss_diff``: the largest |per-step loss difference| (``step_losses``), at ``max_loss_diff_step``;
+    * ``final_loss_rel_diff``: |mean loss of the last :data:`FINAL_LOSS_STEPS` steps compared, run - reference| over
+      the reference's (``final_loss_steps``: the first and last of them);
       ``first_step_loss_differs`` / ``first_step_loss_diff_over_1e-3``: where it first is > 0 / > 1e-3 (the same
       samples summed in another order differ in fp32's last bits, and training amplifies that step by step).
     """
@@ -1263,6 +1239,8 @@ def trajectory_results(reference: list[dict[str, Any]], run: list[dict[str, Any]
         differing += mine != theirs
     sizes = {len(ref.get(step, [])) for step in steps} | {len(got.get(step, [])) for step in steps}
     diffs = {step: abs(got_loss[step] - ref_loss[step]) for step in steps if step in got_loss and step in ref_loss}
+    final = sorted(diffs)[-FINAL_LOSS_STEPS:]
+    final_ref = statistics.fmean(ref_loss[step] for step in final) if final else None
     worst = max(diffs, key=diffs.__getitem__, default=None)
     return {
         "samples_skipped": sum((ref_counts - got_counts).values()),
@@ -1276,6 +1254,9 @@ def trajectory_results(reference: list[dict[str, Any]], run: list[dict[str, Any]
         "first_step_loss_differs": next((step for step in sorted(diffs) if diffs[step] > 0), None),
         "first_step_loss_diff_over_1e-3": next((step for step in sorted(diffs) if diffs[step] > 1e-3), None),
         "steps_with_loss_compared": len(diffs),
+        "final_loss_rel_diff": (abs(statistics.fmean(got_loss[step] for step in final) - final_ref) / abs(final_ref)
+                                if final_ref else None),
+        "final_loss_steps": [final[0], final[-1]] if final else None,
         "micro_steps_recorded": len(run),
         "micro_steps_committed": len(committed_records(run)),
         "micro_batches_reloaded": sum(max((r.get("reloaded", 0) for r in run if (r["node"], r["rank"], r.get("pid"))
@@ -1377,36 +1358,75 @@ def goodput_phases(run: RunLog, rows: list[dict[str, Any]], window: tuple[float,
     return out
 
 
-def goodput_results(ft: RunLog, restart: RunLog | None, ft_reference: RunLog, plain_reference: RunLog | None,
+def alive_fraction(run: RunLog, window: tuple[float, float]) -> float:
+    """``goodput.limit``: the time-weighted fraction of the cluster's nodes alive in ``window`` under the schedule --
+    each node down from its kill to its replacement's launch (``kill<k>.node<n>`` .. ``restart<k>.node<n>``), up
+    again from the launch whether or not it trains yet. The most any method could commit."""
+    start, end = window
+    down = 0.0
+    for name, kill in run.events.items():
+        if name.startswith("kill"):
+            restart = run.events.get("restart" + name[len("kill"):], end)
+            down += max(0.0, min(restart, end) - max(kill, start))
+    return 1 - down / (NODES * (end - start))
+
+
+def survivor_rate_while_out(phases: dict[str, dict[str, float]], free_steps_per_second: float) -> float | None:
+    """``goodput.survivor_rate_while_out``: the survivors' committed steps per second over the failure-free rate
+    while a group is out -- from their first commit without it until its replacement is set up (the ``alone`` and
+    ``replacement_starting`` stretches of :func:`goodput_phases`). Every step reads the whole global batch, so this
+    is also the ratio of committed samples; on nodes with CPUs of their own it is about (G - 1) / G."""
+    out = [phases[name] for name in ("alone", "replacement_starting")]
+    seconds = sum(stretch["seconds"] for stretch in out)
+    return sum(stretch["steps"] for stretch in out) / seconds / free_steps_per_second if seconds else None
+
+
+def failure_free_rate(plain: RunLog | None, ft_reference: RunLog) -> tuple[float | None, str]:
+    """Goodput's denominator, in steps per second: plain MiCS's failure-free rate from run 1 (time-sliced, the same
+    benchmark run); only with ``--only goodput``, which runs no plain MiCS, fault tolerance's run 5."""
+    if plain is not None:
+        return failure_free_steps_per_second(plain, key="global_step"), "plain MiCS, no failure (run 1, time-sliced)"
+    return (steps_per_second(commits(read_rows(ft_reference), 0)),
+            "fault tolerance, no failure (run 5; --only goodput runs no plain MiCS)")
+
+
+def goodput_results(ft: RunLog, restart: RunLog | None, free: float | None, denominator: str,
                     schedule: Schedule, global_batch: int) -> dict[str, Any]:
-    """Committed samples per second over the window, for fault tolerance and for restart from checkpoint, and
-    each over its failure-free rate (``goodput.fault_tolerance``, ``goodput.restart_from_checkpoint``; ``None``
-    for restart without its runs: ``--only goodput``)."""
+    """Committed samples per second over the window, for fault tolerance and for restart from checkpoint, each
+    over the same failure-free rate ``free`` (steps per second, :func:`failure_free_rate`; ``denominator`` says
+    whose). Also the schedule's ``limit`` (:func:`alive_fraction`),
+    ``efficiency`` = goodput / limit and the survivors' rate while a group is out. ``restart``: ``None`` without its
+    runs (``--only goodput``)."""
     ft_rows = read_rows(ft)
     ft_start = ft.events["window_start"]
-    ft_steps = ft_progress(ft_rows, ft_start + schedule.window) - ft_progress(ft_rows, ft_start)
-    ft_free = steps_per_second(commits(read_rows(ft_reference), 0))
+    window = (ft_start, ft_start + schedule.window)
+    ft_steps = ft_progress(ft_rows, window[1]) - ft_progress(ft_rows, ft_start)
     ft_rate = ft_steps * global_batch / schedule.window
-    ft_goodput = ft_rate / (ft_free * global_batch) if ft_free else None
-    restart_steps = restart_rate = restart_goodput = plain_free = None
-    if restart is not None and plain_reference is not None:
+    ft_goodput = ft_rate / (free * global_batch) if free else None
+    restart_steps = restart_rate = restart_goodput = None
+    if restart is not None:
         restart_rows, restart_start = read_rows(restart), restart.events["window_start"]
         launches = [t for name, t in restart.events.items() if name.startswith("launch")]
         kills = [t for name, t in restart.events.items() if name.startswith("kill")]
         restart_steps = (restart_progress(restart_rows, launches, kills, restart_start + schedule.window)
                          - restart_progress(restart_rows, launches, kills, restart_start))
-        plain_free = failure_free_steps_per_second(plain_reference, key="global_step")
         restart_rate = restart_steps * global_batch / schedule.window
-        restart_goodput = restart_rate / (plain_free * global_batch) if plain_free else None
+        restart_goodput = restart_rate / (free * global_batch) if free else None
+    limit = alive_fraction(ft, window)
+    phases = goodput_phases(ft, ft_rows, window, free) if free else None
     return {
         "fault_tolerance": ft_goodput,
         "restart_from_checkpoint": restart_goodput,
+        "limit": limit,
+        "efficiency": ft_goodput / limit if ft_goodput is not None else None,
+        "restart_efficiency": restart_goodput / limit if restart_goodput is not None else None,
+        "survivor_rate_while_out": survivor_rate_while_out(phases, free) if phases and free else None,
+        "survivor_rate_expected": (NODES - 1) / NODES,
         "ratio_ft_over_restart": ft_goodput / restart_goodput if ft_goodput and restart_goodput else None,
-        "samples_per_second_ft_over_restart": ft_rate / restart_rate if restart_rate else None,
+        "denominator": denominator,
         "committed_samples_per_second": {"fault_tolerance": ft_rate, "restart_from_checkpoint": restart_rate},
         "committed_steps": {"fault_tolerance": ft_steps, "restart_from_checkpoint": restart_steps},
-        "failure_free_samples_per_second": {"fault_tolerance": ft_free * global_batch if ft_free else None,
-                                            "plain": plain_free * global_batch if plain_free else None},
+        "failure_free_samples_per_second": free * global_batch if free else None,
         "global_batch": global_batch,
         "schedule": {"period_seconds": schedule.period, "failures": schedule.failures,
                      "window_seconds": schedule.window, "restart_delay_seconds": schedule.restart_delay,
@@ -1417,8 +1437,7 @@ def goodput_results(ft: RunLog, restart: RunLog | None, ft_reference: RunLog, pl
                    "restart_from_checkpoint": None if restart is None else relative(restart)},
         "failures": {"fault_tolerance": ft.failures,
                      "restart_from_checkpoint": None if restart is None else restart.failures},
-        "fault_tolerance_phases": (goodput_phases(ft, ft_rows, (ft_start, ft_start + schedule.window), ft_free)
-                                   if ft_free else None),
+        "fault_tolerance_phases": phases,
     }
 
 
@@ -1470,10 +1489,11 @@ def markdown_table(results: dict[str, Any]) -> str:
         ("no failure: max abs diff to plain `mics`", f"{n['max_abs_diff']:.3g}"),
         ("no failure: step time, fault-tolerant / plain", (f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / "
          f"{n['plain_step_seconds']:.3f} s)")),
-        ("no failure: the same with a quorum at every step", _num(n.get("overhead_quorum_every_step"), 3)),
         ("no failure: CPU per step (all ranks), fault-tolerant / plain", _num(n.get("cpu_overhead"), 3)),
-        ("no failure: step time with `exact_trajectory=True` / plain", _num(n.get("overhead_exact_trajectory"), 3)),
     ]
+    every_step = (results.get("variants") or {}).get("quorum_every_1")
+    if every_step:
+        rows.append(("variant `quorum_every=1`: step time / plain", _num(every_step.get("overhead"), 3)))
     by_round = (n or {}).get("overhead_by_round", {}).get("ft")
     if by_round is not None:
         rows.append((f"no failure: fault-tolerant / plain, round by round of {SLICE_SECONDS:g} s slices: quartiles",
@@ -1493,15 +1513,29 @@ def markdown_table(results: dict[str, Any]) -> str:
             ("trajectory: global batch constant", f"{t['global_batch_constant']} ({t['global_batch']})"),
             ("trajectory: largest per-step loss difference", "-" if t["max_loss_diff"] is None
              else f"{t['max_loss_diff']:.3g}"),
+            (f"trajectory: mean loss of the last {FINAL_LOSS_STEPS} steps, relative difference",
+             "-" if t.get("final_loss_rel_diff") is None else f"{t['final_loss_rel_diff']:.2g}"),
         ]
+    e = results.get("exact_trajectory")
+    if e:
+        rows.append(("`exact_trajectory=True`: no-failure step time / plain", _num(e.get("overhead"), 3)))
+        if "trajectory" in e:
+            rows += [("`exact_trajectory=True`: largest per-step loss difference, with failure vs without",
+                      _num(e["trajectory"]["max_loss_diff"], 3) if e["trajectory"]["max_loss_diff"] else "0"),
+                     ("`exact_trajectory=True`: survivors' stall while it healed, in steps",
+                      _num(e["rejoin"]["survivor_stall_steps"], 2))]
     g = results.get("goodput", {})
     if "skipped" in g:
         rows.append(("goodput", f"skipped: {g['skipped']}"))
     elif g:
         rows += [
-            ("goodput: fault tolerance", _num(g["fault_tolerance"], 3)),
-            ("goodput: restart from checkpoint", _num(g["restart_from_checkpoint"], 3)),
+            ("goodput: fault tolerance (over plain MiCS's failure-free rate)", _num(g["fault_tolerance"], 3)),
+            ("goodput: restart from checkpoint (the same denominator)", _num(g["restart_from_checkpoint"], 3)),
             ("goodput: fault tolerance / restart", _num(g["ratio_ft_over_restart"], 2)),
+            ("goodput: limit (nodes alive under the schedule)", _num(g.get("limit"), 3)),
+            ("goodput: efficiency (fault tolerance / limit)", _num(g.get("efficiency"), 3)),
+            (f"goodput: survivors' rate while a group is out (expected {g.get('survivor_rate_expected', 0):.3f})",
+             _num(g.get("survivor_rate_while_out"), 3)),
         ]
         phases = g.get("fault_tolerance_phases") or {}
         rows += [(f"goodput lost while {phase.replace('_', ' ')} (`{phase}`: seconds, rate vs failure-free)",
@@ -1527,8 +1561,6 @@ def _failure_rows(f: dict[str, Any], r: dict[str, Any]) -> list[tuple[str, str]]
          _num(r.get("survivor_stall_steps"))),
         ("rejoin: survivors' gap before the step it joined, in steps (`rejoin.heal_step_stall_steps`)",
          _num(r.get("heal_step_stall_steps"))),
-        ("rejoin: the same longest stall as first defined (`rejoin.survivor_stall_steps_as_before`)",
-         _num(r.get("survivor_stall_steps_as_before"))),
     ]
 
 
@@ -1537,26 +1569,28 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 # ---------------------------------------------------------------------------------- main
-def trajectory_section(reference: list[dict[str, Any]], failure: RunLog, args: argparse.Namespace) -> dict[str, Any]:
+def trajectory_section(reference: list[dict[str, Any]], failure: RunLog, args: argparse.Namespace,
+                       compared: str = "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no "
+                                       "failure), same seed and options") -> dict[str, Any]:
     """``trajectory.*``: run 2's committed steps against run 5's (``reference``: its sample records)."""
     return {
         **trajectory_results(reference, read_sample_records(failure.log_dir), args.reference_steps or None),
-        "compared": "run 2 (a group killed at --kill-at-step and restarted) against run 5 (no failure), same seed",
+        "compared": compared,
         "reference_steps": args.reference_steps or args.steps,
-        "exact_trajectory": args.exact_trajectory,
     }
 
 
 def no_failure_plan(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
     """Run (1)'s runs, as (name, mode, :func:`launch_no_failure`'s keywords), all sharing the host in time slices
-    (:func:`run_no_failure_sliced`): plain MiCS, fault tolerance as configured by default, ``exact_trajectory=True``
+    (:func:`run_no_failure_sliced`): plain MiCS, fault tolerance with its defaults, ``exact_trajectory=True``
     (unless ``--no-exact-trajectory``) and a quorum at every step; ``--smoke``: plain and fault tolerance."""
     plan: list[tuple[str, str, dict[str, Any]]] = [("plain", "plain", {}), ("ft", "ft", {})]
     if args.smoke:
         return plan
     if args.exact_trajectory:
-        plan.append(("ft-exact", "ft", {"name": "ft-exact-no-failure", "exact_trajectory": True}))
-    return plan + [("ft-quorum-every-step", "ft", {"name": "ft-no-failure-every-step", "quorum_every": 1})]
+        plan.append(("ft-exact", "ft", {"name": "ft-exact-no-failure", "ft_options": EXACT}))
+    return plan + [("ft-quorum-every-step", "ft", {"name": "ft-no-failure-every-step",
+                                                   "ft_options": {"quorum_every": 1}})]
 
 
 def no_failure_runs_by_kind(
@@ -1572,9 +1606,9 @@ def no_failure_runs_by_kind(
             continue
         if mode == "plain":
             plains.append(run)
-        elif fields.get("exact_trajectory"):
+        elif fields.get("ft_options") == EXACT:
             exacts.append(run)
-        elif "quorum_every" in fields:
+        elif "quorum_every" in fields.get("ft_options", {}):
             every_step = run
         else:
             defaults.append(run)
@@ -1601,6 +1635,11 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         todo.append(("restart-baseline", lambda: run_restart_baseline(bench)))
     if args.only in ("all", "trajectory", "goodput"):
         todo.append(("ft-reference", lambda: run_ft_reference(bench)))
+    exact_section = args.exact_trajectory and not args.smoke and args.only in ("all", "trajectory")
+    if exact_section:  # the labelled section: the same two runs with exact_trajectory=True
+        todo.append(("ft-exact-failure", lambda: run_ft_failure(bench, "ft-exact-failure", EXACT, port_offset=4)))
+        todo.append(("ft-exact-reference", lambda: run_ft_reference(bench, "ft-exact-reference", EXACT,
+                                                                    port_offset=5)))
     if schedule.failures > 0 and args.only in ("all", "goodput"):
         todo.append(("ft-goodput", lambda: run_ft_goodput(bench, schedule)))
     if schedule.failures > 0 and args.only == "all":
@@ -1622,30 +1661,37 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
         (Path(runs[name].log_dir) / "run.json").write_text(json.dumps(asdict(runs[name])))  # kept with --work-dir
         print(f"    {time.monotonic() - began:.0f} s; events: " + ", ".join(
             f"{k} at {t - runs[name].started:.1f} s" for k, t in runs[name].events.items()), flush=True)
-    no_failure = None
+    no_failure, plains, every_step, exacts = None, [], None, []
     if plan:
         plains, defaults, every_step, exacts = no_failure_runs_by_kind(plan, runs)
         no_failure = no_failure_results(plains, defaults, every_step, exacts)
+    variants = {"quorum_every_1": {"settings": fault_tolerance_settings({"quorum_every": 1}),
+                                   **variant_overhead(plains, [every_step])}} if every_step is not None else {}
     if args.only == "no_failure":
-        return {"no_failure": no_failure}, runs["ft"], None
+        section = {"settings": fault_tolerance_settings(EXACT), **variant_overhead(plains, exacts)} if exacts else None
+        return {"no_failure": no_failure, "exact_trajectory": section, "variants": variants}, runs["ft"], None
     reference = read_sample_records(runs["ft-reference"].log_dir)  # run 5's: runs 2 and 6 are held to it
     global_batch = NODES * RANKS_PER_NODE * args.batch_size
     if args.only == "goodput":
-        goodput = goodput_results(runs["ft-goodput"], None, runs["ft-reference"], None, schedule, global_batch)
+        free, denominator = failure_free_rate(None, runs["ft-reference"])
+        goodput = goodput_results(runs["ft-goodput"], None, free, denominator, schedule, global_batch)
         goodput["trajectory"] = goodput_trajectory(reference, runs["ft-goodput"], args)
         return {"goodput": goodput}, runs["ft-goodput"], None
+    failure_free_step = median_step_seconds(runs["ft-reference"])
+    exact = exact_trajectory_section(runs, plains, exacts, args) if exact_section else None
     if args.only == "trajectory":
         return {
             "failure": failure_results(runs["ft-failure"], args.steps),
-            "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
+            "rejoin": rejoin_results(runs["ft-failure"], failure_free_step, args.checkpoint_every),
             "trajectory": trajectory_section(reference, runs["ft-failure"], args),
+            "exact_trajectory": exact,
         }, runs["ft-failure"], None
     ft_seconds = seconds_to_final_step(runs["ft-failure"], args.steps)
     baseline_seconds = seconds_to_final_step(runs["restart-baseline"], args.steps)
     results = {
         "no_failure": no_failure,
         "failure": failure_results(runs["ft-failure"], args.steps),
-        "rejoin": rejoin_results(runs["ft-failure"], args.checkpoint_every),
+        "rejoin": rejoin_results(runs["ft-failure"], failure_free_step, args.checkpoint_every),
         "restart_baseline": {"seconds": baseline_seconds, "events": relative(runs["restart-baseline"]),
                              "failures": runs["restart-baseline"].failures},
         "ft": {"seconds": ft_seconds, "events": relative(runs["ft-failure"]), "failures": runs["ft-failure"].failures,
@@ -1653,15 +1699,36 @@ def measure(bench: Bench) -> tuple[dict[str, Any], RunLog, RunLog | None]:
     }
     results["rejoin"]["restart_attempts"] = 1 + len(runs["ft-failure"].failures)
     results["trajectory"] = trajectory_section(reference, runs["ft-failure"], args)
+    results["exact_trajectory"] = exact
+    results["variants"] = variants
     if schedule.failures > 0:
-        goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], runs["ft-reference"], runs["plain"],
-                                  schedule, global_batch)
+        free, denominator = failure_free_rate(runs["plain"], runs["ft-reference"])
+        goodput = goodput_results(runs["ft-goodput"], runs["restart-goodput"], free, denominator, schedule,
+                                  global_batch)
         goodput["schedule"]["checkpoint_every"] = args.checkpoint_every
         goodput["trajectory"] = goodput_trajectory(reference, runs["ft-goodput"], args)
         results["goodput"] = goodput
     else:
         results["goodput"] = {"skipped": "--goodput-failures 0 (--smoke): a failure schedule needs minutes"}
     return results, runs["ft-failure"], runs["restart-baseline"]
+
+
+def exact_trajectory_section(runs: dict[str, RunLog], plains: list[RunLog], exacts: list[RunLog],
+                             args: argparse.Namespace) -> dict[str, Any]:
+    """The labelled ``exact_trajectory`` section: ``FaultTolerance(exact_trajectory=True)`` (not the default) --
+    its failure run against its own failure-free reference (``trajectory``: bit-exact losses expected), the
+    rejoin and the failure as in the headline, and its no-failure cost against plain MiCS (``overhead``)."""
+    failure, reference = runs["ft-exact-failure"], runs["ft-exact-reference"]
+    rejoin = rejoin_results(failure, median_step_seconds(reference), args.checkpoint_every)
+    return {
+        "settings": fault_tolerance_settings(EXACT),
+        **variant_overhead(plains, exacts),
+        "trajectory": trajectory_section(read_sample_records(reference.log_dir), failure, args,
+                                         compared="the exact_trajectory failure run against its own no-failure run"),
+        "failure": {key: value for key, value in failure_results(failure, args.steps).items()
+                    if key in ("steps_discarded", "seconds_to_next_commit")},
+        "rejoin": {key: rejoin[key] for key in ("bit_identical", "digests_compared", "survivor_stall_steps")},
+    }
 
 
 def goodput_trajectory(reference: list[dict[str, Any]], goodput: RunLog, args: argparse.Namespace) -> dict[str, Any]:
@@ -1692,10 +1759,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with EmulatedCluster(NODES, mtu=args.mtu) as cluster, work_directory(args.work_dir) as tmp:
         if args.fork_server:
-            cluster.start_fork_server(as_own_cores=args.node_start == "own-cores")  # imports while links are probed
+            cluster.start_fork_server()  # imports while links are probed
         network = set_up_network(cluster, ClusterShape(NODES, RANKS_PER_NODE), args.link)
-        args.catch_up_bytes_per_s = catch_up_rate(args, network.inter_node_rate_bytes_per_s)
-        args.node_start_delay_seconds = cluster.forked_start_delay()
         bench = Bench(cluster, args, Path(tmp), cluster.add_switch_address())
         results, ft, baseline = measure(bench)
         title = (f"{NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), one replica group per node; GPT "
@@ -1706,12 +1771,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         chart = None if baseline is None else draw_timeline(
             ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
+        throttled = cluster.throttled_seconds()
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "link"}
     report = {
         **results,
         "command": command,
         "title": title,
-        "settings": {**settings, "model": asdict(MODEL), "model_params": MODEL.num_params},
+        "settings": {**settings, "model": asdict(MODEL), "model_params": MODEL.num_params,
+                     "fault_tolerance": fault_tolerance_settings(), "num_replica_groups": NODES,
+                     "cpu_quota_per_node": cluster.cpu_quota_per_node,
+                     "cpu_quota_unavailable": cluster.cpu_quota_unavailable,
+                     "cpu_throttled_seconds_per_node": throttled},
         "network": asdict(network),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
                     "load_after": os.getloadavg()},

@@ -9,11 +9,10 @@ imports are most of its time. The fork server pays them once per benchmark: it r
 fault-tolerance benchmark's ``unshare --uts`` does), takes the requester's environment, working directory and
 log file, and runs the rank's module as ``__main__`` -- the same code a fresh ``python -m module`` runs.
 
-The smoke runs use it as it is (``--smoke``: they check that every path runs and measure nothing): a node
-started that way is up in a second, faster than a real one. The fault-tolerance benchmark's measured runs use it
-with a start delay (``--node-start own-cores``): each forked rank first sleeps as long as the server's imports
-took of CPU, so that a node starts as late as one importing on cores of its own would, without taking the
-cores of the nodes that train meanwhile -- which fresh processes here do, and a real node never does.
+Only the smoke runs use it (``--smoke``: they check that every path runs and measure nothing): a node started
+that way is up in a second, faster than a real one. Measured runs start fresh interpreters, each in its node's
+cpu cgroup (:mod:`benchmarks.cpu_quota`), so a starting node imports on its own CPU as a real one does. A forked
+child joins the cgroup its request names before it runs anything.
 
 The server forks from a single thread (a lock held by another thread at the fork would stay held in every
 child): it refuses to serve if an import started one. Each child runs in a session of its own, so a benchmark
@@ -46,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from benchmarks.cpu_quota import join
 
 #: Imported too where installed: torchft (~1 s of CPU per rank). Its ``Manager`` takes ``socket.gethostname()``
 #: as a default argument, evaluated at import -- the server's name, not the node address a forked rank is given
@@ -91,21 +92,18 @@ class StartRequest:
     cwd: str
     namespace: Optional[str]  #: the network namespace (``ip netns`` name) to enter; ``None``: the server's
     hostname: Optional[str]  #: a UTS namespace of its own with this hostname; ``None``: the server's
-    #: seconds the child sleeps before it runs: the time its node's own cores would have spent on the imports the
-    #: server did for it (:meth:`ForkServer.preload_cpu_seconds`), taken without using the host's CPU
-    start_delay: float = 0.0
+    #: the cgroup directory the child joins before it runs (its node's CPU quota, :mod:`benchmarks.cpu_quota`);
+    #: ``None``: the server's
+    cgroup: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------- server
 def serve(socket_path: str, preload: Sequence[str]) -> int:
-    """Import ``preload``, then fork one child per request on ``socket_path`` until SIGTERM. The ready file
-    holds the CPU seconds the imports took (:meth:`ForkServer.preload_cpu_seconds`)."""
-    cpu_before = time.process_time()
+    """Import ``preload``, then fork one child per request on ``socket_path`` until SIGTERM."""
     for name in preload:
         if name in OPTIONAL_PRELOAD and importlib.util.find_spec(name) is None:
             continue
         importlib.import_module(name)
-    preload_cpu_seconds = time.process_time() - cpu_before
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         print(f"fork server: {threads} threads after importing {', '.join(preload)}: an import started one, and "
@@ -126,7 +124,7 @@ def serve(socket_path: str, preload: Sequence[str]) -> int:
     listener.listen(64)
     ready = Path(ready_path(socket_path))
     partial = ready.with_name(ready.name + ".tmp")
-    partial.write_text(f"{preload_cpu_seconds:.3f}\n")
+    partial.write_text("ready\n")
     os.replace(partial, ready)  # whole: a reader never sees it empty
     children: dict[int, socket.socket] = {}
     while not stopping:
@@ -202,8 +200,7 @@ def _run_child(request: StartRequest, output: int) -> None:
         os.close(output)
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
-        if request.start_delay > 0:  # in its own session, default signals: a benchmark's stop ends it meanwhile
-            time.sleep(request.start_delay)
+        join(request.cgroup)
         if request.namespace is not None:
             _enter_network_namespace(request.namespace)
         if request.hostname is not None:
@@ -396,24 +393,16 @@ class ForkServer:
                 raise RuntimeError(f"the fork server did not listen on {self.socket_path} within {timeout:.0f} s")
             time.sleep(0.05)
 
-    def preload_cpu_seconds(self) -> float:
-        """The CPU seconds the server's imports took (waits until it listens): what each rank it forks would
-        have spent importing the same modules itself, on cores of its own."""
-        self.wait_until_ready()
-        return float(Path(ready_path(self.socket_path)).read_text())
-
     def start(self, argv: Sequence[str], environment: dict[str, str], cwd: Path, output: int,
               namespace: Optional[str] = None, hostname: Optional[str] = None,
-              start_delay: float = 0.0) -> ForkedProcess:
+              cgroup: Optional[str] = None) -> ForkedProcess:
         """Start ``argv`` (``[python, "-m", module, *args]``, as it would be spawned) forked from the server,
-        in ``namespace``, writing to the descriptor ``output``; the child sleeps ``start_delay`` seconds first."""
+        in ``namespace`` and the cgroup directory ``cgroup``, writing to the descriptor ``output``."""
         if len(argv) < 3 or argv[1] != "-m":
             raise ValueError(f"the fork server runs modules (`python -m module ...`), not {list(argv)}")
-        if start_delay < 0:
-            raise ValueError(f"start_delay must be >= 0 seconds, got {start_delay}")
         self.wait_until_ready()
         request = StartRequest(argv[2], tuple(argv[3:]), dict(environment), str(cwd), namespace, hostname,
-                               start_delay)
+                               cgroup)
         payload = pickle.dumps(request)
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -16,10 +16,15 @@ Layout (N nodes)::
   counted on -- the ``uplink`` veth.
 * Both directions of every node link are shaped: the node side limits what the node sends, the
   switch side what it receives.
+* Every node has CPUs of its own: its processes run in a cpu cgroup capped at (host cores / nodes)
+  (:mod:`benchmarks.cpu_quota`), so a lost node's CPU is not lent to the survivors and a starting node
+  imports on its own budget. Where the host cannot give quotas the cluster runs without them and says so
+  (:attr:`EmulatedCluster.cpu_quota_unavailable`).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import os
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Optional, Union
 
+from benchmarks.cpu_quota import CpuQuotaUnavailable, NodeCpuQuotas, join
 from benchmarks.fork_server import PRELOAD, ForkedProcess, ForkServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +132,8 @@ class EmulatedCluster:
     on normal exit, on errors and on Ctrl-C, and also removes the processes started through
     :meth:`spawn` (by their process ids)."""
 
-    def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str = DEFAULT_PREFIX,
+                 cpu_quota: bool = True) -> None:
         if num_nodes < 2:
             raise ValueError(f"An emulated cluster needs at least 2 nodes, got {num_nodes}.")
         if num_nodes > NODE_SUBNET.num_addresses - 2:
@@ -139,8 +146,11 @@ class EmulatedCluster:
         self._processes: list[RankProcess] = []
         self._created = False
         self._fork_server: ForkServer | None = None
-        self._forked_as_own_cores = False
-        self._preload_cpu_seconds: float | None = None
+        #: each node's cpu cgroup (``cpu_quota=False``: none, the nodes share the host's cores)
+        self.cpu_quotas: NodeCpuQuotas | None = NodeCpuQuotas(prefix, num_nodes) if cpu_quota else None
+        #: why the nodes run without CPU quotas although they were asked for (``None``: they have them, or
+        #: ``cpu_quota=False``)
+        self.cpu_quota_unavailable: str | None = None
 
     # ------------------------------------------------------------------ names and addresses
     def node_namespace(self, node: int) -> str:
@@ -158,6 +168,23 @@ class EmulatedCluster:
         address = NODE_SUBNET.network_address + node + 1
         assert address in BENCHMARK_NETWORK
         return str(address)
+
+    @property
+    def cpu_quota_per_node(self) -> float | None:
+        """Cores each node's processes may use together (``None``: no quota, they share the host's)."""
+        quotas = self.cpu_quotas
+        return quotas.cores_per_node if quotas is not None and quotas.active else None
+
+    def node_cgroup(self, node: int) -> str | None:
+        """Node ``node``'s cgroup directory, which its processes join before they run (``None``: no quotas)."""
+        return self.cpu_quotas.group(node) if self.cpu_quotas is not None else None
+
+    def throttled_seconds(self) -> list[float | None] | None:
+        """Per node, how long its quota has held its processes back so far (``None``: no quotas)."""
+        quotas = self.cpu_quotas
+        if quotas is None or not quotas.active:
+            return None
+        return [quotas.throttled_seconds(node) for node in range(self.num_nodes)]
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> EmulatedCluster:
@@ -178,6 +205,15 @@ class EmulatedCluster:
             for name in stale:
                 _run(["ip", "netns", "del", name], check=False)
         self._created = True  # from here on, teardown has something to remove
+        if self.cpu_quotas is not None:
+            try:
+                self.cpu_quotas.create()
+                print(f"emulated nodes: {self.cpu_quotas.cores_per_node:.3g} cores each (cpu cgroup quota)",
+                      file=sys.stderr)
+            except CpuQuotaUnavailable as error:
+                self.cpu_quota_unavailable = str(error)
+                print(f"warning: the emulated nodes run WITHOUT CPU quotas of their own -- {error}; every node "
+                      "shares the host's cores, so a lost node's CPU goes to the survivors", file=sys.stderr)
         sw = self.switch_namespace
         for name in self.namespaces:
             _run(["ip", "netns", "add", name])
@@ -231,43 +267,34 @@ class EmulatedCluster:
         if self._created:
             for name in self._existing_namespaces():
                 _run(["ip", "netns", "del", name], check=False)
+            if self.cpu_quotas is not None:
+                self.cpu_quotas.teardown()
             self._created = False
 
     # ------------------------------------------------------------------ processes
-    def start_fork_server(self, preload: Sequence[str] = PRELOAD, environment: dict[str, str] | None = None,
-                          as_own_cores: bool = False) -> None:
+    def start_fork_server(self, preload: Sequence[str] = PRELOAD, environment: dict[str, str] | None = None) -> None:
         """From now on :meth:`spawn_rank` forks its ranks from one server that imported ``preload`` (torch,
-        Lightning and this library) once (``benchmarks/fork_server.py``; the smoke runs'). It imports while the
-        caller goes on; the ranks' environments must agree with ``environment`` (default :func:`rank_environment`)
-        on what only a new interpreter reads. ``as_own_cores``: each forked rank first sleeps as long as the
-        server's imports took of CPU (:meth:`forked_start_delay`) -- a node that starts as late as one importing
-        on cores of its own, without taking the host's cores from the nodes that run meanwhile."""
+        Lightning and this library) once (``benchmarks/fork_server.py``): a node is up in a second, faster than a
+        real one -- for smoke runs, which check a path and measure nothing. It imports while the caller goes on
+        (outside every node's cgroup); the ranks' environments must agree with ``environment`` (default
+        :func:`rank_environment`) on what only a new interpreter reads. Each forked rank joins its node's cgroup."""
         if self._fork_server is None:
             socket_dir = Path(tempfile.mkdtemp(prefix="micsfork-"))
             self._fork_server = ForkServer(socket_dir / "socket", environment or rank_environment(), preload)
             self._processes.append(self._fork_server.process)
-        self._forked_as_own_cores = as_own_cores
-
-    def forked_start_delay(self) -> float:
-        """Seconds each forked rank sleeps before it runs: 0 without a fork server or ``as_own_cores``, else the
-        server's import CPU seconds (read once it has imported)."""
-        if self._fork_server is None or not self._forked_as_own_cores:
-            return 0.0
-        if self._preload_cpu_seconds is None:
-            self._preload_cpu_seconds = self._fork_server.preload_cpu_seconds()
-        return self._preload_cpu_seconds
 
     def spawn_rank(
         self, node: int, module_argv: Sequence[str], env: dict[str, str], log: IO[bytes], hostname: str | None = None,
     ) -> RankProcess:
         """Start a rank, ``[python, "-m", module, *args]``, in node ``node``'s namespace with stdout and stderr to
-        ``log``: forked from the fork server once one runs (:meth:`start_fork_server`), else a fresh process.
+        ``log``, in the node's cgroup: forked from the fork server once one runs (:meth:`start_fork_server`), else
+        a fresh process that imports on the node's own CPU.
         ``hostname``: the rank gets a UTS namespace of its own with this name (the namespaces share the host's
         name otherwise, which resolves to 127.0.0.1)."""
         if self._fork_server is not None:
             proc: RankProcess = self._fork_server.start(module_argv, env, REPO_ROOT, log.fileno(),
                                                         namespace=self.node_namespace(node), hostname=hostname,
-                                                        start_delay=self.forked_start_delay())
+                                                        cgroup=self.node_cgroup(node))
             self._processes.append(proc)
             return proc
         argv = list(module_argv)
@@ -291,12 +318,15 @@ class EmulatedCluster:
         stderr: int | IO[bytes] | None = None,
     ) -> subprocess.Popen[bytes]:
         """:meth:`spawn` in any of this cluster's namespaces (e.g. :attr:`switch_namespace`, with
-        :meth:`add_switch_address`): a service that belongs to no node."""
+        :meth:`add_switch_address`): a service that belongs to no node. A node's process runs in its cgroup."""
         if namespace not in self.namespaces:
             raise ValueError(f"{namespace!r} is not one of this cluster's namespaces: {self.namespaces}")
+        nodes = [node for node in range(self.num_nodes) if self.node_namespace(node) == namespace]
+        group = self.node_cgroup(nodes[0]) if nodes else None
         proc = subprocess.Popen(
             ["ip", "netns", "exec", namespace, *argv],
             env=env, cwd=REPO_ROOT, stdout=stdout, stderr=stderr, start_new_session=True,
+            preexec_fn=None if group is None else functools.partial(join, group),
         )
         self._processes.append(proc)
         return proc

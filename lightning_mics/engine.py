@@ -314,16 +314,17 @@ class MiCSEngine:
         state_fn: Callable[..., dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
         run: Mapping[str, Any],
+        loss_scaling: bool = False,
     ) -> None:
         """With ``fault_tolerance``: this group's torchft Manager, serving ``state_fn()`` to groups that join
         (``state_fn(shards=False)``: all but the shards, :func:`~lightning_mics.fault_tolerance.training_state`)
         and healing through ``load_fn`` when this one joins (once; before the optimizers are attached).
         ``run``: what else every group must share besides the layout (precision, accumulation, model,
-        optimizers), checked at every quorum."""
+        optimizers), checked at every quorum; ``loss_scaling``: a loss scaler runs (``heal="auto"`` then blocks)."""
         ft = self.options.fault_tolerance
         self._logging_membership = None  # the front end's setup set the logging rank back to the global rank
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
-            ft = ft.resolved()
+            ft, heal_note = ft.resolved().with_heal_for(self.options.cross_replica_sync, loss_scaling)
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
             configuration = GroupConfiguration.of(
                 layout
@@ -347,11 +348,12 @@ class MiCSEngine:
             if dist.get_rank() == 0:  # in each group's job log
                 log.info(
                     "fault tolerance: this job is replica group %d of %d (Lighthouse %s); hop 2 through torchft, "
-                    "steps commit with at least %d group(s)",
+                    "steps commit with at least %d group(s); a joining group heals with %s",
                     ft.replica_group,
                     ft.num_replica_groups,
                     ft.lighthouse,
                     ft.min_replica_groups,
+                    heal_note,
                 )
                 log.info("fault tolerance: this group's configuration: %s", configuration)
 

@@ -161,7 +161,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         models = self._shards.models_of(optimizer)
         loss_scaling = self.precision.scaler is not None
         if self.options.fault_tolerance is not None:
-            self._join_fault_domain(optimizer)
+            self._join_fault_domain(optimizer, loss_scaling)
         self._engine.attach_optimizers([optimizer], models, loss_scaling)
         compat.optimizers_to_device([optimizer], self.root_device)
         self._optimizers.add(optimizer)
@@ -169,7 +169,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         return optimizer
 
     # ------------------------------------------------------------------ fault tolerance
-    def _join_fault_domain(self, optimizer: Optimizer) -> None:
+    def _join_fault_domain(self, optimizer: Optimizer, loss_scaling: bool) -> None:
         """This group's torchft Manager, serving and healing the model's and ``optimizer``'s shards."""
         if self._optimizers:
             raise ValueError(_FT_ONE_MODEL)
@@ -183,7 +183,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         state_fn, load_fn = ft.state_hooks(module, [optimizer])
         keep = self._keeps_trajectory
         run = ft.run_configuration(self.precision.precision, 0, module, [optimizer]) | {"keep_trajectory": keep}
-        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
+        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run, loss_scaling=loss_scaling)
 
     @property
     def _keeps_trajectory(self) -> bool:

@@ -180,7 +180,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         run = ft.run_configuration(
             self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers, schedulers
         ) | {"keep_trajectory": self.options.fault_tolerance.trainer_keeps_trajectory}
-        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run)
+        loss_scaling = self.precision_plugin.scaler is not None
+        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run, loss_scaling=loss_scaling)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -23,13 +23,17 @@ def test_quick_fills_every_run_length_and_bad_lengths_are_refused(tmp_path: Path
     assert bench.parse_args(["--smoke"]).steps == bench.SMOKE_FORKED_STEPS < bench.SMOKE.steps
     assert bench.parse_args(["--smoke", "--no-fork-server"]).steps == bench.SMOKE.steps
     assert bench.parse_args(["--smoke", "--steps", "90"]).steps == 90
-    # measured runs start every node as one with cores of its own would (forked after the imports' CPU time)
-    assert bench.parse_args(["--quick"]).node_start == "own-cores" and bench.parse_args(["--quick"]).fork_server
-    assert bench.parse_args(["--smoke", "--node-start", "own-cores"]).steps == bench.SMOKE.steps
-    assert bench.parse_args(["--quick", "--no-fork-server"]).node_start == "fresh"
-    assert not bench.parse_args(["--quick", "--node-start", "fresh"]).fork_server
+    # measured runs start every node fresh, importing on its own CPU quota; only the smoke forks
+    assert bench.parse_args(["--quick"]).node_start == "fresh" and not bench.parse_args(["--quick"]).fork_server
+    assert bench.parse_args(["--smoke", "--node-start", "fresh"]).steps == bench.SMOKE.steps
+    assert bench.parse_args(["--quick", "--fork-server"]).node_start == "forked"
     with pytest.raises(SystemExit):
-        bench.parse_args(["--quick", "--fork-server", "--node-start", "own-cores"])
+        bench.parse_args(["--quick", "--fork-server", "--node-start", "fresh"])
+    with pytest.raises(SystemExit):  # the sleeping fork is gone
+        bench.parse_args(["--quick", "--node-start", "own-cores"])
+    for tuned in ("--quorum-every", "--heal", "--heartbeat-interval", "--catch-up-share"):  # headline = defaults
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--quick", tuned, "1"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--quick", "--kill-at-step", str(bench.QUICK.steps)])
     (tmp_path / "old.log").write_text("x")
@@ -112,18 +116,18 @@ def test_a_failure_run_yields_the_outage_numbers(tmp_path: Path) -> None:
 
 def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: Path) -> None:
     (tmp_path / "same").mkdir()
-    healed = bench.rejoin_results(_write_run(tmp_path / "same"))
+    healed = bench.rejoin_results(_write_run(tmp_path / "same"), failure_free_step=1.0)
     assert healed == {"seconds": pytest.approx(8.5 - RESTART), "bit_identical": True, "first_step": 7,
                       "digests_compared": 2 * 2 * 2,  # 2 ranks x 2 peers x steps 7, 8
                       "seconds_to_current": pytest.approx(8.5 - RESTART), "steps_catching_up": 0,
                       "first_contributing_step": 7, "seconds_starting": 0.0, "checkpoint_save_seconds": 0.0,
-                      "survivor_stall_steps_as_before": pytest.approx(0.5),
-                      # node 0's longest gap spanning the heal (7.0 -> 8.5) in its median step time (1 s), minus one
+                      "failure_free_step_seconds": 1.0,
+                      # node 0's longest gap spanning the heal (7.0 -> 8.5) in failure-free steps (1 s), minus one
                       "survivor_stall_steps": pytest.approx(0.5),
                       # node 0's gap before its commit of step 7 (7.0 -> 8.5) in its median step time (1 s), minus one
                       "heal_step_stall_steps": pytest.approx(0.5)}
     (tmp_path / "other").mkdir()
-    assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"))["bit_identical"] is False
+    assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"), 1.0)["bit_identical"] is False
 
 
 def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path: Path) -> None:
@@ -135,21 +139,21 @@ def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path
         json.dumps({"t": 1.0, "event": "train_start", "pid": 1}) + "\n"  # the first launch: before the restart
         + json.dumps({"t": 8.0, "event": "train_start", "pid": 2}) + "\n"
     )
-    healed = bench.rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True))
+    healed = bench.rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True), failure_free_step=0.5)
     assert healed["seconds_starting"] == pytest.approx(8.0 - RESTART)
     assert healed["bit_identical"] is True and healed["digests_compared"] == 2 * 2 * 2  # steps 8, 9
     assert healed["seconds"] == pytest.approx(8.5 - RESTART)
     assert healed["seconds_to_current"] == pytest.approx(11.5 - RESTART) and healed["steps_catching_up"] == 1
     assert healed["first_contributing_step"] == 9
-    # node 0's gaps from 8.0 to 11.5: 7.0 -> 8.5, 8.5 -> 11.5, 11.5 -> 12.5; the longest in their median, minus one
-    assert healed["survivor_stall_steps"] == pytest.approx(3.0 / 1.5 - 1)
-    # the earlier definition: from the restart, in the median step of the whole run (the outage has two commits)
-    assert healed["survivor_stall_steps_as_before"] == pytest.approx(2.0)
+    # node 0's gaps from the restart (7.5) to 11.5: 7.0 -> 8.5, 8.5 -> 11.5, 11.5 -> 12.5; the longest (3 s) in
+    # failure-free steps (0.5 s), minus one -- whatever the steps in the window took
+    assert healed["survivor_stall_steps"] == pytest.approx(3.0 / 0.5 - 1)
 
 
-def test_the_survivors_checkpoint_saves_are_taken_out_of_the_heal_stall() -> None:
+def test_the_heal_steps_own_gap_leaves_the_saves_out_and_the_stall_counts_everything() -> None:
     """Node 0 commits every second, a save every 3 steps adds 0.5 s to the next gap; the heal step (7) comes
-    after a save and took 1 s more than a step: 0.5 s of it was the save."""
+    after a save and took 1 s more than a step: 0.5 s of it was the save. The heal step's own gap takes the save
+    out; the survivors' stall, as its definition says, does not (the longest gap is 2 s: 1 step lost)."""
     times, t = [], 0.0
     for step in range(1, 12):
         t += 1.0 + (0.5 if step > 1 and (step - 1) % 3 == 0 else 0.0) + (0.5 if step == 7 else 0.0)
@@ -159,7 +163,8 @@ def test_the_survivors_checkpoint_saves_are_taken_out_of_the_heal_stall() -> Non
                               [row["global_step"] % 3 == 0 for row in rows[:-1]], 0.0)
     gaps.save_seconds = 0.5
     assert bench.heal_step_stall_steps(gaps, 7) == pytest.approx(0.5)
-    assert bench.survivor_stall_steps(gaps, times[3], times[8]) == pytest.approx(0.5)
+    assert bench.survivor_stall_steps(rows, times[3], times[8], failure_free_step=1.0) == pytest.approx(1.0)
+    assert bench.survivor_stall_steps(rows, times[3], None, failure_free_step=1.0) is None  # never healed
 
 
 def test_what_a_save_costs_is_read_from_the_run(tmp_path: Path) -> None:
@@ -173,7 +178,7 @@ def test_what_a_save_costs_is_read_from_the_run(tmp_path: Path) -> None:
     assert gaps.save_seconds == pytest.approx(0.4) and sum(gaps.saved) == 5
     assert bench.survivor_gaps(bench.RunLog("x", str(tmp_path), 0.0), checkpoint_every=0).save_seconds == 0.0
     (tmp_path / "drifted").mkdir()
-    drifted = bench.rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True))
+    drifted = bench.rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True), 1.0)
     assert drifted["bit_identical"] is False
 
 
@@ -269,6 +274,20 @@ def test_a_changed_global_batch_is_detected_and_a_loss_difference_measured() -> 
     assert results["first_step_loss_differs"] == 0 and results["first_step_loss_diff_over_1e-3"] == 0
     clean = bench.trajectory_results(_records(10), _records(10))
     assert clean["first_step_loss_differs"] is None and clean["first_step_loss_diff_over_1e-3"] is None
+    assert clean["final_loss_rel_diff"] == 0.0
+
+
+def test_the_final_loss_is_the_mean_of_the_last_steps_compared() -> None:
+    """Losses 1 + step/100 in the reference; the run's are 0.5 higher over its last 5 of 30 steps only."""
+    reference, run = _records(30), _records(30)
+    for record in run:
+        if record["step"] >= 25:
+            record["loss"] += 0.5
+    results = bench.trajectory_results(reference, run)
+    last = range(30 - bench.FINAL_LOSS_STEPS, 30)
+    mean_ref = sum(1 + step / 100 for step in last) / len(last)
+    assert results["final_loss_steps"] == [last[0], last[-1]]
+    assert results["final_loss_rel_diff"] == pytest.approx(0.5 * 5 / len(last) / mean_ref)
 
 
 def test_a_group_outside_the_quorum_trains_nothing_and_a_run_cut_short_is_compared_where_both_reached() -> None:
@@ -320,25 +339,42 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
 
     line = lambda t, step: {"t": t, "node": 0, "step": step, "global_step": step}  # noqa: E731
     ft_free = run("ft-free", [line(0.5 * s, s) for s in range(1, 41)])  # 2 steps/s
-    plain_free = run("plain-free", [line(0.25 * s, s) for s in range(1, 41)])  # 4 steps/s
-    # window 10 s from t=2: fault tolerance commits 18 steps (2 -> 20); the restarts 8 (8 -> 16)
-    ft = run("ft", [line(2.0 + 10 * i / 18, 2 + i) for i in range(19)], window_start=2.0)
+    plain_free = run("plain-free", [line(0.5 * s, s) for s in range(1, 41)])  # 2 steps/s
+    # window 10 s from t=2: fault tolerance commits 18 steps (2 -> 20); the restarts 8 (8 -> 16). Node 2 is down
+    # from 4 to 6 s (2 of the window's 3 x 10 node-seconds)
+    ft = run("ft", [line(2.0 + 10 * i / 18, 2 + i) for i in range(19)], window_start=2.0,
+             **{"kill1.node2": 4.0, "restart1.node2": 6.0})
     restart = run("restart", [line(2.0 + i, 8 + i) for i in range(9)] + [line(12.5, 17)], window_start=2.0,
                   launch1=0.0)
-    results = bench.goodput_results(ft, restart, ft_free, plain_free, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    free, denominator = bench.failure_free_rate(plain_free, ft_free)
+    assert free == pytest.approx(2.0) and denominator.startswith("plain MiCS")
+    results = bench.goodput_results(ft, restart, free, denominator, bench.Schedule(5.0, 2, 1.0), global_batch=24)
     assert results["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": 8}
+    # one denominator for both: plain MiCS's failure-free rate
     assert results["fault_tolerance"] == pytest.approx(18 / 10 / 2)
-    assert results["restart_from_checkpoint"] == pytest.approx(8 / 10 / 4)
-    assert results["ratio_ft_over_restart"] == pytest.approx(0.9 / 0.2)
+    assert results["restart_from_checkpoint"] == pytest.approx(8 / 10 / 2)
+    assert results["ratio_ft_over_restart"] == pytest.approx(0.9 / 0.4)
+    assert results["limit"] == pytest.approx(1 - 2.0 / 30.0)
+    assert results["efficiency"] == pytest.approx(0.9 / (1 - 2.0 / 30.0))
     assert results["committed_samples_per_second"]["fault_tolerance"] == pytest.approx(18 * 24 / 10)
     assert results["schedule"]["window_seconds"] == 10.0
-    # --only goodput: no restart-from-checkpoint runs; fault tolerance's numbers as before, the table still drawn
-    alone = bench.goodput_results(ft, None, ft_free, None, bench.Schedule(5.0, 2, 1.0), global_batch=24)
-    assert alone["fault_tolerance"] == results["fault_tolerance"]
+    # --only goodput: no plain MiCS and no restart-from-checkpoint runs; the denominator says so
+    free, denominator = bench.failure_free_rate(None, ft_free)
+    alone = bench.goodput_results(ft, None, free, denominator, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    assert alone["fault_tolerance"] == results["fault_tolerance"] and "--only goodput" in alone["denominator"]
     assert alone["restart_from_checkpoint"] is None and alone["ratio_ft_over_restart"] is None
     assert alone["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": None}
     table = bench.markdown_table({"goodput": alone})
-    assert "| goodput: fault tolerance | 0.900 |" in table and "| goodput: restart from checkpoint | - |" in table
+    assert "| goodput: fault tolerance (over plain MiCS's failure-free rate) | 0.900 |" in table
+    assert "| goodput: restart from checkpoint (the same denominator) | - |" in table
+
+
+def test_a_node_down_until_the_window_ends_counts_until_then_and_a_kill_before_it_from_its_start(
+    tmp_path: Path
+) -> None:
+    run = bench.RunLog("ft", str(tmp_path), 0.0, events={"kill1.node2": 5.0, "restart1.node2": 15.0,
+                                                         "kill2.node1": 25.0})
+    assert bench.alive_fraction(run, (10.0, 30.0)) == pytest.approx(1 - (5.0 + 5.0) / (3 * 20.0))
 
 
 def _with_commit_lines(records: list[dict]) -> list[dict]:
@@ -411,6 +447,9 @@ def test_the_goodput_window_is_split_into_the_stretches_of_each_outage(tmp_path:
     assert phases["alone"]["rate_vs_failure_free"] == pytest.approx(1.0)
     committed = bench.ft_progress(rows, 40.0) - bench.ft_progress(rows, 0.0)
     assert sum(stretch["goodput_lost"] for stretch in phases.values()) == pytest.approx(1 - committed / 40.0)
+    # while out (alone and replacement starting, 13 s): 13 steps at 1 step/s failure-free -- nothing lost
+    assert bench.survivor_rate_while_out(phases, 1.0) == pytest.approx(13 / 13)
+    assert bench.survivor_rate_while_out(phases, 1.5) == pytest.approx(13 / 13 / 1.5)
 
 
 def _timed_run(directory: Path, name: str, step_seconds: float) -> bench.RunLog:
@@ -427,14 +466,21 @@ def _timed_run(directory: Path, name: str, step_seconds: float) -> bench.RunLog:
     return bench.RunLog(name, str(run_dir), 0.0)
 
 
-def test_exact_trajectorys_overhead_is_its_runs_pooled_against_the_same_plain_runs(tmp_path: Path) -> None:
+def test_a_variants_overhead_is_its_runs_pooled_against_the_same_plain_runs(tmp_path: Path) -> None:
     plains = [_timed_run(tmp_path, "plain", 0.10), _timed_run(tmp_path, "plain-2", 0.10)]
     exacts = [_timed_run(tmp_path, "exact", 0.12), _timed_run(tmp_path, "exact-2", 0.13)]
-    numbers = bench.exact_trajectory_overhead(plains, bench.pooled_median_step_seconds(plains), exacts)
-    assert numbers["overhead_exact_trajectory"] == pytest.approx(1.25)  # the pooled median of 0.12 and 0.13 steps
-    assert numbers["runs_exact_trajectory"]["step_seconds"] == pytest.approx([0.12, 0.13])
-    assert numbers["cpu_overhead_exact_trajectory"] == pytest.approx(1.25)
-    assert bench.exact_trajectory_overhead(plains, 0.1, []) == {}
+    numbers = bench.variant_overhead(plains, exacts)
+    assert numbers["overhead"] == pytest.approx(1.25)  # the pooled median of 0.12 and 0.13 steps
+    assert numbers["runs_step_seconds"] == pytest.approx([0.12, 0.13])
+    assert numbers["cpu_overhead"] == pytest.approx(1.25)
+    assert bench.variant_overhead(plains, []) == {}
+
+
+def test_the_headline_runs_are_fault_tolerances_defaults_and_a_section_says_what_it_changed() -> None:
+    headline = bench.fault_tolerance_settings()
+    assert headline["non_default"] == []
+    assert headline["options"]["heal"] == "auto" and headline["options"]["quorum_every"] == 10
+    assert bench.fault_tolerance_settings(bench.EXACT)["non_default"] == ["exact_trajectory"]
 
 
 @pytest.mark.parametrize("extra, exact_runs", [([], 1), (["--no-exact-trajectory"], 0), (["--smoke"], 0)])
@@ -443,14 +489,13 @@ def test_the_no_failure_runs_measure_fault_tolerances_default_and_each_option_on
 ) -> None:
     plan = bench.no_failure_plan(bench.parse_args(["--quick", *extra]))
     names = [name for name, _, _ in plan]
-    exacts = [name for name, _, fields in plan if fields.get("exact_trajectory")]
+    exacts = [name for name, _, fields in plan if fields.get("ft_options") == bench.EXACT]
     assert len(exacts) == exact_runs
-    assert all(not fields.get("exact_trajectory") for name, mode, fields in plan if name not in exacts)
-    assert names[:2] == ["plain", "ft"] and plan[1][2] == {}  # fault tolerance as configured by default
+    assert names[:2] == ["plain", "ft"] and plan[1][2] == {}  # fault tolerance with its defaults
     if "--smoke" in extra:
         assert names == ["plain", "ft"]
     else:
-        assert names[-1] == "ft-quorum-every-step" and plan[-1][2]["quorum_every"] == 1
+        assert names[-1] == "ft-quorum-every-step" and plan[-1][2]["ft_options"] == {"quorum_every": 1}
     runs = {name: bench.RunLog(name, f"/logs/{name}", 0.0) for name in names}
     plains, defaults, every_step, exact = bench.no_failure_runs_by_kind(plan, runs)
     assert [run.name for run in plains] == ["plain"]

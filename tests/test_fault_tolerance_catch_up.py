@@ -231,10 +231,11 @@ def test_the_agreement_names_the_catching_up_groups_and_leaves_their_stale_shard
     assert "group(s) [1]" in drift_verdict(caught_up, 10)  # once caught up, a difference is drift
 
 
-def test_heal_is_blocking_or_catch_up_and_catch_up_needs_synchronous_hop_2() -> None:
-    assert FaultTolerance().heal == "blocking"
-    with pytest.raises(ValueError, match="heal='eager'.*'blocking', 'catch_up'"):
+def test_heal_is_auto_blocking_or_catch_up_and_catch_up_needs_synchronous_hop_2() -> None:
+    assert FaultTolerance().heal == "auto"
+    with pytest.raises(ValueError, match="heal='eager'.*'auto', 'blocking', 'catch_up'"):
         FaultTolerance(heal="eager")
+    MiCSOptions(fault_tolerance=FaultTolerance(), cross_replica_sync="diloco", sync_every=4)  # auto: no refusal
     with pytest.raises(ValueError, match="use heal='blocking' there"):
         MiCSOptions(fault_tolerance=FaultTolerance(heal="catch_up"), cross_replica_sync="diloco", sync_every=4)
     from lightning_mics.fault_tolerance import check_catch_up_heal
@@ -242,3 +243,16 @@ def test_heal_is_blocking_or_catch_up_and_catch_up_needs_synchronous_hop_2() -> 
     with pytest.raises(ValueError, match="loss scaler.*use heal='blocking', or precision='bf16-mixed'"):
         check_catch_up_heal(FaultTolerance(heal="catch_up"), loss_scaling=True)
     check_catch_up_heal(FaultTolerance(heal="blocking"), "diloco", loss_scaling=True)  # the blocking heal takes both
+    check_catch_up_heal(FaultTolerance(), "diloco", loss_scaling=True)  # auto decides, it does not refuse
+
+
+def test_auto_heal_catches_up_wherever_a_replay_applies_and_says_why_it_blocks_elsewhere() -> None:
+    auto = FaultTolerance()
+    chosen, note = auto.with_heal_for("every_step", loss_scaling=False)
+    assert chosen.heal == "catch_up" and note == "heal='catch_up' (heal='auto')"
+    chosen, note = auto.with_heal_for("diloco", loss_scaling=False)
+    assert chosen.heal == "blocking" and "falls back: cross_replica_sync='diloco' has no per-step gradients" in note
+    chosen, note = auto.with_heal_for("every_step", loss_scaling=True)
+    assert chosen.heal == "blocking" and "falls back: a loss scaler" in note
+    explicit = FaultTolerance(heal="blocking")
+    assert explicit.with_heal_for("every_step") == (explicit, "heal='blocking'")  # an explicit mode stays

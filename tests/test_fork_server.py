@@ -98,29 +98,32 @@ def test_a_rank_killed_through_its_session_reports_the_signal_and_the_server_ser
     assert _start(fork_server, environment, tmp / "after.log", "0").wait(timeout=60) == 0
 
 
-def test_a_start_delay_holds_the_rank_back_without_cpu_and_a_kill_meanwhile_stops_it(server) -> None:
-    """``--node-start own-cores``: the child sleeps ``start_delay`` before its module runs, in its own session
-    already (a benchmark that stops a starting node stops it), and the server tells what its imports cost."""
+@pytest.mark.skipif(os.geteuid() != 0, reason="joining a cgroup needs root")
+def test_a_forked_rank_joins_the_cgroup_its_request_names_before_it_runs(server) -> None:
+    """A forked rank is billed to its node's CPU quota from its first instruction: it joins the cgroup its request
+    names before its module runs (the emulated nodes' CPUs of their own, benchmarks/cpu_quota.py)."""
+    from benchmarks.cpu_quota import CpuQuotaUnavailable, NodeCpuQuotas
+
     fork_server, environment, tmp = server
-    assert 0.0 <= fork_server.preload_cpu_seconds() < 60  # json only: a few milliseconds
-    began = time.monotonic()
-    proc = _start(fork_server, environment, tmp / "late.log", "0", start_delay=1.5)
-    assert proc.wait(timeout=60) == 0
-    assert time.monotonic() - began >= 1.5 and json.loads((tmp / "late.log").read_text())["main"] == "__main__"
-    sleeping = _start(fork_server, environment, tmp / "stopped.log", "0", start_delay=60.0)
-
-    def cpu_ticks() -> int:  # user + system clock ticks (1/100 s) the child used so far
-        fields = Path(f"/proc/{sleeping.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-
-    time.sleep(0.2)
-    before = cpu_ticks()
-    time.sleep(1.0)
-    assert cpu_ticks() - before <= 10  # asleep: a child importing or spinning would use ~100 ticks in that second
-    os.killpg(sleeping.pid, signal.SIGTERM)
-    assert sleeping.wait(timeout=30) == -signal.SIGTERM and (tmp / "stopped.log").read_text() == ""
-    with pytest.raises(ValueError, match="start_delay must be >= 0"):
-        _start(fork_server, environment, tmp / "refused.log", "0", start_delay=-1.0)
+    quotas = NodeCpuQuotas(f"micsforktest-{uuid.uuid4().hex[:8]}", 1, cores_per_node=0.5)
+    try:
+        quotas.create()
+    except CpuQuotaUnavailable as error:
+        pytest.skip(str(error))
+    try:
+        group = quotas.group(0)
+        assert group is not None
+        proc = _start(fork_server, environment, tmp / "hang.log", "hang", str(tmp / "started"), cgroup=group)
+        deadline = time.monotonic() + 30
+        while not (tmp / "started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        assert str(proc.pid) in Path(group, "cgroup.procs").read_text().split()
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        quotas.teardown()
+    assert not Path(group).exists()
 
 
 def test_a_request_whose_startup_variables_differ_is_refused_with_the_names(server) -> None:

@@ -23,8 +23,9 @@ AGREEMENT_BYTES = MAX_REPLICA_GROUPS * (2 * DIGEST_CHUNKS + 2) * 8
 CONFIGURATION_BYTES = 16384
 
 
-#: How a joining group heals (:attr:`FaultTolerance.heal`).
-HEAL_MODES = ("blocking", "catch_up")
+#: How a joining group heals (:attr:`FaultTolerance.heal`); ``"auto"`` resolves to one of the other two
+#: (:meth:`FaultTolerance.with_heal_for`).
+HEAL_MODES = ("auto", "blocking", "catch_up")
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,11 @@ class FaultTolerance:
     #: a discarded step, and at a process's first step); in between they train in the last quorum. A lost group
     #: is noticed at once either way (its collective fails and the step is discarded, which forces a quorum);
     #: what waits is a *joining* group, for up to ``quorum_every - 1`` steps -- keep that shorter than
-    #: ``quorum_timeout``. 1 (torchft's own cadence) costs a quorum round trip every step: a few ms, which matters
-    #: only when steps are short (``docs/fault-tolerance.md``, "What a step costs").
-    quorum_every: int = 1
+    #: ``quorum_timeout`` and the Lighthouse's ``--join_timeout_ms``. 1 (torchft's own cadence) costs a quorum round
+    #: trip every step, which waits for the slowest group: measured 4-10 % of a 0.2 s step on the emulated cluster
+    #: where every 10th step costs 1-3 % (``docs/fault-tolerance.md``, "What it costs"); on steps of seconds either
+    #: is negligible.
+    quorum_every: int = 10
     #: every committed step reads the next global batch of one fixed sample order, split among the live groups
     #: (a lost group's samples are read by the others, a discarded step is re-done on the same samples, a
     #: restarted group continues at the committed step): the run with failures trains what the run without
@@ -79,7 +82,9 @@ class FaultTolerance:
     #: (default): on with the Trainer; with Fabric each group reads its own share unless this is ``True``, and
     #: then the loop takes its micro-batches from ``MiCSFabricStrategy.training_batches(loader, accumulate)``.
     keep_trajectory: Optional[bool] = None
-    #: how a joining group takes the training state from a live one. ``"blocking"`` (torchft's way): at the
+    #: how a joining group takes the training state from a live one. ``"auto"`` (default): ``"catch_up"`` wherever
+    #: it applies -- every-step hop 2 without a loss scaler -- else ``"blocking"``, and the job log says which and
+    #: why. ``"blocking"`` (torchft's way): at the
     #: quorum that admits it, before the step -- every live group waits for the transfer, which takes longer
     #: than a step when the state is large. ``"catch_up"``: at that quorum only the small state crosses
     #: (schedulers, step counts, hyper-parameters); the shards are copied by the serving group into host memory
@@ -87,7 +92,7 @@ class FaultTolerance:
     #: it reads no share of the data, sends zeros in hop 2 and keeps each committed step's averaged gradients.
     #: Once every rank has its snapshot the group loads it and replays the kept steps (bit-identical to the
     #: live groups), and it contributes from that step on (:mod:`~.catch_up`).
-    heal: str = "blocking"
+    heal: str = "auto"
     #: ``heal="catch_up"``: the most bytes per second a serving rank sends its snapshot at. The transfer shares
     #: the network with hop 2: uncapped, it slows the live groups' steps while it runs (the step it starts in
     #: most); capped at a fraction of the link, it spreads over more steps. ``None``: uncapped.
@@ -133,6 +138,20 @@ class FaultTolerance:
         """Whether the Trainer's training data keeps its trajectory: unless ``keep_trajectory=False``. (Fabric keeps
         it only when ``True``, through ``MiCSFabricStrategy.training_batches``: its loop is the user's.)"""
         return self.keep_trajectory is not False
+
+    def with_heal_for(self, cross_replica_sync: str = "every_step", loss_scaling: bool = False) -> tuple[FaultTolerance, str]:
+        """These options with ``heal="auto"`` decided for this run -- ``"catch_up"`` where a replay of the missed
+        steps reproduces them (a per-step hop 2, no loss scaler), ``"blocking"`` otherwise -- and a line for the job
+        log saying which heal runs and, when ``auto`` fell back, why. An explicit mode stays as it is."""
+        if self.heal != "auto":
+            return self, f"heal={self.heal!r}"
+        if cross_replica_sync != "every_step":
+            why = f"cross_replica_sync={cross_replica_sync!r} has no per-step gradients to replay"
+        elif loss_scaling:
+            why = "a loss scaler (precision='16-mixed') skips steps a replay cannot tell"
+        else:
+            return replace(self, heal="catch_up"), "heal='catch_up' (heal='auto')"
+        return replace(self, heal="blocking"), f"heal='blocking' (heal='auto' falls back: {why})"
 
     def resolved(self) -> FaultTolerance:
         """The options with the environment's values filled in; one clear error for what is missing."""
