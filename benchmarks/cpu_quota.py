@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Optional
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -141,6 +142,23 @@ class NodeCpuQuotas:
                 "host whose cgroup file system is writable"
             ) from error
         self._layout = layout
+
+    def remove_stale(self, is_stale: Callable[[str], bool]) -> list[str]:
+        """Remove the empty cpu cgroups beside this cluster's whose name ``is_stale`` (left by a run killed hard);
+        return their names. A group that still holds processes stays."""
+        try:
+            base = CgroupLayout.detect(self.root).base
+        except CpuQuotaUnavailable:
+            return []
+        removed = []
+        for path in base.iterdir():
+            if path.is_dir() and is_stale(path.name) and not (path / "cgroup.procs").read_text().strip():
+                try:
+                    path.rmdir()
+                    removed.append(path.name)
+                except OSError:
+                    pass
+        return removed
 
     def throttled_seconds(self, node: int) -> Optional[float]:
         """How long node ``node``'s group was held back by its quota so far."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 import json
 import os
 import shutil
@@ -48,7 +49,10 @@ BENCHMARK_NETWORK = ipaddress.ip_network("198.18.0.0/15")
 NODE_SUBNET = ipaddress.ip_network("198.18.0.0/24")
 UPLINK = "uplink"
 BRIDGE = "br0"
+#: Names of a benchmark's namespaces and cgroups: this prefix and the orchestrator's process id (two benchmarks on
+#: one host do not touch each other's), then ``-node<i>`` / ``-switch``.
 DEFAULT_PREFIX = "micsbench"
+_OWNED_NAME = re.compile(rf"^{DEFAULT_PREFIX}(\d+)-(node\d+|switch)$")
 #: A process the cluster started: spawned, or forked from its fork server (the same ``pid``/``poll``/``wait``).
 RankProcess = Union[subprocess.Popen, ForkedProcess]
 
@@ -132,7 +136,7 @@ class EmulatedCluster:
     on normal exit, on errors and on Ctrl-C, and also removes the processes started through
     :meth:`spawn` (by their process ids)."""
 
-    def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str = DEFAULT_PREFIX,
+    def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str | None = None,
                  cpu_quota: bool = True) -> None:
         if num_nodes < 2:
             raise ValueError(f"An emulated cluster needs at least 2 nodes, got {num_nodes}.")
@@ -142,7 +146,7 @@ class EmulatedCluster:
             raise ValueError(f"--mtu must lie between 1280 and 65535, got {mtu}.")
         self.num_nodes = num_nodes
         self.mtu = mtu
-        self.prefix = prefix
+        self.prefix = prefix if prefix is not None else f"{DEFAULT_PREFIX}{os.getpid()}"
         self._processes: list[RankProcess] = []
         self._created = False
         self._fork_server: ForkServer | None = None
@@ -198,14 +202,27 @@ class EmulatedCluster:
         listed = _run(["ip", "netns", "list"], check=False).stdout.split()
         return [name for name in self.namespaces if name in listed]
 
+    def _stale_namespaces(self) -> list[str]:
+        """Ours by name from an earlier run that was killed hard (SIGKILL): this prefix, or the default prefix with
+        the process id of an orchestrator that no longer runs (a benchmark still running keeps its own)."""
+        listed = _run(["ip", "netns", "list"], check=False).stdout.split()
+        stale = [name for name in self.namespaces if name in listed]
+        stale += [name for name in listed if name not in stale and self._is_stale_name(name)]
+        return stale
+
+    def _is_stale_name(self, name: str) -> bool:
+        match = _OWNED_NAME.match(name)
+        return match is not None and not _process_alive(int(match[1]))
+
     def create(self) -> None:
-        stale = self._existing_namespaces()
-        if stale:  # left by a run that was killed hard (SIGKILL); ours by name
+        stale = self._stale_namespaces()
+        if stale:
             print(f"removing stale namespaces from an earlier run: {', '.join(stale)}", file=sys.stderr)
             for name in stale:
                 _run(["ip", "netns", "del", name], check=False)
         self._created = True  # from here on, teardown has something to remove
         if self.cpu_quotas is not None:
+            self.cpu_quotas.remove_stale(self._is_stale_name)
             try:
                 self.cpu_quotas.create()
                 print(f"emulated nodes: {self.cpu_quotas.cores_per_node:.3g} cores each (cpu cgroup quota)",
@@ -396,6 +413,16 @@ class EmulatedCluster:
             finally:
                 for proc in servers + senders:
                     self.stop(proc)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _terminate_sessions(procs: Sequence[RankProcess], grace_s: float = 5.0) -> None:
