@@ -5,7 +5,7 @@ shaped "nodes" made of network namespaces.
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --quick    # < 5 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --scaling  # 2, 3, 4 nodes x 2 ranks (weak scaling)
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --smoke [--scaling]  # the main path, ~1 min
-    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # loss vs tokens and wall-clock, ~20 min
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # held-out loss vs wall-clock, ~20 min
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence --smoke  # its main path, ~1.5 min
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
@@ -17,8 +17,9 @@ measured inter-node bytes with :mod:`benchmarks.comm_model`, print a table and w
 busiest node uplink direction's bytes per step over the measured link rate, the time the shaped link
 alone needs (:func:`add_wire_floor`). ``--scaling`` repeats the run at several node counts with the
 same per-rank batch (:mod:`benchmarks.scaling`). ``--convergence`` trains the synchronous reference
-(``mics-auto``), DDP and semi-synchronous DiLoCo rows for a fixed token budget on learnable data at several
-bandwidth ratios and compares their loss against tokens and wall-clock (:mod:`benchmarks.convergence`).
+(``mics-auto``) and semi-synchronous DiLoCo rows (H = 8, 32 and the planner's H) on learnable data for several
+seeds and compares the held-out loss of their synchronised models against tokens and wall-clock
+(:mod:`benchmarks.convergence`).
 Namespaces, links and rank processes are removed on every exit path (errors and Ctrl-C included).
 """
 
@@ -50,15 +51,20 @@ from benchmarks.comm_model import (  # noqa: E402
 )
 from benchmarks.convergence import (  # noqa: E402
     CONVERGENCE_RATIOS,
+    CONVERGENCE_SEEDS,
     CONVERGENCE_STRATEGIES,
+    PLANNED_ROW,
     REFERENCE,
     SMOKE_CONVERGENCE_RATIOS,
+    SMOKE_CONVERGENCE_SEEDS,
     SMOKE_CONVERGENCE_STRATEGIES,
     ConvergenceSettings,
     MarkovChain,
+    achieved_flops,
     build_convergence_report,
     draw_convergence,
     format_convergence_table,
+    planner_answer,
 )
 from benchmarks.netns import (  # noqa: E402
     REPO_ROOT,
@@ -125,21 +131,26 @@ SMOKE_RANKS_PER_NODE = 2
 SMOKE_STRATEGIES = ("mics-auto", "fsdp-hybrid", "ddp")
 SMOKE_SCALING_STRATEGIES = ("mics-auto",)
 SMOKE_SCALING_NODES = (2, 3)
-#: --convergence: the token budget is ``measured_steps`` optimizer steps, every one of them recorded (no warm-up).
-#: The model is --quick's (1.65 M parameters): the default one's hop 2 takes ~6 s a step on the 1/240 link, so a
-#: budget that lets the loss fall would not fit the ~40 minutes the two ratios' eight runs may take on 2 cores.
-CONVERGENCE = Preset(d_model=256, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=256,
+#: --convergence: the reference's token budget is ``measured_steps`` optimizer steps, every one of them recorded (no
+#: warm-up). The model (d_model 128, 2 layers: 0.43 M parameters, 1.7 MB in fp32) is one whose mics-auto step is
+#: mostly wire on the 1/240 link: with the nodes' CPU quotas the link is ~3.8 MB/s and the hop 2 takes ~0.46 s of a
+#: ~0.56 s step (the smoke measured a wire fraction of 0.77). Three seeds of four rows then take ~20 minutes on 2
+#: cores; --quick's model (d_model 256, 6.6 MB a step across nodes, ~1.75 s of wire a step) would take ~45.
+CONVERGENCE = Preset(d_model=128, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=256,
                      probe_seconds=1.0, run_timeout_s=1200)
-#: --convergence --smoke: its main path (three rows, one ratio, two DiLoCo rounds) in about a minute and a half; a
-#: narrower model than --convergence's (a quarter of its bytes a step on the 1/240 link).
+#: --convergence --smoke: its main path (three rows, two seeds, one ratio) in about a minute and a half: the same
+#: model, 16 steps.
 SMOKE_CONVERGENCE = Preset(d_model=128, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=16,
                            probe_seconds=0.3, run_timeout_s=240)
 CONVERGENCE_RANKS_PER_NODE = 2
 #: --convergence's micro-batch per rank (the throughput rows use 1): a global batch of 512 tokens per step, so
 #: that the loss of a step says something about the model
 CONVERGENCE_MICRO_BATCH = 4
-#: steps in the trailing mean of the loss curves (smoke: fewer, its runs are short)
+#: steps in the trailing mean of the training-loss curves (smoke: fewer, its runs are short)
 CONVERGENCE_WINDOW, SMOKE_CONVERGENCE_WINDOW = 16, 4
+#: optimizer steps between two held-out evaluations, and held-out sequences (smoke: fewer of both)
+CONVERGENCE_EVAL_EVERY, SMOKE_CONVERGENCE_EVAL_EVERY = 16, 4
+CONVERGENCE_HELDOUT, SMOKE_CONVERGENCE_HELDOUT = 512, 256
 DEFAULT_BANDWIDTH_RATIO = 15.0
 
 
@@ -154,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "nodes); checks that it runs, measures nothing")
     parser.add_argument("--fork-server", action=argparse.BooleanOptionalAction, default=None,
                         help="start the ranks forked from one process that imported torch and Lightning once "
-                             "(benchmarks/fork_server.py): no ~6 s of imports per rank. Default: on with --smoke only")
+                             "(benchmarks/fork_server.py): no ~6 s of imports per rank. Default: on with --smoke "
+                             "and --convergence (whose clock starts after set-up) only")
     parser.add_argument("--nodes", type=int, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int,
                         help=f"ranks per node (default 4; with --scaling {SCALING_RANKS_PER_NODE})")
@@ -167,14 +179,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="node counts for --scaling, comma-separated (default "
                              f"{','.join(map(str, DEFAULT_SCALING_NODES))})")
     parser.add_argument("--convergence", action="store_true",
-                        help="loss against tokens and wall-clock: train "
-                             f"{','.join(CONVERGENCE_STRATEGIES)} for a fixed token budget (--steps optimizer steps, "
-                             f"default {CONVERGENCE.measured_steps}) on learnable data at every ratio of "
-                             "--convergence-ratios; writes convergence.json and convergence.png")
+                        help="held-out loss against tokens and wall-clock: train "
+                             f"{','.join(CONVERGENCE_STRATEGIES)} ({PLANNED_ROW}: DiLoCo with the H the planner names "
+                             "for the link) on learnable data for every seed of --seeds at every ratio of "
+                             "--convergence-ratios, mics-auto for --steps optimizer steps (default "
+                             f"{CONVERGENCE.measured_steps}), DiLoCo rows for --diloco-budget times as many; writes "
+                             "convergence.json and convergence.png")
     parser.add_argument("--convergence-ratios", type=_ratio_list_arg,
                         help="bandwidth ratios of --convergence, comma-separated; the first is the headline "
                              f"(default {','.join(f'{r:g}' for r in CONVERGENCE_RATIOS)}; smoke: "
                              f"{','.join(f'{r:g}' for r in SMOKE_CONVERGENCE_RATIOS)})")
+    parser.add_argument("--seeds", type=_seed_list_arg,
+                        help="--convergence: seeds, comma-separated; each sets the initialisation and the draw of "
+                             f"training sequences (default {','.join(map(str, CONVERGENCE_SEEDS))}; smoke: "
+                             f"{','.join(map(str, SMOKE_CONVERGENCE_SEEDS))})")
+    parser.add_argument("--eval-every", type=int,
+                        help="--convergence: optimizer steps between held-out evaluations (default "
+                             f"{CONVERGENCE_EVAL_EVERY}; smoke: {SMOKE_CONVERGENCE_EVAL_EVERY})")
+    parser.add_argument("--diloco-budget", type=float, default=2.0,
+                        help="--convergence: a DiLoCo row's token budget over mics-auto's, at least (rounded up to "
+                             "whole rounds and evaluation intervals; default 2)")
     parser.add_argument("--lr", type=float, default=3e-3,
                         help="--convergence: peak AdamW learning rate (the DiLoCo rows' inner optimizer; default 3e-3)")
     parser.add_argument("--lr-warmup", type=int, default=10,
@@ -219,6 +243,18 @@ def _ratio_list_arg(text: str) -> tuple[float, ...]:
     return ratios
 
 
+def _seed_list_arg(text: str) -> tuple[int, ...]:
+    """``--seeds`` as argparse wants it: distinct non-negative ints, in the order given."""
+    try:
+        seeds = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        seeds = ()
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds takes distinct comma-separated non-negative ints, e.g. 0,1,2; "
+                                         f"got {text!r}.")
+    return seeds
+
+
 def _node_list_arg(text: str) -> tuple[int, ...]:
     """``--scaling-nodes`` as argparse wants it: a bad list is reported with our message, not argparse's."""
     try:
@@ -233,13 +269,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.smoke and args.quick:
         parser.error("--smoke and --quick exclude each other: --smoke is the shorter of the two.")
     if args.fork_server is None:
-        args.fork_server = args.smoke
+        args.fork_server = args.smoke or args.convergence
     if args.convergence:
         _check_convergence_flags(parser, args)
         preset = SMOKE_CONVERGENCE if args.smoke else CONVERGENCE
     else:
         preset = SMOKE if args.smoke else QUICK if args.quick else FULL
-        for flag in ("convergence_ratios",):
+        for flag in ("convergence_ratios", "seeds", "eval_every"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} only applies with --convergence.")
     if args.micro_batch is None:
@@ -267,6 +303,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             names = list(SMOKE_SCALING_STRATEGIES if args.scaling else SMOKE_STRATEGIES)
         elif args.scaling and names is None:
             names = list(SCALING_STRATEGIES)
+        args.planner_row = bool(args.convergence and PLANNED_ROW in names)
+        if args.planner_row:  # resolved once a mics-auto run has measured the cluster (run_convergence)
+            names = [n for n in names if n != PLANNED_ROW]
         args.points = []
         for nodes in args.node_counts:  # every node count must run every named strategy
             shape = ClusterShape(nodes, args.ranks_per_node)
@@ -307,16 +346,24 @@ def _with_outer_lr(spec: StrategySpec, shape: ClusterShape, outer_lr: Optional[f
 
 
 def _convergence_settings(args: argparse.Namespace) -> ConvergenceSettings:
-    """The settings every row of ``--convergence`` trains with, checked against its rows: the reference must run,
-    and the budget must be whole DiLoCo rounds."""
+    """The settings every row of ``--convergence`` trains with, checked against its rows: the reference must run
+    (and run first: the planner's H comes from its measurements), and its budget must end on an evaluation point
+    (a DiLoCo row's budget is whole rounds by construction, :meth:`ConvergenceSettings.row_steps`)."""
     shape, specs = args.points[0]
-    if REFERENCE not in [spec.name for spec in specs]:
+    names = [spec.name for spec in specs]
+    if REFERENCE not in names:
         raise ValueError(f"--convergence compares every row with {REFERENCE}: add it to --strategies.")
+    if names[0] != REFERENCE:
+        args.points[0] = (shape, [specs[names.index(REFERENCE)], *(s for s in specs if s.name != REFERENCE)])
     settings = ConvergenceSettings(
         steps=args.steps, learning_rate=args.lr, warmup_steps=args.lr_warmup,
+        heldout_samples=SMOKE_CONVERGENCE_HELDOUT if args.smoke else CONVERGENCE_HELDOUT,
+        eval_every=args.eval_every or (SMOKE_CONVERGENCE_EVAL_EVERY if args.smoke else CONVERGENCE_EVAL_EVERY),
+        diloco_budget=args.diloco_budget,
+        seeds=args.seeds or (SMOKE_CONVERGENCE_SEEDS if args.smoke else CONVERGENCE_SEEDS),
         window=SMOKE_CONVERGENCE_WINDOW if args.smoke else CONVERGENCE_WINDOW,
     )
-    settings.check([spec.sync_every for spec in specs if spec.sync_every], shape.world_size)
+    settings.check(shape.world_size)
     args.ratios = args.convergence_ratios or (SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS)
     return settings
 
@@ -329,7 +376,7 @@ def _resolve_mode(args: argparse.Namespace) -> None:
         if args.ranks_per_node is None:
             args.ranks_per_node = CONVERGENCE_RANKS_PER_NODE
         if args.output_dir is None:
-            args.output_dir = RESULTS_DIR / "convergence_smoke" if args.smoke else RESULTS_DIR
+            args.output_dir = RESULTS_DIR / ("convergence_smoke" if args.smoke else "convergence")
         return
     if not args.scaling:
         if args.scaling_nodes is not None:
@@ -498,7 +545,7 @@ def _gbit(bytes_per_s: float) -> str:
 # ---------------------------------------------------------------------------------- runs
 def run_strategy(
     cluster: EmulatedCluster, spec: StrategySpec, args: argparse.Namespace, work_dir: Path, index: int,
-    convergence: Optional[ConvergenceSettings] = None,
+    convergence: Optional[ConvergenceRun] = None,
 ) -> dict[str, Any]:
     """Launch every rank of one strategy in its node's namespace and return rank 0's record (or a
     failure record naming the reason). ``convergence``: a ``--convergence`` run of the row instead of a
@@ -509,8 +556,11 @@ def run_strategy(
     work_dir.mkdir(parents=True, exist_ok=True)
     job = work_dir / f"{spec.name}.job.json"
     setup_dict = asdict(setup)
-    job.write_text(json.dumps({"strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict,
-                               "convergence": None if convergence is None else asdict(convergence)}))
+    job.write_text(json.dumps({
+        "strategy": spec.to_dict(), "cluster": asdict(shape), "setup": setup_dict,
+        "convergence": None if convergence is None else asdict(convergence.settings),
+        "convergence_run": None if convergence is None else {"seed": convergence.seed, "steps": convergence.steps},
+    }))
     output = work_dir / f"{spec.name}.result.json"
     base_env = rank_environment(MASTER_ADDR=cluster.node_address(0), MASTER_PORT=str(MASTER_PORT_BASE + index),
                                 WORLD_SIZE=str(shape.world_size), GLOO_SOCKET_IFNAME=UPLINK)
@@ -858,26 +908,47 @@ def reshape_link(cluster: EmulatedCluster, network: NetworkSettings, ratio: floa
     return replace(network, inter_node_rate_bytes_per_s=rate, inter_node_measured_bytes_per_s=measured)
 
 
+@dataclass(frozen=True)
+class ConvergenceRun:
+    """One row and seed of ``--convergence``: the settings every row shares, the seed, and the row's budget."""
+
+    settings: ConvergenceSettings
+    seed: int
+    steps: int
+
+
 def run_convergence(args: argparse.Namespace, command: str) -> int:
     """``--convergence``: one cluster; the loopback measured once, then for every ratio of ``args.ratios`` the
-    links shaped to ``1 / ratio`` of it and every row trained for the budget. ``convergence.json`` is rewritten
-    after every ratio (a late failure keeps the earlier ones); then the chart and the tables."""
+    links shaped to ``1 / ratio`` of it and, for every seed, ``mics-auto`` first (its set-up measures the cluster the
+    planner's H is computed for, once per ratio from the first seed's run) and then every DiLoCo row, the planner's
+    included. ``convergence.json`` is rewritten after every seed (a late failure keeps the earlier ones); then the
+    chart and the tables."""
     settings: ConvergenceSettings = args.convergence_settings
-    chain = MarkovChain(args.setup.model.vocab_size, settings.successors, settings.data_seed)
+    setup = args.setup
+    chain = MarkovChain(setup.model.vocab_size, settings.successors, settings.data_seed)
+    tokens_per_step = setup.tokens_per_step(args.cluster)
     described = {
         **asdict(settings),
-        "model": asdict(args.setup.model), "model_params": args.setup.model.num_params,
-        "cluster": asdict(args.cluster), "micro_batch": args.setup.micro_batch, "accumulate": args.setup.accumulate,
-        "tokens_per_step": args.setup.tokens_per_step(args.cluster),
-        "tokens": settings.steps * args.setup.tokens_per_step(args.cluster),
+        "model": asdict(setup.model), "model_params": setup.model.num_params,
+        "cluster": asdict(args.cluster), "micro_batch": setup.micro_batch, "accumulate": setup.accumulate,
+        "tokens_per_step": tokens_per_step,
+        "tokens": settings.steps * tokens_per_step,
+        "budget": f"mics-auto (and any synchronous row) {settings.steps} optimizer steps = "
+                  f"{settings.steps * tokens_per_step:,} tokens; DiLoCo rows at least {settings.diloco_budget:g} times "
+                  f"as many (whole rounds of H, whole evaluation intervals), so that they may reach mics-auto's final "
+                  "loss after its token budget; every row's learning-rate schedule spans its own budget",
         "optimizer": f"AdamW(lr={settings.learning_rate:g}, betas=(0.9, 0.95), weight_decay=0.1 on matrices), "
-                     f"{settings.warmup_steps} warm-up steps then cosine to 0.1x",
+                     f"{settings.warmup_steps} warm-up steps then cosine to 0.1x at the row's last step",
         "outer_optimizer": "SGD(lr=0.7, momentum=0.9, nesterov=True) (the library's default, DiLoCo's)"
         if args.outer_lr is None else f"SGD(lr={args.outer_lr:g}, momentum=0.9, nesterov=True) (--outer-lr)",
-        "data": f"first-order Markov chain over {args.setup.model.vocab_size} tokens, {settings.successors} "
-                f"successors each (seed {settings.data_seed}); entropy rate {chain.entropy_rate:.4f} nats/token",
+        "data": f"first-order Markov chain over {setup.model.vocab_size} tokens, {settings.successors} successors "
+                f"each (table seed {settings.data_seed}); entropy rate {chain.entropy_rate:.4f} nats/token; each seed "
+                f"draws its own training sequences, every row of a seed the same ones in the same order; "
+                f"{settings.heldout_samples} held-out sequences, the same for every row and seed",
+        "evaluation": f"held-out loss of the global model every {settings.eval_every} optimizer steps "
+                      f"({settings.eval_every * tokens_per_step:,} tokens), its time taken out of the training clock",
         "entropy_rate": chain.entropy_rate,
-        "window": settings.window,
+        "fork_server": bool(args.fork_server),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
     }
     output_dir: Path = args.output_dir
@@ -885,8 +956,11 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
     json_path = output_dir / "convergence.json"
     points: list[dict[str, Any]] = []
     started = time.monotonic()
-    print(f"convergence: {len(args.specs)} rows x {len(args.ratios)} ratios, {settings.steps} steps of "
-          f"{described['tokens_per_step']} tokens each; loss floor (entropy rate) {chain.entropy_rate:.3f}", flush=True)
+    rows = len(args.specs) + int(args.planner_row)
+    print(f"convergence: {rows} rows x {len(settings.seeds)} seeds x {len(args.ratios)} ratios; mics-auto "
+          f"{settings.steps} steps of {tokens_per_step} tokens, DiLoCo rows >= {settings.diloco_budget:g}x; loss floor "
+          f"(entropy rate) {chain.entropy_rate:.3f}", flush=True)
+    index = 0
     with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
         if args.fork_server:
@@ -900,34 +974,104 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
                 current = network
             else:
                 current = reshape_link(cluster, network, ratio, args.link.probe_seconds)
-            runs = []
-            for j, spec in enumerate(args.specs):
-                print(f"[{j + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
-                record = run_strategy(cluster, spec, args, Path(tmp) / f"ratio{i}", i * len(args.specs) + j,
-                                      convergence=settings)
-                runs.append(add_convergence_expectations(record, spec, args, settings.steps))
-                print("    " + _convergence_line(record), flush=True)
-            points.append({"bandwidth_ratio": ratio, "network": asdict(current),
-                           "load_before": load_before, "load_after": os.getloadavg(), "runs": runs})
-            report = build_convergence_report(points, command, described, settings.window)
-            report["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            report["total_s"] = time.monotonic() - started
-            json_path.write_text(json.dumps(report, indent=2))
+            planner: dict[str, Any] = {"row": None, "sync_every": None, "from_seed": None, "per_seed": []}
+            point: dict[str, Any] = {"bandwidth_ratio": ratio, "network": asdict(current), "load_before": load_before,
+                                     "planner": planner, "runs": []}
+            points.append(point)
+            planned: Optional[StrategySpec] = None
+            for seed in settings.seeds:
+                queue = list(args.specs)  # mics-auto first (_convergence_settings)
+                while queue:
+                    spec = queue.pop(0)
+                    steps = settings.row_steps(spec.sync_every)
+                    print(f"[seed {seed}] {spec.name}: {steps} steps; {spec.description} ...", flush=True)
+                    record = run_strategy(cluster, spec, args, Path(tmp) / f"ratio{i}" / f"seed{seed}", index,
+                                          convergence=ConvergenceRun(settings, seed, steps))
+                    index += 1
+                    record.setdefault("seed", seed)
+                    point["runs"].append(add_convergence_expectations(record, spec, args, steps))
+                    print("    " + _convergence_line(record), flush=True)
+                    if spec.name != REFERENCE:
+                        continue
+                    answer = convergence_planner(record, args)
+                    planner["per_seed"].append({"seed": seed, **_planner_digest(answer)})
+                    if planner["from_seed"] is None and answer is not None:
+                        planner.update(answer, from_seed=seed)
+                        planned = planned_spec(answer, args.specs, args.cluster, args.outer_lr)
+                        if not args.planner_row and planned not in args.specs:
+                            planned = None  # not asked for (--strategies without mics-diloco-planned)
+                        planner["row"] = None if planned is None else planned.name
+                        print(f"    planner: H = {answer['sync_every']} for this link (row {planner['row']})",
+                              flush=True)
+                    if args.planner_row and planned is None:
+                        why = ("the planner names no H for this link" if planner["from_seed"] is not None
+                               else "no planner answer yet (mics-auto did not run)")
+                        point["runs"].append({"strategy": PLANNED_ROW, "seed": seed, "status": f"skipped: {why}"})
+                    elif planned is not None and planned.name not in [s.name for s in args.specs]:
+                        queue.append(planned)
+                point["load_after"] = os.getloadavg()
+                report = build_convergence_report(points, command, described)
+                report["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+                report["total_s"] = time.monotonic() - started
+                json_path.write_text(json.dumps(report, indent=2))
     chart = draw_convergence(report, output_dir / "convergence.png")
     print(f"\nwrote {json_path}" + (f" and {chart}" if chart else "") + f"; total {time.monotonic() - started:.0f} s")
     print("\n" + format_convergence_table(report))
     print("\n" + format_convergence_table(report, markdown=True))
-    ratios = ", ".join(f"{k} = {_or_none(report.get(k))}" for k in ("time_to_sync_final_loss_ratio",
-                                                                      "final_loss_ratio"))
-    print(f"\nratio {report['headline_bandwidth_ratio']:g}, {report.get('headline_strategy')}: {ratios}")
-    return 0 if all(r.get("status") == "ok" for point in points for r in point["runs"]) else 1
+    means = ", ".join(f"{k} = {_or_none(report.get(k))}" for k in ("time_to_sync_final_loss_ratio",
+                                                                     "final_loss_ratio"))
+    print(f"\nratio {report['headline_bandwidth_ratio']:g}, {report.get('headline_strategy')} (the planner's H = "
+          f"{report.get('planner_sync_every')}), mean over {len(settings.seeds)} seeds: {means}; targets met: "
+          f"{report.get('targets_met')}; seeds distinct: {report.get('seeds_distinct')}")
+    ran = all(r.get("status") == "ok" for point in points for r in point["runs"]
+              if not (r["strategy"] == PLANNED_ROW and _skipped(r)))
+    return 0 if ran else 1
+
+
+def convergence_planner(record: dict[str, Any], args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The planner's answer for a ``mics-auto`` run (:func:`benchmarks.convergence.planner_answer`): the cluster
+    its strategy measured at set-up, the compute rate its accumulation micro-steps achieved, this run's model and
+    batch. ``None`` for a run that failed or recorded no measurement."""
+    cluster = record.get("planner_cluster_spec")
+    if record.get("status") != "ok" or not cluster:
+        return None
+    model = args.setup.model
+    flops = achieved_flops(record.get("compute_micro_step_s"), model.flops_per_token, args.setup.micro_batch,
+                           model.seq_len)
+    return planner_answer(cluster, asdict(model), args.setup.micro_batch, args.setup.accumulate,
+                          record["device_memory_bytes"], flops)
+
+
+def _planner_digest(answer: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """One seed's planner answer in brief (the ratio's ``planner`` holds the full one, from the first seed)."""
+    if answer is None:
+        return {"sync_every": None}
+    return {"sync_every": answer["sync_every"],
+            "compute_flops": answer["inputs"]["cluster"]["compute_flops"],
+            "calibrated_compute_flops": answer["inputs"]["calibrated_compute_flops"],
+            "sync_every_with_calibrated_compute": answer["with_calibrated_compute"]["sync_every"],
+            "synchronous_busy_fraction": answer["answer"]["synchronous_busy_fraction"]}
+
+
+def planned_spec(answer: dict[str, Any], specs: list[StrategySpec], shape: ClusterShape,
+                 outer_lr: Optional[float]) -> Optional[StrategySpec]:
+    """The DiLoCo row for the planner's H: the run's row with that H when it has one, else a new
+    ``mics-diloco-h<H>`` (same layout and outer optimizer as the others); ``None`` when the planner names no H."""
+    every = answer.get("sync_every")
+    if every is None:
+        return None
+    for spec in specs:
+        if spec.sync_every == every:
+            return spec
+    return diloco_spec(shape, int(every), outer_lr, name=f"mics-diloco-h{every}")
 
 
 def add_convergence_expectations(
     record: dict[str, Any], spec: StrategySpec, args: argparse.Namespace, steps: int
 ) -> dict[str, Any]:
     """The inter-node bytes the byte model expects for the whole run (per step x steps; a DiLoCo row's budget is
-    whole rounds, so its one message per round counts exactly), next to the measured ones."""
+    whole rounds, so its one message per round counts exactly), next to the measured ones. The held-out
+    evaluations add one all-reduce of two numbers each, too few bytes to count."""
     if spec.planned and record.get("status") == "ok":
         spec = spec.with_choice(record)
     record.setdefault("sync_every", spec.sync_every)
@@ -942,11 +1086,12 @@ def add_convergence_expectations(
 def _convergence_line(record: dict[str, Any]) -> str:
     if record.get("status") != "ok":
         return f"{record.get('status')} ({record.get('wall_s', 0):.0f} s)"
-    steps = record["steps"]
-    return (f"{len(steps)} steps in {steps[-1]['time_s']:.0f} s ({steps[-1]['time_s'] / len(steps):.2f} s/step), "
-            f"loss {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}, held-out {_or_none(record.get('heldout_loss'))}, "
-            f"inter-node {_mb(record.get('inter_node_bytes'))} MB (expected {_mb(record.get('expected_inter_node_bytes'))}) "
-            f"({record.get('wall_s', 0):.0f} s with start-up)")
+    steps, evals = record["steps"], record["evals"]
+    return (f"{len(steps)} steps in {steps[-1]['time_s']:.0f} s ({steps[-1]['time_s'] / len(steps):.3f} s/step), "
+            f"held-out {evals[0]['heldout_loss']:.3f} -> {evals[-1]['heldout_loss']:.3f} "
+            f"({sum(e['computed'] for e in evals)} of {len(evals)} evaluations computed, {record['eval_s']:.1f} s "
+            f"taken out), inter-node {_mb(record.get('inter_node_bytes'))} MB (expected "
+            f"{_mb(record.get('expected_inter_node_bytes'))}) ({record.get('wall_s', 0):.0f} s with start-up)")
 
 
 def _or_none(value: Optional[float]) -> str:

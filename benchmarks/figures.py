@@ -167,8 +167,17 @@ def fault_tolerance_cpu_table(results: dict[str, Any]) -> str:
     return _extended(fault_tolerance_exact_table(results), rows)
 
 
+def convergence_table(results: Optional[dict[str, Any]]) -> str:
+    """docs/semi-sync.md's block of one ``emulated_cluster.py --convergence`` run (``None``: not run yet)."""
+    if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+        sys.path.insert(0, str(REPO))
+    from benchmarks.convergence import figure_markdown
+
+    return figure_markdown(results)
+
+
 #: block name -> (results file, renderer)
-FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
     "fault-tolerance-hop2": ("benchmarks/results/fault_tolerance_hop2/fault_tolerance.json", fault_tolerance_table),
     "fault-tolerance-trajectory": (
@@ -199,12 +208,18 @@ FIGURES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
         "benchmarks/results/fault_tolerance_cpu_repeat/fault_tolerance.json",
         fault_tolerance_cpu_table,
     ),
+    "convergence": ("benchmarks/results/convergence/convergence.json", convergence_table),
 }
+#: Blocks whose measurement may not have run yet: without the results file their renderer gets ``None`` and says
+#: so (once the file exists, ``--check`` fails until the block is rendered from it).
+AWAITING_RUN = frozenset({"convergence"})
 
 
 def render(name: str, results: Optional[dict[str, Any]] = None) -> str:
     """Block ``name``'s text from its results file (or from ``results`` given here)."""
     path, renderer = FIGURES[name]
+    if results is None and name in AWAITING_RUN and not (REPO / path).is_file():
+        return renderer(None)
     return renderer(results if results is not None else json.loads((REPO / path).read_text()))
 
 
