@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-#: Markdown files that may hold figure blocks
-DOCUMENTS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+#: Markdown files that may hold figure blocks: the README, the docs, and the experiment logs beside the results
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
+             *sorted(str(p.relative_to(REPO)) for p in (REPO / "benchmarks" / "results").glob("*.md")))
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.DOTALL)
 
 
@@ -167,6 +168,63 @@ def fault_tolerance_cpu_table(results: dict[str, Any]) -> str:
     return _extended(fault_tolerance_exact_table(results), rows)
 
 
+def _fmt(value: Any, pattern: str = "{:.3f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def fault_tolerance_defaults_table(results: dict[str, Any]) -> str:
+    """docs/fault-tolerance.md's "What it costs": one ``fault_tolerance.py --quick`` run with ``FaultTolerance()``'s
+    defaults on nodes with CPUs of their own -- each measure, its value and the bound it is held to -- then the
+    labelled sections (``exact_trajectory=True``, ``quorum_every=1``)."""
+    settings = results["settings"]
+    n, f, r, t, g = (results[key] for key in ("no_failure", "failure", "rejoin", "trajectory", "goodput"))
+    groups = settings["num_replica_groups"]
+    quota = settings.get("cpu_quota_per_node")
+    changed = ", ".join(settings["fault_tolerance"]["non_default"]) or "none"
+    rows = [
+        ("`FaultTolerance` options other than its defaults (besides Lighthouse, group index, timeouts)", changed, ""),
+        ("replica groups (one per node) x ranks; CPU quota per node", f"{groups} x 2; "
+         + (f"{quota:.3g} cores" if quota else "none: " + str(settings.get("cpu_quota_unavailable"))), ""),
+        ("no failure: step time, fault-tolerant / plain MiCS (`no_failure.overhead`)",
+         f"{n['overhead']:.3f} ({n['ft_step_seconds']:.3f} s / {n['plain_step_seconds']:.3f} s)", "<= 1.03"),
+        ("node lost: seconds from the kill to the next committed step", f"{f['seconds_to_next_commit']:.1f}", ""),
+        ("node lost: steps discarded (`failure.steps_discarded`)", str(f["steps_discarded"]), "<= 1"),
+        ("rejoin: seconds from the restart to its first committed step", f"{r['seconds']:.1f}", ""),
+        ("rejoin: bit-identical to the survivors (`rejoin.bit_identical`)",
+         f"{r['bit_identical']} ({r['digests_compared']} digests)", "True"),
+        ("rejoin: survivors' longest gap between commits while it healed, in failure-free steps, minus one "
+         "(`rejoin.survivor_stall_steps`)", _fmt(r["survivor_stall_steps"], "{:.2f}"), "<= 1"),
+        ("trajectory: samples skipped / repeated, with a failure vs without",
+         f"{t['samples_skipped']} / {t['samples_repeated']} ({t['steps_compared']} steps)", "0 / 0"),
+        ("trajectory: global batch constant", f"{t['global_batch_constant']} ({t['global_batch']} samples)", "True"),
+        ("trajectory: mean loss of the last 20 steps, relative difference (`trajectory.final_loss_rel_diff`)",
+         _fmt(t["final_loss_rel_diff"], "{:.2g}"), "<= 0.01"),
+        ("trajectory: largest per-step loss difference", _fmt(t["max_loss_diff"], "{:.3g}"), ""),
+        ("goodput: fault tolerance, over plain MiCS's failure-free rate (`goodput.fault_tolerance`)",
+         _fmt(g["fault_tolerance"]), ""),
+        ("goodput: restart from checkpoint, the same denominator", _fmt(g["restart_from_checkpoint"]), ""),
+        ("goodput: fault tolerance / restart from checkpoint", _fmt(g["ratio_ft_over_restart"], "{:.2f}"), ">= 2"),
+        ("goodput: the schedule's limit, nodes alive (`goodput.limit`)", _fmt(g["limit"]), ""),
+        ("goodput: efficiency, goodput / limit (`goodput.efficiency`)", _fmt(g["efficiency"]), ">= 0.9"),
+        ("goodput: survivors' committed rate while a group is out, over failure-free",
+         _fmt(g["survivor_rate_while_out"]), f"{(groups - 1) / groups:.3f} +- 0.1"),
+    ]
+    exact = results.get("exact_trajectory")
+    if exact:
+        rows += [
+            ("`exact_trajectory=True`: no-failure step time / plain MiCS", _fmt(exact["overhead"]), ""),
+            ("`exact_trajectory=True`: largest per-step loss difference, with a failure vs without",
+             _fmt(exact["trajectory"]["max_loss_diff"], "{:.3g}"), "<= 1e-3"),
+            ("`exact_trajectory=True`: survivors' stall while it healed, failure-free steps minus one",
+             _fmt(exact["rejoin"]["survivor_stall_steps"], "{:.2f}"), ""),
+        ]
+    every_step = (results.get("variants") or {}).get("quorum_every_1")
+    if every_step:
+        rows.append(("`quorum_every=1`: no-failure step time / plain MiCS", _fmt(every_step["overhead"]), ""))
+    lines = ["| measure | value | bound |", "|---|---:|---:|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+    return "\n".join(lines) + "\n"
+
+
 def convergence_table(results: Optional[dict[str, Any]]) -> str:
     """docs/semi-sync.md's block of one ``emulated_cluster.py --convergence`` run (``None``: not run yet)."""
     if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -179,6 +237,8 @@ def convergence_table(results: Optional[dict[str, Any]]) -> str:
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
+    "fault-tolerance-defaults": ("benchmarks/results/fault_tolerance_defaults/fault_tolerance.json",
+                                 fault_tolerance_defaults_table),
     "fault-tolerance-hop2": ("benchmarks/results/fault_tolerance_hop2/fault_tolerance.json", fault_tolerance_table),
     "fault-tolerance-trajectory": (
         "benchmarks/results/fault_tolerance_trajectory_interleaved/fault_tolerance.json",

@@ -94,7 +94,7 @@ def orchestrate(args: argparse.Namespace) -> None:
     processes: list[subprocess.Popen] = []
     try:
         processes.append(start([lighthouse_bin, "--min_replicas", "1", "--bind", address, "--join_timeout_ms",
-                                "1000", "--heartbeat_timeout_ms", "2000"], dict(os.environ), out / "lighthouse.log"))
+                                "30000", "--heartbeat_timeout_ms", "2000"], dict(os.environ), out / "lighthouse.log"))
         groups = {
             g: launch_group(g, args, f"http://{address}", out, args.port + 10 * (g + 1)) for g in range(args.groups)
         }
