@@ -29,6 +29,12 @@ from toy import RunConfig, trainer_kwargs
 from lightning_mics import FaultTolerance, MiCSStrategy
 
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+#: The heal and quorum cadence the multi-group scenarios were written for: a blocking heal, a quorum every step
+#: (their choreography -- a kill at a step, a restart that heals at the next quorum, digests compared from the
+#: heal on -- assumes both). ``FaultTolerance()``'s defaults (``heal="auto"``: the catch-up heal; a quorum every 10
+#: steps) run in tests/test_fault_tolerance_catch_up.py, the trajectory tests' parametrisation and the
+#: fault-tolerance benchmark's smoke (tests/test_entry_points.py).
+AS_WRITTEN: dict[str, Any] = {"heal": "blocking", "quorum_every": 1}
 GROUP_WORLD = 2
 
 

@@ -336,7 +336,7 @@ def test_fabric_refuses_exact_trajectory_naming_the_fix() -> None:
     ft = FaultTolerance(lighthouse="http://x:1", replica_group=0, num_replica_groups=2, exact_trajectory=True)
     strategy = MiCSFabricStrategy(fault_tolerance=ft)
     with pytest.raises(ValueError, match="exact_trajectory=False"):
-        strategy._join_fault_domain(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+        strategy._join_fault_domain(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), loss_scaling=False)
 
 
 @pytest.mark.parametrize("lost", [False, True])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from ft_harness import (
+    AS_WRITTEN,
     GROUP_WORLD,
     LIGHTHOUSE,
     fault_tolerant_trainer,
@@ -131,7 +132,7 @@ def _fit_with_wire(group: int, address: str, wire: Any) -> dict[str, Any]:
     from lightning_mics.hop2.pipeline import padded_shard_numel
     from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
 
-    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60, **AS_WRITTEN)
     module = ValidatedToyModule(EQUIVALENCE)
     telemetry = TrainingTelemetry(peak_flops=None, prog_bar=False)  # it sees torchft's collectives too
     class Packed(pl.Callback):  # what hop 2 packs: this rank's shards of the gradients the step has, per unit
@@ -254,7 +255,7 @@ def two_epoch_reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
 def _fit_then_save(rank: int, group: int, address: str, directory: str, resume: bool) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60, **AS_WRITTEN)
     module = ToyModule(EPOCH)
     epochs = {"max_steps": -1, "max_epochs": 2 if resume else 1}
     # every group's callback saves to the same (shared) directory; one group writes. Every group's job is
@@ -331,7 +332,7 @@ def _run_group(rank: int, group: int, address: str, fail: bool, directory: str) 
                     alone.write_text(str(manager.current_step()))
                 time.sleep(3.0)  # give the replacement time to start and heal
 
-    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, **AS_WRITTEN)
     record = Record()
     module = ToyModule(LONG)
     # every 2 committed steps: "last" exists before the failure (the third step together), so the restart

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from distributed import free_port, run_ranks
 from ft_harness import (
+    AS_WRITTEN,
     GROUP_WORLD,
     fault_tolerant_trainer,
     lighthouse,
@@ -112,7 +113,8 @@ def _lighthouse_trouble(lighthouse_pid: int, address: str) -> dict[str, Any]:
         ReplicaGroup(FaultTolerance(unreachable, 0, 1, timeout=2), cpu, dict, lambda state: None)
     except LighthouseUnavailable as error:
         outcome["unreachable"] = (str(error), time.monotonic() - start, unreachable)
-    group = ReplicaGroup(FaultTolerance(address, 0, 1, timeout=3, quorum_timeout=3), cpu, dict, lambda s: None)
+    group = ReplicaGroup(FaultTolerance(address, 0, 1, timeout=3, quorum_timeout=3, **AS_WRITTEN), cpu, dict,
+        lambda s: None)
     try:
         for _ in range(2):
             group.start_step()
@@ -172,7 +174,7 @@ RUN = RunConfig(world_size=2 * GROUP_WORLD, steps=4)
 
 def _fit_configured(rank: int, group: int, address: str, accumulate: int) -> dict[str, Any]:
     cfg = replace(RUN, accumulate=accumulate)
-    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=90)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=90, **AS_WRITTEN)
     module = ToyModule(cfg)
     trainer = fault_tolerant_trainer(cfg, ft, [])
     trainer.fit(module)

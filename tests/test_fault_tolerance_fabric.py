@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from ft_harness import (
+    AS_WRITTEN,
     GROUP_WORLD,
     lighthouse,
     lose_and_restart_group_1,
@@ -47,7 +48,7 @@ def _fabric_loop(
 ) -> dict:
     from lightning.fabric import Fabric
 
-    ft = FaultTolerance(address, group, 2, min_replica_groups=min_groups, timeout=20, quorum_timeout=90)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=min_groups, timeout=20, quorum_timeout=90, **AS_WRITTEN)
     strategy = MiCSFabricStrategy(fault_tolerance=ft)
     fabric = Fabric(accelerator="cpu", devices=GROUP_WORLD, strategy=strategy)
     fabric.launch()
@@ -136,7 +137,8 @@ def _fabric_trajectory(rank: int, group: int, address: str, fail: bool, marks: s
     from torch.utils.data import DataLoader
 
     cfg = TRAJECTORY
-    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60, keep_trajectory=True)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=60,
+        keep_trajectory=True, **AS_WRITTEN)
     strategy = MiCSFabricStrategy(fault_tolerance=ft, precision=fp64_fabric_precision())
     fabric = Fabric(accelerator="cpu", devices=GROUP_WORLD, strategy=strategy)
     fabric.launch()

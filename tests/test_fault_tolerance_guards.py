@@ -22,7 +22,16 @@ from typing import Any
 
 import pytest
 import torch
-from ft_harness import GROUP_WORLD, fault_tolerant_trainer, lighthouse, read, run_one_group, start_group, wait
+from ft_harness import (
+    AS_WRITTEN,
+    GROUP_WORLD,
+    fault_tolerant_trainer,
+    lighthouse,
+    read,
+    run_one_group,
+    start_group,
+    wait,
+)
 from toy import RunConfig, ToyModule
 
 from lightning_mics import FaultTolerance
@@ -41,7 +50,7 @@ def _fit(rank: int, group: int, address: str, lr: float, width_scale: int, retun
     cfg = replace(RUN, lr=lr)
     # quorum_timeout bounds how long the group left alone after the other's refusal waits before it ends
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=15,
-                        check_parameters_every=every)
+                        check_parameters_every=every, **AS_WRITTEN)
     module = ToyModule(cfg) if width_scale == 1 else _wider(cfg)
 
     class Retune(pl.Callback):
@@ -113,7 +122,7 @@ def test_parameters_that_drift_apart_end_the_run_naming_the_groups_and_the_step(
 
 
 def _alone(rank: int, group: int, address: str) -> dict[str, Any]:
-    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=10, quorum_timeout=6)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=10, quorum_timeout=6, **AS_WRITTEN)
     trainer = fault_tolerant_trainer(RUN, ft, [])
     started = time.monotonic()
     try:
@@ -152,7 +161,7 @@ def _lose_a_rank(rank: int, group: int, address: str, out_dir: str) -> dict[str,
                 os._exit(1)  # a node lost between steps
 
     cfg = replace(RUN, steps=12)
-    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=20, quorum_timeout=60)
+    ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=20, quorum_timeout=60, **AS_WRITTEN)
     trainer = fault_tolerant_trainer(cfg, ft, [LoseRankOne()])
     try:
         trainer.fit(ToyModule(cfg))
@@ -208,7 +217,8 @@ def _lose_group_zero(rank: int, group: int, address: str) -> dict[str, Any]:
 
     cfg = replace(RUN, steps=12)
     record = Record()
-    trainer = fault_tolerant_trainer(cfg, FaultTolerance(address, group, 2, timeout=10, quorum_timeout=60), [record])
+    trainer = fault_tolerant_trainer(cfg, FaultTolerance(address, group, 2, timeout=10, quorum_timeout=60,
+        **AS_WRITTEN), [record])
     trainer.fit(ToyModule(cfg))
     return {"seen": record.seen}
 
@@ -236,7 +246,7 @@ def _last_step_discarded(rank: int, group: int, address: str) -> dict[str, Any]:
     so the whole group discards that step. Also what the Trainer showed the end-of-batch callbacks."""
     import lightning.pytorch as pl
 
-    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15)
+    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15, **AS_WRITTEN)
 
     class FailLastStepOnce(pl.Callback):
         def __init__(self) -> None:

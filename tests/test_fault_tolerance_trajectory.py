@@ -24,6 +24,7 @@ from typing import Any, Optional
 import pytest
 import torch
 from ft_harness import (
+    AS_WRITTEN,
     GROUP_WORLD,
     fault_tolerant_trainer,
     lose_and_restart_group_1,
@@ -332,7 +333,7 @@ def _epochs_with_discards(rank: int, group: int, address: str) -> dict[str, Any]
     recorded in their backward; what the Trainer showed at each batch, epoch and validation end."""
     import lightning.pytorch as pl
 
-    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15)
+    ft = FaultTolerance(address, group, 1, timeout=10, quorum_timeout=15, **AS_WRITTEN)
 
     class Probe(pl.Callback):
         def __init__(self) -> None:
@@ -423,7 +424,7 @@ def _refusals(rank: int, group: int, address: str) -> dict[str, str]:
 
     errors = {}
     for name, module_class in (("dataloader_iter", IterStep), ("two_loaders", TwoLoaders)):
-        ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=20)
+        ft = FaultTolerance(address, group, 2, min_replica_groups=1, timeout=10, quorum_timeout=20, **AS_WRITTEN)
         trainer = fault_tolerant_trainer(RUN, ft, [])
         try:
             trainer.fit(module_class(RUN))
