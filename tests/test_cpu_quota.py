@@ -60,8 +60,9 @@ def _rates(lines: list[str], start: float, end: float) -> float:
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need root")
 def test_a_lost_nodes_cpu_is_not_lent_to_the_survivors(tmp_path: Path) -> None:
     """Three CPU-bound 'nodes' on the host's cores; one is killed. Sharing the cores, each survivor would speed up
-    by about 3/2 on 2 cores; under the per-node quota its rate stays where it was."""
-    quotas = NodeCpuQuotas(f"micsquotatest-{uuid.uuid4().hex[:8]}", 3)
+    by about 3/2 on 2 cores; under the per-node quota its rate stays where it was. The quotas are a fraction of the
+    host's share (0.2 cores each), so that they, not other tenants' load, bound the rates before the kill too."""
+    quotas = NodeCpuQuotas(f"micsquotatest-{uuid.uuid4().hex[:8]}", 3, cores_per_node=0.2)
     try:
         quotas.create()
     except CpuQuotaUnavailable as error:
