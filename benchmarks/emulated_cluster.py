@@ -828,6 +828,7 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
                                     args.cluster.num_nodes)
             records.append(record)
             print("    " + _one_line(record), flush=True)
+        cpu = cluster.cpu_settings()  # before the teardown removes the cgroups
     load_after = os.getloadavg()
     print()
     print(format_table(records))
@@ -841,6 +842,7 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     "load_before": load_before, "load_after": load_after},
         "network": asdict(network),
         "cluster": asdict(args.cluster),
+        "settings": cpu,
         "setup": {**asdict(setup), "model_params": setup.model.num_params,
                   "tokens_per_step": setup.tokens_per_step(args.cluster)},
         "results": records,
@@ -1011,6 +1013,7 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
                         queue.append(planned)
                 point["load_after"] = os.getloadavg()
                 report = build_convergence_report(points, command, described)
+                report.setdefault("settings", {}).update(cluster.cpu_settings())
                 report["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 report["total_s"] = time.monotonic() - started
                 json_path.write_text(json.dumps(report, indent=2))

@@ -1771,7 +1771,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         chart = None if baseline is None else draw_timeline(
             ft, baseline, args.steps, args.output_dir / "fault_tolerance.png", title)
-        throttled, quota, no_quota = cluster.throttled_seconds(), cluster.cpu_quota_per_node, cluster.cpu_quota_unavailable
+        cpu = cluster.cpu_settings()  # before the teardown removes the cgroups
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "link"}
     report = {
         **results,
@@ -1779,8 +1779,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "title": title,
         "settings": {**settings, "model": asdict(MODEL), "model_params": MODEL.num_params,
                      "fault_tolerance": fault_tolerance_settings(), "num_replica_groups": NODES,
-                     "cpu_quota_per_node": quota, "cpu_quota_unavailable": no_quota,  # read before the teardown
-                     "cpu_throttled_seconds_per_node": throttled},
+                     **cpu},
         "network": asdict(network),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_before": load_before,
                     "load_after": os.getloadavg()},

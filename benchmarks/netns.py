@@ -190,6 +190,13 @@ class EmulatedCluster:
             return None
         return [quotas.throttled_seconds(node) for node in range(self.num_nodes)]
 
+    def cpu_settings(self) -> dict[str, Any]:
+        """What a benchmark's JSON records of the nodes' CPUs (call it before the teardown): the quota each node ran
+        under (``None``: none), why there was none where one was asked for, and how long each node's quota held it
+        back."""
+        return {"cpu_quota_per_node": self.cpu_quota_per_node, "cpu_quota_unavailable": self.cpu_quota_unavailable,
+                "cpu_throttled_seconds_per_node": self.throttled_seconds()}
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> EmulatedCluster:
         self.create()
