@@ -642,6 +642,14 @@ def figure_markdown(report: Optional[dict[str, Any]]) -> str:
         what = ("mean" if key.startswith("mean_") else "worst seed") + ", " + \
             key.removeprefix("mean_").removeprefix("every_seed_")
         lines.append(f"| {what} <= {limit:g} | {shown} | {'yes' if met.get(key) else 'no'} |")
+    rows = report.get("rows") or []
+    at_reference = [(row["strategy"], row.get("loss_ratio_at_reference_tokens") or {}) for row in rows
+                    if row.get("strategy") != REFERENCE]
+    shown = [f"`{name}` {_fmt(v.get('mean'), '{:.3f}')} ({_fmt(v.get('min'), '{:.3f}')}-{_fmt(v.get('max'), '{:.3f}')})"
+             for name, v in at_reference if v]
+    if shown:
+        lines += ["", "The DiLoCo rows train twice `mics-auto`'s tokens; their final loss ratio is at the end of that "
+                      "budget. At `mics-auto`'s own token count (mean over the seeds, range): " + "; ".join(shown) + "."]
     lines += ["", "![Held-out loss of the global models against tokens and training wall-clock]"
                   "(../benchmarks/results/convergence/convergence.png)"]
     return "\n".join(lines) + "\n"

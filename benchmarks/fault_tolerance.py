@@ -1,7 +1,7 @@
 """Fault tolerance on the emulated cluster: what losing a node costs with ``MiCSStrategy(fault_tolerance=...)``
 and without it.
 
-    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # ~15 minutes on 2 cores
+    sudo "$(command -v python)" benchmarks/fault_tolerance.py --quick     # ~20 minutes on 2 cores
     sudo "$(command -v python)" benchmarks/fault_tolerance.py --output-dir /tmp/ft
 
 3 emulated nodes x 2 CPU ranks (:mod:`benchmarks.netns`; links shaped as in ``emulated_cluster.py``: 1/15 of
@@ -155,7 +155,7 @@ MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in about 11 minutes")
+    parser.add_argument("--quick", action="store_true", help="shorter runs: the whole benchmark in about 20 minutes")
     parser.add_argument("--smoke", action="store_true",
                         help="the main path with few steps, about 3 minutes: checks that it runs, measures nothing")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where fault_tolerance.json/.png go")
