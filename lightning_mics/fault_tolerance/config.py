@@ -71,9 +71,9 @@ class FaultTolerance:
     #: is noticed at once either way (its collective fails and the step is discarded, which forces a quorum);
     #: what waits is a *joining* group, for up to ``quorum_every - 1`` steps -- keep that shorter than
     #: ``quorum_timeout`` and the Lighthouse's ``--join_timeout_ms``. 1 (torchft's own cadence) costs a quorum round
-    #: trip every step, which waits for the slowest group: measured 4-10 % of a 0.2 s step on the emulated cluster
-    #: where every 10th step costs 1-3 % (``docs/fault-tolerance.md``, "What it costs"); on steps of seconds either
-    #: is negligible.
+    #: trip every step, which waits for the slowest group: several percent of a quarter-second step on the emulated
+    #: cluster, about twice the default's cost (``docs/fault-tolerance.md``, "What it costs"); on steps of seconds
+    #: either is negligible.
     quorum_every: int = 10
     #: every committed step reads the next global batch of one fixed sample order, split among the live groups
     #: (a lost group's samples are read by the others, a discarded step is re-done on the same samples, a
@@ -139,7 +139,9 @@ class FaultTolerance:
         it only when ``True``, through ``MiCSFabricStrategy.training_batches``: its loop is the user's.)"""
         return self.keep_trajectory is not False
 
-    def with_heal_for(self, cross_replica_sync: str = "every_step", loss_scaling: bool = False) -> tuple[FaultTolerance, str]:
+    def with_heal_for(
+        self, cross_replica_sync: str = "every_step", loss_scaling: bool = False
+    ) -> tuple[FaultTolerance, str]:
         """These options with ``heal="auto"`` decided for this run -- ``"catch_up"`` where a replay of the missed
         steps reproduces them (a per-step hop 2, no loss scaler), ``"blocking"`` otherwise -- and a line for the job
         log saying which heal runs and, when ``auto`` fell back, why. An explicit mode stays as it is."""
