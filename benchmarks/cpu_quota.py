@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Optional
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -118,11 +118,14 @@ class NodeCpuQuotas:
     def active(self) -> bool:
         return self._layout is not None
 
+    def _path(self, layout: CgroupLayout, node: int) -> Path:
+        return layout.base / f"{self.prefix}-node{node}"
+
     def group(self, node: int) -> Optional[str]:
         """Node ``node``'s cgroup directory (what :func:`join` takes), ``None`` until :meth:`create` succeeded."""
         if self._layout is None:
             return None
-        return str(self._layout.base / f"{self.prefix}-node{node}")
+        return str(self._path(self._layout, node))
 
     def create(self) -> None:
         """Create (or take over from a killed run) every node's group and write its quota; on any failure remove
@@ -131,7 +134,7 @@ class NodeCpuQuotas:
         try:
             layout.enable_controller()
             for node in range(self.num_nodes):
-                path = layout.base / f"{self.prefix}-node{node}"
+                path = self._path(layout, node)
                 path.mkdir(exist_ok=True)
                 layout.write_quota(path, self.quota_us, PERIOD_US)
         except OSError as error:
@@ -179,7 +182,7 @@ class NodeCpuQuotas:
         if layout is None:
             return
         for node in range(self.num_nodes):
-            path = layout.base / f"{self.prefix}-node{node}"
+            path = self._path(layout, node)
             if not path.exists():
                 continue
             deadline = time.monotonic() + timeout_s
