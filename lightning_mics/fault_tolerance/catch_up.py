@@ -6,10 +6,11 @@ model whose state takes several step times to cross the link, several steps lost
 rejoin. Here, as in FT-HSDP (arXiv 2602.00277), the transfer happens beside training:
 
 1. **At the quorum** the serving rank reserves a snapshot on a small HTTP server of its own
-   (:class:`SnapshotServer`); through torchft's heal only the small rest travels -- hyper-parameters,
-   schedulers, the step count -- and the snapshot's address. Right after the quorum, before the step's
-   forward, its training thread copies its shards (model and optimizer states) into host memory and
-   publishes them there: the state at the start of the step, as the heal's small rest is.
+   (:class:`SnapshotServer`); through torchft's heal (over the groups' process group) only the small rest
+   travels -- hyper-parameters, schedulers, the step count -- and the snapshot's address, with a token drawn
+   for this heal and the snapshot's largest size. Right after the quorum, before the step's forward, its
+   training thread copies its shards (model and optimizer states) into host memory and publishes them there:
+   the state at the start of the step, as the heal's small rest is. Only a request with the token gets them.
 2. **While the snapshot downloads** (:class:`CatchUp`, a background thread per rank) the joining group takes
    part in every step with the others but contributes nothing: it reads no share of the data (the live groups
    read it), sends zeros in hop 2, and keeps a host copy of each committed step's averaged, clipped gradients
@@ -26,15 +27,18 @@ joiner caught up, and the joiner's kept gradients -- one gradient shard per step
 
 from __future__ import annotations
 
+import hmac
+import http.client
 import io
 import logging
+import secrets
 import socket
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import torch
 from torch import Tensor
@@ -44,6 +48,23 @@ from torch.optim import Optimizer
 from lightning_mics.fault_tolerance.heal_state import hyper_parameters, set_hyper_parameters
 
 log = logging.getLogger("lightning_mics.fault_tolerance")
+
+#: The most connections a snapshot server handles at once (a thread each); one more is answered a bare 503 by the
+#: accepting thread, and a joining rank asks again. One joining group's rank asks once per heal.
+MAX_SNAPSHOT_CONNECTIONS = 16
+#: Seconds a connection has, from its accept, to send its request line and headers (a joining rank sends them at
+#: once); a connection that trickles them (slow-loris) is cut off then, freeing its slot.
+REQUEST_HEAD_WITHIN_S = 2.0
+#: How many refused requests a server logs one by one per heal (the rest are counted in one line at its end).
+REFUSALS_LOGGED = 10
+#: The user name of a snapshot address's credentials: ``http://snapshot:<token>@host:port/snapshot/<step>``.
+_USER = "snapshot"
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class SnapshotUnavailable(RuntimeError):
+    """A joining rank could not fetch its snapshot: refused (404: not the snapshot served, or no heal open any more),
+    a body larger than the heal announced, or a transport error."""
 
 
 def to_host(tree: Any, copy: bool = True) -> Any:
@@ -60,101 +81,274 @@ def to_host(tree: Any, copy: bool = True) -> Any:
     return tree
 
 
+def without_credentials(address: str) -> str:
+    """``address`` without its token, for logs and error messages."""
+    parts = urlsplit(address)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
 class SnapshotServer:
-    """This rank's shards at a quorum, served over HTTP to the joining group's rank of the same index.
+    """This rank's shards at a quorum, served over HTTP to the joining group's rank of the same index -- and to no
+    one else.
 
-    One snapshot at a time (a new heal replaces it); :meth:`release` frees it once no group needs it. The server
-    listens on every interface and advertises ``socket.gethostname()``, as torchft's own checkpoint server does."""
+    One snapshot at a time (a new heal replaces it), under a token drawn for it (:meth:`reserve`): the address the
+    heal hands the joining rank carries the token as its credentials, and travels in the heal's state over the
+    groups' process group (torchft's ``PGTransport``), never over a listener. A request without the token, with
+    another, or for another step is answered a bare 404 -- the same for each, nothing about what is served -- and
+    logged with its address. The listener binds ``host`` (group.py: this host's address on the route to the job's
+    master, as the group's vote does), starts with the heal's reservation and closes with :meth:`stop` once no
+    group catches up from it; it handles :data:`MAX_SNAPSHOT_CONNECTIONS` at once and cuts off a connection whose
+    request is not in within :data:`REQUEST_HEAD_WITHIN_S`. The snapshot is serialised once, at the first
+    authorised request; its tensors are dropped then, so the server holds one copy whatever the requests."""
 
-    def __init__(self, bytes_per_s: Optional[float] = None, wait_s: float = 60.0) -> None:
+    def __init__(self, bytes_per_s: Optional[float] = None, wait_s: float = 60.0, host: str = "127.0.0.1") -> None:
         #: the most bytes per second a snapshot is sent at (``None``: as fast as the network takes it)
         self.bytes_per_s = bytes_per_s
         #: how long a request for a reserved snapshot waits for it to be published
         self.wait_s = wait_s
+        #: the address the listener binds (never the wildcard: the snapshot is for the joining groups' route only)
+        self.host = host
         self._lock = threading.Condition()
         self._payload: Any = None
+        self._published = False
         self._step: Optional[int] = None
-        self._server: Optional[ThreadingHTTPServer] = None
+        self._token: Optional[str] = None
+        self._serialised: Optional[memoryview] = None
+        self._serialise_lock = threading.Lock()
+        self._server: Optional[_BoundedHTTPServer] = None
+        #: how many times a snapshot was serialised (once per published snapshot that someone authorised asked for)
+        self.serialisations = 0
+        #: snapshots sent whole, and requests refused (bare 404: no or a wrong token, another step, nothing served)
+        self.served = 0
+        self.refused = 0
+        self._refused_this_heal = 0
 
     def reserve(self, step: int) -> str:
         """The address the snapshot of committed step ``step`` will be served at, before it is taken: the quorum
         hands the address to the joining group at once, and the training thread copies the shards after the
         quorum (:meth:`publish`) -- not in torchft's quorum thread, where the copy would hold up the joining
-        group's heal, and with it every group's first step together. A request waits for the publication."""
+        group's heal, and with it every group's first step together. A request waits for the publication. A new
+        token is drawn: an earlier heal's address opens nothing any more."""
         with self._lock:
-            self._payload, self._step = None, step
+            self._replace(step, secrets.token_hex(32))
         return self._address(step)
 
     def publish(self, step: int, shards: Any) -> str:
         """Serve ``shards`` -- a copy of the live state, not the live tensors: training goes on changing those
-        -- as the snapshot of committed step ``step``, from host memory; its address. Serialised per request,
-        in the server's thread."""
+        -- as the snapshot of committed step ``step``, from host memory; its address (the reservation's, if
+        ``step`` was reserved). Serialised once, at the first authorised request, in the server's thread."""
         shards = to_host(shards, copy=False)
         with self._lock:
-            self._payload, self._step = shards, step
+            if self._step != step or self._token is None:
+                self._replace(step, secrets.token_hex(32))
+            self._payload, self._published = shards, True
             self._lock.notify_all()
         return self._address(step)
+
+    def _replace(self, step: Optional[int], token: Optional[str]) -> None:
+        """Under the lock: a new snapshot (or none), its token, nothing published nor serialised yet."""
+        if self._refused_this_heal > REFUSALS_LOGGED:
+            log.warning("fault tolerance: the snapshot server refused %d request(s) in all during the last heal",
+                        self._refused_this_heal)
+        self._payload, self._published, self._serialised = None, False, None
+        self._step, self._token = step, token
+        self._refused_this_heal = 0
+        self._lock.notify_all()
 
     @property
     def reserved_step(self) -> Optional[int]:
         """The step of a snapshot reserved and not yet published (``None``: none)."""
         with self._lock:
-            return self._step if self._payload is None else None
+            return self._step if not self._published else None
 
     def release(self) -> None:
-        """Stop serving the snapshot and free its memory."""
+        """Stop serving the snapshot and free its memory (the listener answers 404 until :meth:`stop`)."""
         with self._lock:
-            self._payload, self._step = None, None
-            self._lock.notify_all()
+            self._replace(None, None)
+
+    def stop(self) -> None:
+        """End the heal: :meth:`release`, and close the listener -- in a thread of its own, since the accept loop
+        notices within its poll interval, and the training thread that ends the heal must not wait for it. The
+        next :meth:`reserve` opens a new listener."""
+        self.release()
+        server, self._server = self._server, None
+        if server is not None:
+            threading.Thread(target=_shut_down, args=(server,), name="mics-ft-snapshot-stop", daemon=True).start()
 
     @property
     def serving(self) -> bool:
         """Whether a snapshot is reserved or published."""
         return self._step is not None
 
+    @property
+    def bound_address(self) -> Optional[tuple[str, int]]:
+        """The (host, port) the listener is bound to, ``None`` while it is closed."""
+        server = self._server
+        return None if server is None else tuple(server.server_address[:2])  # type: ignore[return-value]
+
     def _address(self, step: int) -> str:
-        return f"http://{socket.gethostname()}:{self._port()}/snapshot/{step}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{_USER}:{self._token}@{host}:{self._port()}/snapshot/{step}"
 
     def close(self) -> None:
         self.release()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        server, self._server = self._server, None
+        if server is not None:
+            _shut_down(server)
 
     def _port(self) -> int:
         if self._server is None:
-            self._server = ThreadingHTTPServer(("", 0), self._handler())
-            self._server.daemon_threads = True
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            self._server = _BoundedHTTPServer((self.host, 0), self._handler(), family, MAX_SNAPSHOT_CONNECTIONS)
             threading.Thread(target=self._server.serve_forever, name="mics-ft-snapshot", daemon=True).start()
         return int(self._server.server_address[1])
+
+    def _authorised(self, path: str, authorization: Optional[str]) -> Optional[tuple[int, str]]:
+        """The (step, token) a request asks for if it carries the served snapshot's token and names its step;
+        ``None`` otherwise. The token is compared in constant time."""
+        with self._lock:
+            step, token = self._step, self._token
+        if step is None or token is None or path != f"/snapshot/{step}":
+            return None
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            return None
+        return step, token
+
+    def _serialised_snapshot(self, step: int, token: str) -> Optional[memoryview]:
+        """The published snapshot of ``step`` (under ``token``) serialised, once for every request: the first
+        authorised one serialises it and drops the tensors. ``None`` if it was released or replaced meanwhile, or
+        not published within ``wait_s``."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._published or self._token != token, timeout=self.wait_s)
+            if self._token != token or not self._published:
+                return None
+        with self._serialise_lock:
+            with self._lock:
+                if self._token != token:
+                    return None
+                if self._serialised is not None:
+                    return self._serialised
+                payload = self._payload
+            buffer = io.BytesIO()
+            torch.save(payload, buffer)
+            serialised = buffer.getbuffer()
+            with self._lock:
+                if self._token != token:
+                    return None
+                self._serialised, self._payload = serialised, None
+                self.serialisations += 1
+            return serialised
+
+    def _refuse(self, address: Any) -> None:
+        with self._lock:
+            self.refused += 1
+            self._refused_this_heal += 1
+            logged = self._refused_this_heal <= REFUSALS_LOGGED
+        if logged:
+            log.warning("fault tolerance: the snapshot server refused a request from %s:%s (no valid token for the "
+                        "snapshot it serves)", *address[:2])
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_HEAD_WITHIN_S  # each read of the request; the whole head has the same (setup)
+
+            def setup(self) -> None:
+                super().setup()
+                self._cut_off = threading.Timer(REQUEST_HEAD_WITHIN_S, self._shut)
+                self._cut_off.daemon = True
+                self._cut_off.start()
+
+            def _shut(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+            def finish(self) -> None:
+                self._cut_off.cancel()
+                super().finish()
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                with server._lock:  # a reserved snapshot: wait until it is published (or replaced, released)
-                    server._lock.wait_for(
-                        lambda: server._payload is not None or self.path != f"/snapshot/{server._step}",
-                        timeout=server.wait_s,
-                    )
-                    payload, step = server._payload, server._step
-                if payload is None or self.path != f"/snapshot/{step}":
-                    self.send_error(404, f"no snapshot {self.path} here (serving step {step})")
+                self._cut_off.cancel()  # the request is in; the answer may take as long as the snapshot's size
+                self.connection.settimeout(server.wait_s)
+                authorised = server._authorised(self.path, self.headers.get("Authorization"))
+                if authorised is None:
+                    server._refuse(self.client_address)
+                    self.send_error(404)
                     return
-                buffer = io.BytesIO()
-                torch.save(payload, buffer)
+                data = server._serialised_snapshot(*authorised)
+                if data is None:  # released or replaced meanwhile: the asker's heal is over
+                    self.send_error(404)
+                    return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(buffer.tell()))
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                send_paced(self.wfile, buffer.getbuffer(), server.bytes_per_s)
+                send_paced(self.wfile, data, server.bytes_per_s)
+                with server._lock:
+                    server.served += 1
 
-            def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per heal is logged instead
+            def send_response(self, code: int, message: Optional[str] = None) -> None:
+                self.send_response_only(code, message)  # no Server or Date header: nothing about this process
+
+            def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+                """Every refusal -- a wrong method, a malformed request, no token -- is the same bare 404: no body,
+                nothing that tells one from another (an unknown method is not told apart from a wrong token)."""
+                self.close_connection = True
+                self.send_response_only(404)
+                self.send_header("Content-Length", "0")
+                self.send_header("Connection", "close")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: refusals are logged by the server
                 pass
 
         return Handler
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A threading HTTP server that runs at most ``slots`` connections at once: one more is answered a bare 503 from
+    the accepting thread and closed, without a thread of its own."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], family: int, slots: int) -> None:
+        self.address_family = family
+        self._slots = threading.BoundedSemaphore(slots)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                request.send(_BUSY)
+                request.recv(1 << 16)  # what came of its request: closed unread, it would reset the answer away
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _shut_down(server: ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()
 
 
 #: Bytes written at a time when a snapshot is sent at a capped rate.
@@ -176,10 +370,59 @@ def send_paced(out: Any, data: memoryview, bytes_per_s: Optional[float]) -> None
         out.write(chunk)
 
 
-def fetch_snapshot(address: str, timeout: float) -> Any:
-    """A :class:`SnapshotServer`'s snapshot (tensors on the host)."""
-    with urllib.request.urlopen(address, timeout=timeout) as response:
-        return torch.load(io.BytesIO(response.read()), weights_only=True)
+#: Seconds between two tries of a snapshot server that answered 503 (all its connections busy).
+BUSY_RETRY_S = 0.1
+
+
+def fetch_snapshot(address: str, timeout: float, max_bytes: Optional[int] = None) -> Any:
+    """A :class:`SnapshotServer`'s snapshot (tensors on the host), from the address a heal gave (``http`` only, its
+    token as the credentials). ``max_bytes``: what the heal announced as the snapshot's largest size -- a response
+    whose ``Content-Length`` is larger (or missing) is refused unread. A server whose connections are all busy
+    (503) is asked again until ``timeout``; any other refusal is an error at once."""
+    parts = urlsplit(address)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise ValueError(
+            f"a snapshot address is http://{_USER}:<token>@<host>:<port>/snapshot/<step>, as a SnapshotServer makes "
+            f"it; got {without_credentials(address)!r}"
+        )
+    headers = {} if parts.password is None else {"Authorization": f"Bearer {parts.password}"}
+    where = without_credentials(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+        try:
+            try:
+                connection.request("GET", parts.path, headers=headers)
+                response = connection.getresponse()
+                busy = response.status == 503
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                busy = True  # a busy server's 503 can be lost to the reset of its close
+                if time.monotonic() + BUSY_RETRY_S >= deadline:
+                    raise
+            if busy and time.monotonic() + BUSY_RETRY_S < deadline:
+                time.sleep(BUSY_RETRY_S)
+                continue
+            if response.status != 200:
+                raise SnapshotUnavailable(
+                    f"the snapshot server answered {response.status} to {where}: it serves no such snapshot for "
+                    "this token (the heal was closed or replaced)"
+                )
+            length = response.getheader("Content-Length")
+            if length is None or not length.isdigit():
+                raise SnapshotUnavailable(f"{where} answered without a Content-Length: refused unread")
+            if max_bytes is not None and int(length) > max_bytes:
+                raise SnapshotUnavailable(
+                    f"{where} announced a body of {int(length)} bytes, more than the {max_bytes} the heal announced: "
+                    "refused unread"
+                )
+            data = response.read(int(length))
+            if len(data) != int(length):
+                raise SnapshotUnavailable(f"{where} closed after {len(data)} of {int(length)} bytes")
+        except (OSError, http.client.HTTPException) as error:
+            raise SnapshotUnavailable(f"could not fetch {where} ({error or type(error).__name__})") from error
+        finally:
+            connection.close()
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 @dataclass
@@ -196,8 +439,11 @@ class CatchUp:
     """This rank's side of a catching-up heal (module docstring): the snapshot downloading in the background, the
     steps kept meanwhile, and the replay."""
 
-    def __init__(self, address: str, step: int, timeout: float) -> None:
+    def __init__(self, address: str, step: int, timeout: float, max_bytes: Optional[int] = None) -> None:
+        #: where the snapshot is served, with its token (:attr:`location` is the address without it)
         self.address = address
+        #: the largest snapshot the heal announced (a larger body is refused unread)
+        self.max_bytes = max_bytes
         #: the committed step the snapshot was taken at (before that step's update)
         self.step = step
         self.kept: list[KeptStep] = []
@@ -209,11 +455,16 @@ class CatchUp:
 
     def _fetch(self, timeout: float) -> None:
         try:
-            self._snapshot = fetch_snapshot(self.address, timeout)
+            self._snapshot = fetch_snapshot(self.address, timeout, self.max_bytes)
         except BaseException as error:  # reported to the group at the next step, on every rank alike
             self._error = error
         finally:
             self._done.set()
+
+    @property
+    def location(self) -> str:
+        """The snapshot's address without its token: what logs and errors name."""
+        return without_credentials(self.address)
 
     def wait(self, timeout: float) -> None:
         """Until the download ended, at most ``timeout`` seconds."""

@@ -37,7 +37,7 @@ from lightning_mics.fault_tolerance.errors import (
     ReplicaGroupsDiverged,
     TooFewReplicaGroups,
 )
-from lightning_mics.fault_tolerance.group_vote import GroupVote, GroupVoteFailed
+from lightning_mics.fault_tolerance.group_vote import GroupVote, GroupVoteFailed, local_address_towards
 from lightning_mics.fault_tolerance.heal_state import split_shards
 
 #: Seconds between two quorums while fewer than ``min_replica_groups`` groups are live.
@@ -65,6 +65,7 @@ class ReplicaGroup:
     ) -> None:
         try:
             from torchft import Manager
+            from torchft.checkpointing.pg_transport import PGTransport
             from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         except ModuleNotFoundError as missing:
             raise ModuleNotFoundError(
@@ -79,9 +80,16 @@ class ReplicaGroup:
         self.parameter_digest = parameter_digest
         self._load_fn = load_fn
         self._state_fn = state_fn
-        #: ``heal="catch_up"``: this rank's snapshot server (it serves a joining group's same rank)
+        #: ``heal="catch_up"``: this rank's snapshot server (it serves a joining group's same rank), bound to this
+        #: host's address on the route to the job's master -- the address torchft's groups reach each other at
         self.snapshots = (
-            SnapshotServer(options.catch_up_bytes_per_s, wait_s=options.timeout) if options.heal == "catch_up" else None
+            SnapshotServer(
+                options.catch_up_bytes_per_s,
+                wait_s=options.timeout,
+                host=local_address_towards(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))[1],
+            )
+            if options.heal == "catch_up"
+            else None
         )
         #: while this group catches up after joining: the snapshot downloading and the steps kept meanwhile
         self.catch_up: Optional[CatchUp] = None
@@ -120,6 +128,9 @@ class ReplicaGroup:
                 lighthouse_addr=options.lighthouse,
                 replica_id=self._replica_id(options.replica_group),
                 init_sync=False,  # every group starts from the same seed and rank 0's broadcast weights
+                # the heal's state (and a catch-up's snapshot token) over the groups' own process group: torchft's
+                # default HTTP transport serves it on every interface to anyone who asks for its URL
+                checkpoint_transport=PGTransport(pg, timeout=timeout, device=device),
             )
         except RuntimeError as error:
             if dist.get_rank() == 0:  # the group's other ranks wait for rank 0's server address: fail them too
@@ -279,8 +290,10 @@ class ReplicaGroup:
         if self.snapshots is None:
             return {"configuration": self.configuration.items, "state": state_fn()}
         step = self.manager.current_step()  # the shards follow from the training thread (:meth:`_publish_snapshot`)
-        return {"configuration": self.configuration.items, "state": state_fn(shards=False),
-                "snapshot": {"address": self.snapshots.reserve(step), "step": step}}
+        state = state_fn(shards=False)
+        return {"configuration": self.configuration.items, "state": state,
+                "snapshot": {"address": self.snapshots.reserve(step), "step": step,
+                             "max_bytes": state.get("snapshot_bytes_bound")}}
 
     def _publish_snapshot(self) -> None:
         """After a quorum at which this rank served a catching-up heal, before the step's forward: copy the shards
@@ -304,7 +317,9 @@ class ReplicaGroup:
         load_fn(received["state"])
         snapshot = received.get("snapshot")
         if snapshot is not None:
-            self.catch_up = CatchUp(snapshot["address"], snapshot["step"], self.options.timeout)
+            self.catch_up = CatchUp(
+                snapshot["address"], snapshot["step"], self.options.timeout, max_bytes=snapshot.get("max_bytes")
+            )
             log.warning(
                 "fault tolerance: joined at step %d; fetching a live group's shards in the background meanwhile "
                 "(catch-up heal)", self.manager.current_step()
@@ -331,7 +346,7 @@ class ReplicaGroup:
             raise CatchUpFailed(
                 f"fault tolerance: replica group {self.options.replica_group} could not fetch its shards from the "
                 f"live group serving them ({catch_up.error or 'another rank of this group failed'}; snapshot "
-                f"{catch_up.address}). This group ends; relaunch it and it heals anew."
+                f"{catch_up.location}). This group ends; relaunch it and it heals anew."
             )
         self._load_fn(catch_up.snapshot())
         self.replayed_steps = catch_up.replay()
@@ -384,7 +399,7 @@ class ReplicaGroup:
         self._quorum_groups = tuple(present_groups(summed))
         self.not_contributing = catching_up_groups(summed)
         if self.snapshots is not None and self.snapshots.serving and not self.not_contributing:
-            self.snapshots.release()  # nobody catches up from it any more
+            self.snapshots.stop()  # nobody catches up from it any more: its listener closes too
         verdict = agreement_verdict(summed, group)
         if configurations_differ(summed):  # every group runs this exchange, or none
             theirs = self._exchange_configurations().get(reference_group(summed))

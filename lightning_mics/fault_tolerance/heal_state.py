@@ -76,6 +76,38 @@ def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -
     set_hyper_parameters(optimizer, received.get("param_groups", ()))
 
 
+#: Bytes :func:`snapshot_bytes_bound` allows per entry of a snapshot beyond its tensors' data: torch.save's
+#: record of a tensor (its zip entry, alignment, the pickled rebuild call) and its key -- a few hundred bytes --
+#: with room for long parameter names.
+SNAPSHOT_BYTES_PER_ENTRY = 2048
+#: Bytes :func:`snapshot_bytes_bound` allows once per snapshot (the archive's own records, the pickle's frame).
+SNAPSHOT_BYTES_FIXED = 1 << 16
+
+
+def snapshot_bytes_bound(shards: Any) -> int:
+    """The most bytes ``torch.save`` takes for ``shards`` (:func:`split_shards`' second part, or the live trees it is
+    copied from: DTensors count their local shard), from their sizes alone -- no data is read or copied, so the
+    quorum can announce it before the snapshot is taken. A catching-up joiner refuses a larger body: whatever
+    answers at the snapshot's address cannot make it buffer more than its shards' size."""
+    entries, data = 0, 0
+    stack = [shards]
+    while stack:
+        tree = stack.pop()
+        if isinstance(tree, DTensor):
+            tree = tree._local_tensor
+        if isinstance(tree, Tensor):
+            entries, data = entries + 1, data + tree.numel() * tree.element_size()
+        elif isinstance(tree, dict):
+            entries += len(tree)
+            stack.extend(tree.values())
+        elif isinstance(tree, (list, tuple)):
+            entries += len(tree)
+            stack.extend(tree)
+        else:
+            entries += 1
+    return data + SNAPSHOT_BYTES_PER_ENTRY * entries + SNAPSHOT_BYTES_FIXED
+
+
 def training_state(
     model_state: dict[str, Any],
     optimizers: Sequence[Optimizer],
@@ -89,15 +121,22 @@ def training_state(
     parameters and buffers themselves), not the module, whose state-dict hooks must not run in another
     thread while its forward is being entered. Copies, so the snapshot is the step's start.
     ``shards=False``: the small rest only, as :func:`split_shards` makes it, without copying the shards (a
-    catching-up heal's quorum)."""
-    state: dict[str, Any] = {"model": local_state(model_state)} if shards else {}
-    return state | {
-        "optimizers": [
-            optimizer_local_state(optimizer) if shards else {"param_groups": optimizer.state_dict()["param_groups"]}
-            for optimizer in optimizers
-        ],
+    catching-up heal's quorum), with the bound the shards' snapshot will keep to (:func:`snapshot_bytes_bound`)."""
+    if shards:
+        return {
+            "model": local_state(model_state),
+            "optimizers": [optimizer_local_state(optimizer) for optimizer in optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in schedulers],
+            "global_step": global_step,
+        }
+    states = [optimizer.state_dict() for optimizer in optimizers]
+    return {
+        "optimizers": [{"param_groups": state["param_groups"]} for state in states],
         "schedulers": [scheduler.state_dict() for scheduler in schedulers],
         "global_step": global_step,
+        "snapshot_bytes_bound": snapshot_bytes_bound(
+            {"model": model_state, "optimizers": [{"state": state["state"]} for state in states]}
+        ),
     }
 
 
@@ -123,11 +162,13 @@ def load_training_state(
 def split_shards(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A :func:`training_state` as (everything but the shards, the shards): the model's and the optimizers'
     per-parameter states are what grows with the model; the rest (hyper-parameters, schedulers, step count,
-    a semi-synchronous round's state) is small and is what a catching-up heal moves at the quorum."""
+    a semi-synchronous round's state, the shards' :func:`snapshot_bytes_bound`) is small and is what a
+    catching-up heal moves at the quorum."""
     optimizers = state.get("optimizers", ())
     small = {key: value for key, value in state.items() if key != "model"}
     small["optimizers"] = [{"param_groups": optimizer["param_groups"]} for optimizer in optimizers]
     shards = {"model": state.get("model", {}), "optimizers": [{"state": o["state"]} for o in optimizers]}
+    small["snapshot_bytes_bound"] = snapshot_bytes_bound(shards)
     return small, shards
 
 
