@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 
 import lightning_mics
 from lightning_mics.telemetry import TrainingTelemetry
@@ -48,6 +49,28 @@ def configure_console() -> None:
     warnings.filterwarnings("ignore", module="lightning")  # rank 0 shows Lightning's advice once
 
 
+class ValidationStep(Callback):
+    """Remembers the optimizer step of the last validation pass (sanity checks aside), so that the
+    entry points can validate once more after ``fit`` when training stopped between validations, and
+    the summary can say which step its validation loss belongs to."""
+
+    def __init__(self) -> None:
+        self.step: Optional[int] = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
+def validate_at_the_end(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -> None:
+    """Run a last validation pass if the last one was before the final step: a summary's validation
+    loss is the trained model's, not that of some step before it."""
+    marker = next((cb for cb in trainer.callbacks if isinstance(cb, ValidationStep)), None)  # type: ignore[attr-defined]
+    if marker is None or not trainer.limit_val_batches or marker.step == trainer.global_step:
+        return
+    trainer.validate(model, datamodule=datamodule, verbose=False)
+
+
 def find_telemetry(trainer: pl.Trainer) -> Optional[TrainingTelemetry]:
     return next((cb for cb in trainer.callbacks if isinstance(cb, TrainingTelemetry)), None)  # type: ignore[attr-defined]
 
@@ -77,7 +100,12 @@ def format_summary(trainer: pl.Trainer, model: pl.LightningModule, datamodule: A
         if losses:
             val = ""
             if "val/loss" in metrics:
-                val = f"; val loss {float(metrics['val/loss']):.3f}, perplexity {float(metrics['val/perplexity']):.2f}"
+                marker = next((cb for cb in trainer.callbacks if isinstance(cb, ValidationStep)), None)  # type: ignore[attr-defined]
+                at = f" (step {marker.step})" if marker is not None and marker.step is not None else ""
+                val = (
+                    f"; val loss {float(metrics['val/loss']):.3f}{at}, "
+                    f"perplexity {float(metrics['val/perplexity']):.2f}"
+                )
             lines.append(
                 f"loss: train {losses[0]:.3f} (step 1) -> {losses[-1]:.3f} (step {telemetry.steps[-1].step}){val}"
             )

@@ -42,7 +42,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the configs' _target_s name the demo package `examples.*`
     sys.path.insert(0, str(REPO_ROOT))
 CONFIG_DIR = str(REPO_ROOT / "conf")
-from examples.console import configure_console, format_summary  # noqa: E402  (needs REPO_ROOT on sys.path)
+from examples.console import (  # noqa: E402  (needs REPO_ROOT on sys.path)
+    ValidationStep,
+    configure_console,
+    format_summary,
+    validate_at_the_end,
+)
 from examples.memory_check import check_fits_memory  # noqa: E402
 MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
 #: Hydra options that must survive when a sweep job's command line is rebuilt for its ranks.
@@ -191,7 +196,7 @@ def train(cfg: DictConfig) -> Optional[float]:
         trainer: pl.Trainer = instantiate(
             cfg.trainer,
             strategy=instantiate(cfg.strategy, _convert_="all"),
-            callbacks=[telemetry, checkpoint],
+            callbacks=[telemetry, checkpoint, ValidationStep()],
             logger=build_loggers(cfg, output_dir),
             default_root_dir=str(output_dir),
         )
@@ -199,6 +204,7 @@ def train(cfg: DictConfig) -> Optional[float]:
             model = instantiate(cfg.model, _convert_="all")
         datamodule = instantiate(cfg.data)
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        validate_at_the_end(trainer, model, datamodule)
 
         val_loss = trainer.callback_metrics.get("val/loss")
         if trainer.is_global_zero:

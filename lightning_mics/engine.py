@@ -195,11 +195,25 @@ class MiCSEngine:
             cpu_offload=o.cpu_offload,
             managed=o.fault_tolerance is not None,
             sync_every=sync_every,
+            replica_group=self._replica_group_of_job(),
         )
         if o.fault_tolerance is not None:
             replicas = settings.topology.replication_degree
             check_fault_tolerant_layout(replicas, settings.shards_optimizer_beyond_partition)
         return settings
+
+    def _replica_group_of_job(self) -> Optional[tuple[int, int]]:
+        """(g, G) of a fault-tolerant job as its options and environment give them, for the layout log;
+        ``None`` without fault tolerance or before they are known (joining the job checks them)."""
+        ft = self.options.fault_tolerance
+        if ft is None:
+            return None
+        try:
+            ft = ft.resolved()
+        except ValueError:
+            return None
+        assert ft.replica_group is not None and ft.num_replica_groups is not None
+        return ft.replica_group, ft.num_replica_groups
 
     def use_layout(self, settings: LayoutSettings, existing: Optional[MiCSLayout] = None) -> MiCSLayout:
         """Create the mesh and groups ``settings`` call for (a collective), or take ``existing`` (a model an

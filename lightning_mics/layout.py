@@ -141,7 +141,7 @@ class MiCSLayout:
         units = f"{num_units} FSDP units" + (f" ({wrapping.summary()})" if wrapping is not None else "")
         return "\n".join(
             [
-                topology.describe(),
+                topology.describe(self.settings.replica_group),
                 f"  model states per rank: 1/{topology.partition_size} of {total:,} parameters ({trainable:,} "
                 f"trainable) -> ~{total // topology.partition_size:,} params and grads, optimizer states for "
                 f"~{trainable // optim_degree:,} (1/{optim_degree}); {units}",
@@ -151,15 +151,25 @@ class MiCSLayout:
                 + ("; params kept gathered within a step" if self.settings.keep_params_within_step else ""),
                 f"  grad accumulation: {self.settings.grad_accumulation}"
                 + (f" -- {self.settings.planner_reason}" if self.settings.planner_reason else ""),
-                "  cross-replica all-reduce in "
-                + ("the gradients' dtype" if self.settings.cross_replica_wire is None else str(self.settings.cross_replica_wire))
-                + f"; hop 2: {self.settings.hop2.describe()}",
+                self._describe_hop2(),
                 (
                     f"  {self.process_groups} process groups created by this layout "
                     f"({compat.process_group_count()} alive in this process, the default group included)"
                 ),
             ]
         )
+
+    def _describe_hop2(self) -> str:
+        """What crosses the replication groups and in which dtype; DiLoCo's outer round instead of a per-step
+        all-reduce."""
+        hop2 = self.settings.hop2
+        if hop2.schedule == "diloco":
+            return f"  cross-replica: {hop2.describe()}"
+        if hop2.schedule == "none" and not hop2.managed:
+            return f"  hop 2: {hop2.describe()}"
+        wire = self.settings.cross_replica_wire
+        dtype = "the gradients' dtype" if wire is None else str(wire)
+        return f"  cross-replica gradient sync in {dtype}; hop 2: {hop2.describe()}"
 
     def single_unit_warning(self, num_units: int) -> Optional[str]:
         """What to do when the whole model is one FSDP unit in a partition of several ranks, or
@@ -210,6 +220,8 @@ class LayoutSettings:
     #: who runs hop 2 and when (:func:`~lightning_mics.hop2.decide_hop2`): read by everything that depends on it
     hop2: Hop2 = Hop2()
     planner_reason: Optional[str] = field(default=None, compare=False)
+    #: (g, G) when this world is replica group g of a fault-tolerant job's G (for the layout log)
+    replica_group: Optional[tuple[int, int]] = field(default=None, compare=False)
     #: ``cpu_offload``'s FSDP2 policy (sharded states in host memory), or ``None``
     cpu_offload: Optional[CPUOffloadPolicy] = None
 
@@ -271,13 +283,15 @@ def resolve_layout(
     cross_replica_overlap: bool = False,
     managed: bool = False,
     sync_every: Optional[int] = None,
+    replica_group: Optional[tuple[int, int]] = None,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
     given -- without creating any process group (:func:`build_layout` creates them), so that a
     strategy can compare it with the layout of a model sharded before. ``managed``: hop 2 runs through
-    torchft across replica groups (``fault_tolerance``); ``sync_every``: DiLoCo's H (``cross_replica_sync=
-    "diloco"``), ``None`` for a hop 2 every step. Who runs hop 2 is decided here, once."""
+    torchft across replica groups (``fault_tolerance``), this world being group g of G (``replica_group``,
+    for the log); ``sync_every``: DiLoCo's H (``cross_replica_sync="diloco"``), ``None`` for a hop 2 every step.
+    Who runs hop 2 is decided here, once."""
     planner_reason = None
     if sharding == "auto" or (sharding is None and partition_size == "auto") or grad_accumulation == "auto":
         if plan_layout is None:
@@ -297,7 +311,8 @@ def resolve_layout(
     topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
-        grad_accumulation, planner_reason = "unsharded", planner_reason or ONE_RANK_PARTITION_REASON
+        # the mode is changed here, so this is its reason (a planner's "sharded as configured" no longer holds)
+        grad_accumulation, planner_reason = "unsharded", ONE_RANK_PARTITION_REASON
     offload = _checked_step_hooks(optim_degree, topology.partition_size, cross_replica_wire, cpu_offload, device_type)
     optim_beyond_partition = optim_degree is not None and optim_degree > topology.partition_size
     return LayoutSettings(
@@ -322,6 +337,7 @@ def resolve_layout(
             sync_every=sync_every,
         ),
         planner_reason=planner_reason,
+        replica_group=replica_group,
         cpu_offload=offload,
     )
 

@@ -267,6 +267,11 @@ class OuterSync:
     def before_step(self) -> None:
         """Nothing crosses replicas before an inner step."""
 
+    def starts_average_next_step(self) -> bool:
+        """Whether the next optimizer step starts an outer average (the only step of a round whose collectives
+        cross replicas; its turn comes ``delay`` steps later)."""
+        return self.inner_steps + 1 == self.cadence - self.delay
+
     def after_step(self) -> None:
         """Count the inner step; ``delay`` steps before a fragment's turn start its average; at its turn (the H-th
         step without streaming) synchronise it."""
@@ -458,6 +463,13 @@ class SemiSync:
     @property
     def active(self) -> bool:
         return bool(self.syncs)
+
+    def outer_round(self) -> Optional[tuple[int, bool]]:
+        """(optimizer steps between two outer averages, whether the next step starts one); ``None`` before the
+        optimizers are attached. What telemetry needs to average a round's bytes over its steps."""
+        if not self.syncs:
+            return None
+        return self.syncs[0].cadence, any(sync.starts_average_next_step() for sync in self.syncs)
 
     def attach(
         self,

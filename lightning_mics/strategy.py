@@ -64,6 +64,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def _init_front_end_state(self) -> None:
         self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
         self._root: Optional[RootUnit] = None
+        #: the root unit whose layout was logged: a later stage of this trainer (validate after fit) says it once
+        self._layout_logged_for: Optional[RootUnit] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -164,8 +166,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             self._engine.attach_optimizers(raw, self._root, loss_scaling=self.precision_plugin.scaler is not None)
             self.precision_plugin.disjoint_groups = self._engine.disjoint_groups()
             self.precision_plugin.before_clipping = lambda opt: self._engine.sync_before_step(unwrap_optimizer(opt))
-        if self.is_global_zero:
+        if self.is_global_zero and self._layout_logged_for is not self._root:
             self.layout.log_description(log, self.lightning_module, len(self._fsdp_units), self._wrap_plan)
+            self._layout_logged_for = self._root
 
     def _join_fault_domain(self, trainer: Trainer) -> None:
         """With ``fault_tolerance``: this group's torchft Manager, healing from and serving the training state."""

@@ -319,6 +319,12 @@ class StepTelemetry:
     #: Whether ``comm`` was recorded in this step; ``False``: the bytes of the last recorded step with the
     #: same layout and accumulation, which every full step repeats (see ``TrainingTelemetry(sample_every=...)``).
     comm_measured: bool = True
+    #: ``time.perf_counter()`` at the window's first micro-batch and after its optimizer step: the summary's
+    #: throughput divides the tokens by the wall-clock these span, not a mean of per-step rates.
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    #: DiLoCo: the step started an outer average (its collectives cross replicas; the round's other steps' do not)
+    outer_round: bool = False
 
 
 def default_tokens_in_batch(batch: Any) -> int:
@@ -365,6 +371,13 @@ def _window_may_be_short(trainer: pl.Trainer, batch_idx: int) -> bool:
     return batches - batch_idx < trainer.accumulate_grad_batches
 
 
+def _outer_round_of(strategy: Any) -> Optional[tuple[int, bool]]:
+    """DiLoCo on a MiCS strategy: (steps between two outer averages, whether the next step starts one)."""
+    if not isinstance(strategy, MiCSFrontEnd):
+        return None
+    return strategy.outer_round()
+
+
 def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
     """The MiCS layout to classify traffic against: a set-up MiCS strategy's (Trainer or Fabric)
     public ``topology``; ``None`` for any other strategy (traffic is then reported by kind only)."""
@@ -396,9 +409,11 @@ class TrainingTelemetry(Callback):
     Everything is logged under ``perf/*`` and ``comm/*`` (bytes; ``comm/measured``: 1 where recorded)
     straight to the trainer's loggers, every ``log_every_n_steps`` optimizer steps, with the step Lightning
     stamps on ``self.log``'s metrics; with a progress bar the headline numbers also go through ``self.log``.
-    :attr:`steps` keeps the per-step records and :meth:`summary` their means.
-    Step time runs from the first micro-batch's ``on_train_batch_start`` to the optimizer step's
-    ``on_train_batch_end``, so validation and checkpointing between steps are not counted.
+    :attr:`steps` keeps the per-step records; :meth:`summary` gives total tokens over total time and the
+    per-step rates' spread.
+    A step's time runs from the first micro-batch's ``on_train_batch_start`` to the optimizer step's
+    ``on_train_batch_end`` (what runs between steps is not in it); the summary's throughput counts the
+    wall-clock from the first step to the last, validation passes excluded.
     """
 
     def __init__(
@@ -423,8 +438,18 @@ class TrainingTelemetry(Callback):
         self.peak_flops: Optional[float] = None
         self.flops_per_token: Optional[float] = None
         self._recorder: Optional[CollectiveRecorder] = None
-        self._sampler: CommSampler[CommBytes] = CommSampler(sample_every)
+        #: one sampler per kind of step: DiLoCo's outer-average steps repeat their own pattern, the inner steps theirs
+        self._samplers: dict[bool, CommSampler[CommBytes]] = {
+            False: CommSampler(sample_every),
+            True: CommSampler(sample_every),
+        }
+        #: DiLoCo: optimizer steps between two outer averages (``None``: hop 2, if any, every step)
+        self._outer_every: Optional[int] = None
+        self._window_outer = False
         self._window_start: Optional[float] = None
+        #: (start, end) of each validation pass during training: not training time
+        self._validation_spans: list[tuple[float, float]] = []
+        self._validation_started: Optional[float] = None
         self._window_tokens = 0
         self._window_micro_steps = 0
         self._window_loss: Optional[Tensor] = None
@@ -438,6 +463,7 @@ class TrainingTelemetry(Callback):
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.clear()
+        self._validation_spans.clear()
         self._grad_bytes = 0
         self._world_size, self._rank = trainer.world_size, trainer.global_rank
         self._device = pl_module.device
@@ -446,7 +472,8 @@ class TrainingTelemetry(Callback):
         self.flops_per_token = self.flops_per_token_setting or getattr(pl_module, "flops_per_token", None)
         self._last_global_step = trainer.global_step
         self._window_start = None
-        self._sampler.restart()
+        for sampler in self._samplers.values():
+            sampler.restart()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -469,10 +496,17 @@ class TrainingTelemetry(Callback):
         else:
             self.memory_per_rank = [local]
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_started = time.perf_counter()
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_started is not None:
+            self._validation_spans.append((self._validation_started, time.perf_counter()))
+            self._validation_started = None
         # FSDP2 leaves the root unit gathered after an evaluation pass: the next step skips its first
         # all-gather, so it is recorded (and not taken as the pattern).
-        self._sampler.interrupt()
+        for sampler in self._samplers.values():
+            sampler.interrupt()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_recording()
@@ -492,6 +526,8 @@ class TrainingTelemetry(Callback):
         if self._window_start is None:
             self._synchronize()
             self.topology = _topology_of(trainer.strategy)
+            outer = _outer_round_of(trainer.strategy)
+            self._outer_every, self._window_outer = outer if outer is not None else (None, False)
             layout_key = (trainer.accumulate_grad_batches, _hashable(self.topology), self._world_size)
             if self._sampler.should_record(layout_key, _window_may_be_short(trainer, batch_idx)):
                 self._start_recording()  # entered here: what ran between steps (validation, saves) is not seen
@@ -514,7 +550,8 @@ class TrainingTelemetry(Callback):
             return  # inside an accumulation window: the optimizer has not stepped yet
         self._last_global_step = trainer.global_step
         self._synchronize()
-        elapsed = max(time.perf_counter() - self._window_start, 1e-9)
+        ended_at = time.perf_counter()
+        elapsed = max(ended_at - self._window_start, 1e-9)
         comm, measured = self._window_comm()
         tokens = self._window_tokens * self._world_size
         tokens_per_s = tokens / elapsed
@@ -531,6 +568,9 @@ class TrainingTelemetry(Callback):
             comm=comm,
             loss=float(self._window_loss) if self._window_loss is not None else None,
             comm_measured=measured,
+            started_at=self._window_start,
+            ended_at=ended_at,
+            outer_round=self._window_outer,
         )
         self.steps.append(record)
         self._log(trainer, pl_module, record)
@@ -540,6 +580,11 @@ class TrainingTelemetry(Callback):
         if self._recorder is None:
             self._recorder = CollectiveRecorder().__enter__()
         self._recorder.reset()
+
+    @property
+    def _sampler(self) -> CommSampler[CommBytes]:
+        """The sampler of the step in progress: DiLoCo's outer-average steps apart from the others."""
+        return self._samplers[self._window_outer]
 
     def _window_comm(self) -> tuple[CommBytes, bool]:
         """This step's bytes and whether they were recorded; unrecorded: the sampler's reference."""
@@ -593,7 +638,15 @@ class TrainingTelemetry(Callback):
 
     # ------------------------------------------------------------------ reporting
     def summary(self, skip_first: int = 1) -> dict[str, Any]:
-        """Means over the recorded steps, leaving out the first ``skip_first`` (warm-up) when there are more."""
+        """Throughput and step times over the recorded steps, leaving out the first ``skip_first``
+        (warm-up) when there are more.
+
+        ``tokens_per_s`` is total work over total time: the tokens of those steps over the wall-clock from
+        the first one's start to the last one's end, less the validation passes in between (time between
+        steps -- data loading, checkpoint saves -- is training time and counts). A mean of per-step rates
+        would weigh a fast step as much as a slow one and read high on a noisy host; the per-step rates are
+        given only as a distribution (``tokens_per_s_per_step``: p10, median, p90).
+        """
         steps = self.steps[skip_first:] if len(self.steps) > skip_first else self.steps
         if not steps:
             return {"steps": 0}
@@ -602,36 +655,89 @@ class TrainingTelemetry(Callback):
             values = list(values)
             return sum(values) / len(values)
 
-        kinds = steps[0].comm.by_kind.keys()
-        groups = steps[0].comm.by_group.keys()
-        mfus = [s.mfu for s in steps if s.mfu is not None]
+        start, end = steps[0].started_at, steps[-1].ended_at
+        validation = sum(max(0.0, min(b, end) - max(a, start)) for a, b in self._validation_spans)
+        seconds = max(end - start - validation, 1e-9)
+        tokens = sum(s.tokens for s in steps)
+        tokens_per_s = tokens / seconds
+        mfu = None
+        if self.peak_flops and self.flops_per_token:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self._world_size)
+        by_kind, by_group, outer_step = self._bytes_per_step(steps)
         return {
             "steps": len(steps),
-            "tokens_per_s": mean(s.tokens_per_s for s in steps),
+            "tokens": tokens,
+            "seconds": seconds,
+            "validation_seconds": validation,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_step": _quantiles([s.tokens_per_s for s in steps]),
             "step_time_s": mean(s.step_time_s for s in steps),
-            "mfu": mean(mfus) if mfus else None,
-            "bytes_by_kind": {k: mean(s.comm.by_kind[k] for s in steps) for k in kinds},
-            "bytes_by_group": {g: mean(s.comm.by_group[g] for s in steps) for g in groups},
+            "mfu": mfu,
+            "bytes_by_kind": by_kind,
+            "bytes_by_group": by_group,
+            "outer_every": self._outer_every,
+            "outer_round_step_bytes": outer_step,
             "memory_per_rank": self.memory_per_rank,
         }
+
+    def _bytes_per_step(
+        self, steps: Sequence[StepTelemetry]
+    ) -> tuple[dict[str, float], dict[str, float], Optional[dict[str, float]]]:
+        """Bytes per optimizer step by kind and by group, and (DiLoCo) a step that starts an outer average by
+        group. With DiLoCo the per-step figure is the schedule's average -- ``(H - 1)`` inner steps and one
+        outer-average step per ``H`` -- not the mean of whichever steps a run happened to end on."""
+        kinds, groups = steps[0].comm.by_kind.keys(), steps[0].comm.by_group.keys()
+
+        def means(chosen: Sequence[StepTelemetry]) -> tuple[dict[str, float], dict[str, float]]:
+            n = len(chosen)
+            return (
+                {k: sum(s.comm.by_kind.get(k, 0) for s in chosen) / n for k in kinds},
+                {g: sum(s.comm.by_group.get(g, 0) for s in chosen) / n for g in groups},
+            )
+
+        every = self._outer_every
+        inner = [s for s in steps if not s.outer_round]
+        outer = [s for s in steps if s.outer_round]
+        if every is None or not outer or not inner:
+            by_kind, by_group = means(steps)
+            return by_kind, by_group, (means(outer)[1] if outer else None)
+        (inner_kind, inner_group), (outer_kind, outer_group) = means(inner), means(outer)
+        return (
+            {k: ((every - 1) * inner_kind[k] + outer_kind[k]) / every for k in kinds},
+            {g: ((every - 1) * inner_group[g] + outer_group[g]) / every for g in groups},
+            outer_group,
+        )
 
     def format_summary(self, skip_first: int = 1) -> str:
         """A few human-readable lines for the end of a run."""
         s = self.summary(skip_first)
         if not s["steps"]:
             return "telemetry: no optimizer step recorded"
+        p10, median, p90 = s["tokens_per_s_per_step"]
+        counted = "validation not counted" if s["validation_seconds"] else "wall-clock"
         lines = [
-            f"throughput: {s['tokens_per_s']:,.0f} tokens/s over all ranks, {s['step_time_s'] * 1e3:,.1f} ms per "
-            f"optimizer step (mean of {s['steps']} steps after warm-up)"
+            f"throughput: {s['tokens_per_s']:,.0f} tokens/s over all ranks ({s['tokens']:,} tokens in "
+            f"{s['seconds']:,.2f} s, {s['steps']} optimizer steps after warm-up, {counted})"
             + (f", MFU {s['mfu'] * 100:.1f}%" if s["mfu"] is not None else ", MFU n/a (peak_flops unknown)"),
+            f"  step time {s['step_time_s'] * 1e3:,.1f} ms mean; per-step rate p10 / median / p90: "
+            f"{p10:,.0f} / {median:,.0f} / {p90:,.0f} tokens/s",
         ]
         comm = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in s["bytes_by_kind"].items() if v)
-        lines.append(f"bytes moved per optimizer step, per rank: {comm or 'none'}")
+        every = s["outer_every"]
+        averaged = f" (DiLoCo: averaged over its round, one outer average every {every} steps)" if every else ""
+        lines.append(f"bytes moved per optimizer step, per rank{averaged}: {comm or 'none'}")
         if s["bytes_by_group"]:
             g = s["bytes_by_group"]
             lines.append(
                 f"  intra-partition {_fmt_bytes(g[INTRA_PARTITION])}, cross-replica {_fmt_bytes(g[CROSS_REPLICA])}, "
                 f"other {_fmt_bytes(g[OTHER])}"
+            )
+        if every:
+            outer = s["outer_round_step_bytes"]
+            lines.append(
+                f"  a step that starts the outer average: cross-replica {_fmt_bytes(outer[CROSS_REPLICA])}"
+                if outer and CROSS_REPLICA in outer
+                else "  no outer average started in the recorded steps"
             )
         if s["memory_per_rank"]:
             per_rank = " ".join(_fmt_bytes(m["total"]) for m in s["memory_per_rank"])
@@ -641,6 +747,16 @@ class TrainingTelemetry(Callback):
                 f"[rank 0: {_fmt_bytes(m0['params'])} + {_fmt_bytes(m0['grads'])} + {_fmt_bytes(m0['optimizer'])}]"
             )
         return "\n".join(lines)
+
+
+def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """p10, median and p90 (nearest rank) of per-step values: their spread, never their mean."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return at(0.1), at(0.5), at(0.9)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 #: What users may pass as ``partition_size``: ``None`` (one node, the MiCS default), a positive
 #: int, ``-1`` or ``"world"`` (shard across every rank: the ZeRO-3 baseline), ``"node"``.
@@ -284,21 +284,30 @@ class MiCSTopology:
     # ----------------------------------------------------------------------------- reporting
     @property
     def kind(self) -> str:
-        """A short human name for the layout."""
-        if self.partition_size == 1 and self.world_size > 1:
-            return "replicate (DDP-like)"
+        """A short human name for what the layout is on this cluster."""
+        if self.world_size == 1:
+            return "one device (nothing to shard, no replicas)"
+        if self.partition_size == 1:
+            return "replicate (DDP-like: every rank holds the whole model states)"
         if self.replication_degree == 1:
-            return "zero3 (shard across the world)"
-        return "mics (hybrid shard)"
+            if self.num_nodes == 1:
+                return "one partition = the node (model states sharded inside it; no replicas)"
+            return "zero3 (one partition across all nodes; no replicas)"
+        return "mics (hybrid shard: partitions replicated)"
 
-    def describe(self) -> str:
-        """A multi-line summary for logs: groups and where they run."""
+    def describe(self, replica_group: Optional[tuple[int, int]] = None) -> str:
+        """A multi-line summary for logs: groups and where they run. ``replica_group``: (g, G) when this world
+        is replica group g of a fault-tolerant job's G, whose replicas are the other groups, not ranks here."""
+        job = f" -- replica group {replica_group[0]} of {replica_group[1]} (fault tolerant)" if replica_group else ""
         lines = [
-            f"MiCS layout: {self.kind}; world={self.world_size}, nodes={self.num_nodes} x {self.ranks_per_node} ranks, "
-            f"partition_size={self.partition_size}, replicas={self.replication_degree}",
+            f"MiCS layout: {self.kind}{job}; world={self.world_size}, nodes={self.num_nodes} x "
+            f"{self.ranks_per_node} ranks, partition_size={self.partition_size}, replicas={self.replication_degree}",
             f"  partition groups (shard model states): {_fmt_groups(self.partition_groups)}",
-            f"  replication groups (all-reduce at accumulation boundary): {_fmt_groups(self.replication_groups)}",
         ]
+        if self.replication_degree > 1:
+            lines.append(
+                f"  replication groups (hold the same shard; hop 2 syncs them): {_fmt_groups(self.replication_groups)}"
+            )
         if self.spans_nodes:
             lines.append(
                 f"  partition spans {self.nodes_per_partition} nodes; inter-node sub-groups: "

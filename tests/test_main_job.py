@@ -25,7 +25,7 @@ def test_main_job_trains_logs_checkpoints_and_summarises(tmp_path: Path) -> None
         "trainer.devices=2",
         f"trainer.max_steps={STEPS}",
         "trainer.accumulate_grad_batches=1",
-        f"trainer.val_check_interval={STEPS}",
+        "trainer.val_check_interval=5",  # validates at steps 5 and 10; the job validates once more at 12
         "trainer.limit_val_batches=2",
         "trainer.log_every_n_steps=1",
         "+trainer.enable_progress_bar=false",
@@ -49,6 +49,7 @@ def test_main_job_trains_logs_checkpoints_and_summarises(tmp_path: Path) -> None
     assert summary in done.stdout  # printed at the end, and kept with the run
     for expected in ("MiCS layout", "tokens/s", "model states per rank", "intra-partition", "checkpoint:", "plot:"):
         assert expected in summary
+    assert f"(step {STEPS})" in summary.split("val loss", 1)[1].split(",")[0]  # the trained model's, not step 10's
     assert (run_dir / "logs" / "training.png").read_bytes().startswith(b"\x89PNG")  # next to metrics.csv
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own record of the composed config
 

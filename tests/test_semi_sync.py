@@ -24,7 +24,7 @@ from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
 from lightning_mics.layout import resolve_layout
 from lightning_mics.semi_sync import default_outer_optimizer, fragment_bounds
-from lightning_mics.telemetry import analytic_comm_bytes, fsdp_unit_shapes
+from lightning_mics.telemetry import CROSS_REPLICA, INTRA_PARTITION, TrainingTelemetry, analytic_comm_bytes, fsdp_unit_shapes
 
 WORLD, RANKS_PER_NODE = 4, 2  # partition 2 (one emulated node), 2 replica groups
 REPLICAS, PARTITION = WORLD // RANKS_PER_NODE, RANKS_PER_NODE
@@ -63,8 +63,13 @@ class PerRankData(ToyModule):
         return DataLoader(Subset(make_dataset(self.cfg.num_samples), indices), batch_size=self.cfg.micro_batch)
 
 
-def fit(module: ToyModule, cfg: RunConfig, epochs: int, ckpt_path: Optional[str] = None, **options: Any) -> pl.Trainer:
+def fit(
+    module: ToyModule, cfg: RunConfig, epochs: int, ckpt_path: Optional[str] = None, callbacks: Optional[list] = None,
+    **options: Any,
+) -> pl.Trainer:
     kwargs = {**trainer_kwargs(cfg), "max_steps": -1, "max_epochs": epochs, "use_distributed_sampler": False}
+    if callbacks:
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks]
     trainer = pl.Trainer(strategy=MiCSStrategy(ranks_per_node=RANKS_PER_NODE, **options), **kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
@@ -231,6 +236,15 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     results["diloco_h4_global"] = strip_prefix(_anchors(trainer))
     results["h4_outer_steps"] = strategy.engine.semi_sync.syncs[0].outer_steps
 
+    # the same under telemetry (sampling as by default): bytes per step as the schedule averages them
+    telemetry = TrainingTelemetry(peak_flops=None)
+    trainer = fit(PerRankData(MOMENTUM_SGD), MOMENTUM_SGD, EPOCHS, callbacks=[telemetry], cross_replica_sync="diloco",
+                  sync_every=EVERY)
+    results["telemetry_summary"] = telemetry.summary()
+    results["telemetry_outer_steps"] = [s.step for s in telemetry.steps if s.outer_round]
+    results["telemetry_text"] = telemetry.format_summary()
+    results["analytic_per_step"] = analytic_comm_bytes(units, PARTITION, REPLICAS, sync_every=EVERY)
+
     # the same, stopped after 3 epochs (mid-round), saved, resumed by a new Trainer
     path = str(Path(root, "diloco.ckpt"))
     module = PerRankData(MOMENTUM_SGD)
@@ -361,6 +375,27 @@ def test_inner_steps_send_nothing_across_replicas(ranks: list[dict[str, Any]]) -
     assert ranks[0]["analytic_cross_replica_per_step"] * EVERY == ranks[0]["pseudo_gradient_bytes"]
     for result in ranks:
         assert result["analytic_cross_replica_per_step"] * EVERY >= result["pseudo_gradient_bytes"]
+
+
+@pytest.mark.distributed
+def test_telemetry_states_bytes_per_step_as_the_schedule_averages_them(ranks: list[dict[str, Any]]) -> None:
+    """10 steps at H = 4 (outer averages started at steps 4 and 8; the summary leaves out step 1): the cross-replica
+    bytes per step are one message over H steps -- not the 2 messages over 9 steps this run happened to hold,
+    nor the zero of the inner steps a sampler would see -- and an outer-average step is stated on its own."""
+    for result in ranks:
+        assert result["telemetry_outer_steps"] == [4, 8]
+        summary, analytic = result["telemetry_summary"], result["analytic_per_step"]
+        assert summary["outer_every"] == EVERY
+        # one message of this rank's pseudo-gradient shards per H steps (the analytic one is rank 0's padded shard)
+        message = result["pseudo_gradient_bytes"]
+        assert summary["bytes_by_group"][CROSS_REPLICA] == pytest.approx(message / EVERY, rel=0.01)
+        assert summary["outer_round_step_bytes"][CROSS_REPLICA] == pytest.approx(message, rel=0.01)
+        assert summary["bytes_by_group"][INTRA_PARTITION] == pytest.approx(analytic.intra_partition, rel=0.01)
+        assert "one outer average every 4 steps" in result["telemetry_text"]
+        assert "a step that starts the outer average: cross-replica" in result["telemetry_text"]
+    assert ranks[0]["telemetry_summary"]["bytes_by_group"][CROSS_REPLICA] == pytest.approx(
+        ranks[0]["analytic_per_step"].cross_replica, rel=0.01
+    )
 
 
 @pytest.mark.distributed

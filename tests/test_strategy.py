@@ -293,7 +293,7 @@ def misc():
 def test_rank_zero_logs_the_layout(misc):
     text = "\n".join(misc[0]["log"])
     assert "partition groups (shard model states): [0,1] [2,3]" in text
-    assert "replication groups (all-reduce at accumulation boundary): [0,2] [1,3]" in text
+    assert "replication groups (hold the same shard; hop 2 syncs them): [0,2] [1,3]" in text
     assert "model states per rank: 1/2" in text
     assert not any("MiCS layout" in m for rank in misc[1:] for m in rank["log"])
 

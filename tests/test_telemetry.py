@@ -19,6 +19,8 @@ from lightning_mics.telemetry import (
     CROSS_REPLICA,
     INTRA_PARTITION,
     OTHER,
+    CommBytes,
+    StepTelemetry,
     TrainingTelemetry,
     UnitShapes,
     analytic_comm_bytes,
@@ -187,6 +189,7 @@ def _measure_layouts(rank: int, world_size: int, log_dir: str) -> list[dict]:
             dict(
                 partition_size=topology.partition_size,
                 steps=telemetry.steps,
+                summary=telemetry.summary(skip_first=0),
                 expected=expected,
                 memory=telemetry.memory_per_rank,
                 full_param_bytes=sum(p.numel() * 4 for p in model.parameters()),
@@ -259,6 +262,38 @@ def test_throughput_mfu_and_memory_are_consistent(measured) -> None:
             assert share <= memory["params"] <= share * 1.2
             assert memory["grads"] == memory["params"]
             assert memory["optimizer"] == 2 * memory["params"]
+
+
+def _step(step: int, started_at: float, seconds: float, tokens: int = 1000) -> StepTelemetry:
+    return StepTelemetry(
+        step=step, micro_steps=1, step_time_s=seconds, tokens=tokens, tokens_per_s=tokens / seconds, mfu=None,
+        comm=CommBytes(by_kind={}, by_group={}), started_at=started_at, ended_at=started_at + seconds,
+    )
+
+
+def test_throughput_is_total_tokens_over_total_time_not_a_mean_of_rates() -> None:
+    telemetry = TrainingTelemetry(peak_flops=None)
+    # a 1 s step and a 3 s step of 1000 tokens each, 0.5 s apart (data loading: training time), then a
+    # 2 s validation pass and a 1 s step: 3000 tokens in 1 + 0.5 + 3 + 2.5 + 1 - 2 = 6 s
+    telemetry.steps = [_step(1, 10.0, 1.0), _step(2, 11.5, 3.0), _step(3, 17.0, 1.0)]
+    telemetry._validation_spans = [(14.75, 16.75), (1.0, 2.0)]  # the second lies before the steps
+    summary = telemetry.summary(skip_first=0)
+    assert summary["tokens"] == 3000 and summary["seconds"] == pytest.approx(6.0)
+    assert summary["tokens_per_s"] == pytest.approx(500.0)  # the mean of the per-step rates reads 777.8
+    assert summary["tokens_per_s_per_step"] == pytest.approx((1000 / 3, 1000.0, 1000.0))
+    text = telemetry.format_summary(skip_first=0)
+    assert "throughput: 500 tokens/s over all ranks (3,000 tokens in 6.00 s, 3 optimizer steps" in text
+    assert "validation not counted" in text and "p10 / median / p90: 333 / 1,000 / 1,000 tokens/s" in text
+
+
+@pytest.mark.distributed
+def test_the_summary_rate_of_a_recorded_run_is_its_tokens_over_its_wall_clock(measured) -> None:
+    for result in measured[0]:
+        steps, summary = result["steps"], result["summary"]
+        seconds = steps[-1].ended_at - steps[0].started_at  # no validation in these runs
+        assert summary["seconds"] == pytest.approx(seconds)
+        assert summary["tokens_per_s"] == pytest.approx(sum(s.tokens for s in steps) / seconds)
+        assert summary["mfu"] == pytest.approx(SMALL_GPT.flops_per_token * summary["tokens_per_s"] / (1e12 * WORLD))
 
 
 @pytest.mark.distributed

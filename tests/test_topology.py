@@ -98,6 +98,20 @@ def test_zero3_and_replicate_kinds():
     assert MiCSTopology.create(8, 4, None).kind.startswith("mics")
 
 
+def test_the_layout_line_says_what_the_layout_is_on_this_cluster():
+    one_node = MiCSTopology.create(4, 4, None).describe()
+    assert one_node.startswith("MiCS layout: one partition = the node (model states sharded inside it; no replicas)")
+    assert "replication groups" not in one_node and "zero3" not in one_node
+    one_device = MiCSTopology.create(1, 1, None).describe()
+    assert one_device.startswith("MiCS layout: one device (nothing to shard, no replicas)")
+    assert "partition_size=1" in one_device and "zero3" not in one_device
+    group = MiCSTopology.create(2, 2, None).describe(replica_group=(1, 3))
+    assert group.startswith("MiCS layout: one partition = the node (model states sharded inside it; no replicas) -- "
+                            "replica group 1 of 3 (fault tolerant)")
+    two_nodes = MiCSTopology.create(8, 4, None).describe()
+    assert "replication groups (hold the same shard; hop 2 syncs them): [0,4] [1,5] [2,6] [3,7]" in two_nodes
+
+
 def test_describe_names_the_groups():
     text = MiCSTopology.create(8, 4, 4).describe()
     assert "[0,1,2,3] [4,5,6,7]" in text and "[0,4] [1,5] [2,6] [3,7]" in text
