@@ -4,6 +4,9 @@
     python examples/fault_tolerance_demo.py --groups 3 --steps 120 --kill-after 40 --restart-after 10
     python examples/fault_tolerance_demo.py --smoke               # the same path in under a minute
 
+Each run writes to a folder of its own (``outputs/fault_tolerance_demo/<date>-<time>``, or ``--out``, which must
+be new or empty: the demo never writes over files it did not make).
+
 Each replica group is its own job (its own ``torch.distributed`` world, as on a cluster) training the demo
 GPT with ``MiCSStrategy(fault_tolerance=True)``; every rank appends one line per optimizer step to
 ``<out>/group<g>.jsonl`` (time, torchft step, live groups, loss). At ``--kill-after`` seconds the last group's
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,10 +88,19 @@ def launch_group(group: int, args: argparse.Namespace, lighthouse: str, out: Pat
     return start(argv, env, out / f"group{group}-{int(time.time())}.log")
 
 
+def output_folder(given: Optional[str]) -> Path:
+    """A fresh folder for this run: ``given`` if it is new or empty, else a clear refusal (so that a run never
+    writes over results someone keeps); by default a new ``outputs/fault_tolerance_demo/<date>-<time>``."""
+    out = Path(given) if given else Path("outputs/fault_tolerance_demo") / time.strftime("%Y%m%d-%H%M%S")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SystemExit(f"--out {out} exists and is not an empty folder: give a new one (the demo writes group logs, "
+                         "summary.txt and a plot there and never over files it did not make).")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def orchestrate(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = output_folder(args.out)
     lighthouse_bin = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
     address = f"127.0.0.1:{args.port}"
     processes: list[subprocess.Popen] = []
@@ -124,6 +136,7 @@ def orchestrate(args: argparse.Namespace) -> None:
         for process in processes:
             kill(process)
     report(out, started, events, victim, args.groups)
+    print(f"logs: {out}")
 
 
 def trained_steps(out: Path, group: int) -> int:
@@ -136,21 +149,50 @@ def trained_steps(out: Path, group: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the report
+def committed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of committed steps in one group's step log (time order): torchft's step advances when a step
+    commits, so a row whose step repeats the one before it belongs to a discarded step."""
+    kept, last = [], None
+    for row in rows:
+        if last is None or row["step"] > last:
+            kept.append(row)
+        last = row["step"]
+    return kept
+
+
+def outage(rows: list[dict[str, Any]], groups: int) -> Optional[tuple[float, float]]:
+    """(start, end) of the outage one group saw: from its first step with fewer live groups than ``groups`` to its
+    first committed step with all of them again (``end`` is ``nan`` if they never came back); ``None``: no step
+    with fewer groups. A step under way at the kill, still in the old quorum, neither starts nor ends it."""
+    start = next((r["t"] for r in rows if r["live"] < groups), None)
+    if start is None:
+        return None
+    end = next((r["t"] for r in committed(rows) if r["t"] > start and r["live"] == groups), float("nan"))
+    return start, end
+
+
 def report(out: Path, started: float, events: dict[str, float], victim: int, groups: int) -> None:
     """Summary and plot from the groups' step logs (rank 0 of each group)."""
     rows = [json.loads(line) for g in range(groups) for line in (out / f"group{g}.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["rank"] == 0]
+    rows = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["t"])
     survivor = [r for r in rows if r["group"] == 0]
-    alone = [r for r in survivor if r["live"] < groups and r["t"] > events["killed"]]
     after = [r for r in rows if r["group"] == victim and r["t"] > events["restarted"]]
-    steps = [r["step"] for r in survivor]
-    discarded = sum(1 for a, b in zip(steps, steps[1:]) if a == b)
-    rejoined = min((r["t"] for r in survivor if r["t"] > events["killed"] and r["live"] == groups), default=None)
+    alone = [r for r in committed(survivor) if r["live"] < groups]
+    discarded = len(survivor) - len(committed(survivor))
+    seen = outage(survivor, groups)
+    if seen is None:
+        outage_line = "group 0 never trained without the others"
+    elif seen[1] != seen[1]:  # nan: all groups never came back
+        outage_line = f"outage seen by group 0: from {seen[0] - started:.1f} s on; the groups never all came back"
+    else:
+        outage_line = (f"outage seen by group 0: {seen[1] - seen[0]:.1f} s (from its first step with fewer groups at "
+                       f"{seen[0] - started:.1f} s to its first committed step with all {groups} at "
+                       f"{seen[1] - started:.1f} s)")
     lines = [
         f"group {victim} killed at {events['killed'] - started:.1f} s, "
         f"restarted at {events['restarted'] - started:.1f} s",
-        f"group 0 trained alone for {len(alone)} steps; steps repeated (discarded) on group 0: {discarded}",
-        f"outage seen by group 0: {rejoined - events['killed']:.1f} s" if rejoined else "group 0 never saw it rejoin",
+        f"group 0 trained alone for {len(alone)} steps; steps discarded on group 0: {discarded}",
+        outage_line,
         restarted_line(after),
     ]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
@@ -211,7 +253,8 @@ def main() -> None:
     parser.add_argument("--kill-after-steps", type=int, default=0,
                         help="also wait until the last group has trained this many steps before killing it")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--out", default="outputs/fault_tolerance_demo")
+    parser.add_argument("--out", default=None,
+                        help="a new or empty folder for this run (default: outputs/fault_tolerance_demo/<date>-<time>)")
     parser.add_argument("--smoke", action="store_true",
                         help="the same path in under a minute (what the tests run): 1 rank per group, 40 steps, "
                              "the last group killed once it trained 3 steps and restarted 0.5 s later; "

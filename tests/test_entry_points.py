@@ -210,8 +210,11 @@ def test_profile_breakdown_reads_py_spy_profiles_from_the_command_line(tmp_path:
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
     output = _run("examples/fault_tolerance_demo.py", "--smoke", "--port", str(free_port()), "--out",
                   str(tmp_path), "--timeout", "180", timeout=220)
+    # everything it wrote is in its own folder
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout == status
     assert "killed group 1" in output and "restarted group 1" in output
     healed = re.search(r"the restarted group's first step: (\d+) \(healed from a live group\)", output)
     assert healed is not None, output[-2000:]

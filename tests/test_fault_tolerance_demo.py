@@ -1,0 +1,49 @@
+"""The fault-tolerance demo's summary and output folder (``examples/fault_tolerance_demo.py``), on hand-made step
+logs: no process is started here (``test_entry_points.py`` runs the demo itself)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from examples.fault_tolerance_demo import committed, output_folder, outage
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _row(t: float, step: int, live: int) -> dict:
+    return {"t": t, "group": 0, "rank": 0, "step": step, "live": live, "loss": 1.0}
+
+
+def test_the_outage_runs_from_the_first_step_with_fewer_groups_to_the_first_committed_one_with_all() -> None:
+    # two groups; the other is killed at 10.5 s, mid-step: the step under way (logged at 11.0 s, still in the old
+    # quorum: live 2) is discarded, so its step repeats; the survivor trains alone from 16 s; the restarted group
+    # joins at 30 s, and the first step with both (31 s) is discarded once more before 32 s commits with both
+    rows = [_row(9.0, 4, 2), _row(10.0, 5, 2), _row(11.0, 5, 2), _row(16.0, 6, 1), _row(17.0, 7, 1),
+            _row(30.0, 8, 1), _row(31.0, 8, 2), _row(32.0, 9, 2), _row(33.0, 10, 2)]
+    assert [r["t"] for r in committed(rows)] == [9.0, 10.0, 16.0, 17.0, 30.0, 32.0, 33.0]
+    assert outage(rows, groups=2) == (16.0, 32.0)  # not 0.5 s from the kill to the discarded row at 11.0 s
+    assert outage(rows[:3], groups=2) is None
+    start, end = outage(rows[:6], groups=2)
+    assert start == 16.0 and end != end  # nan: never all back
+
+
+def test_each_run_writes_to_a_fresh_folder_and_never_over_kept_files(tmp_path: Path, monkeypatch) -> None:
+    kept = tmp_path / "results"
+    kept.mkdir()
+    (kept / "fault_tolerance.json").write_text("{}")
+    with pytest.raises(SystemExit, match="exists and is not an empty folder: give a new one"):
+        output_folder(str(kept))
+    assert (kept / "fault_tolerance.json").read_text() == "{}"
+    assert output_folder(str(tmp_path / "new")).is_dir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert output_folder(str(empty)) == empty
+    # the default: a new dated folder under outputs/, which git ignores, so a run leaves `git status` clean
+    monkeypatch.chdir(tmp_path)
+    default = output_folder(None)
+    assert default.parent == Path("outputs/fault_tolerance_demo") and default.is_dir()
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default / "group0.jsonl")], cwd=REPO)
+    assert ignored.returncode == 0
