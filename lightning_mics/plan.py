@@ -1,5 +1,7 @@
 """``python -m lightning_mics.plan``: rank MiCS / AMSP layouts for a cluster, model and batch.
 
+    lightning-mics plan --model llama-3-8b --cluster p4d --nodes 4 --gpus-per-node 8
+    lightning-mics plan --hf-config path/to/model/config.json --cluster dgx-h100 --nodes 2 --seq-len 4096
     python -m lightning_mics.plan --cluster p3dn --nodes 8 --model bert-10b --micro-batch 8 \\
         --accumulation 4 --precision deepspeed-fp16 --activation-checkpointing
     python -m lightning_mics.plan --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB \\
@@ -10,8 +12,10 @@
     torchrun --nnodes 2 --nproc-per-node 8 -m lightning_mics.plan calibrate --out links.json
     python -m lightning_mics.plan --cluster p4d --nodes 2 --calibration links.json --model gpt-13b
 
-Flags override the preset named by ``--cluster`` / ``--model``. See :mod:`lightning_mics.planner`
-for the cost model.
+Flags override the preset named by ``--cluster`` / ``--model`` (or the ``--hf-config`` file); a shape flag
+on a published shape recomputes its parameter count. ``--params`` needs the shape beside it: a count alone does
+not say how many layers or how wide, which set activations, FLOPs and the FSDP units, so it is refused with the
+presets of about that size named. See :mod:`lightning_mics.planner` for the cost model.
 """
 
 from __future__ import annotations
@@ -28,18 +32,23 @@ from typing import Any, Callable, Optional
 from lightning_mics.planner import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
+    MODEL_SHAPES,
     PRECISIONS,
     Calibration,
     ClusterSpec,
     ModelSpec,
+    Plan,
     TrainingSpec,
+    TransformerShape,
     parse_bandwidth,
     parse_bytes,
     parse_count,
     parse_flops,
     parse_seconds,
     plan,
+    read_hf_config,
 )
+from lightning_mics.planner.models import DEFAULT_SEQ_LEN, nearest_presets
 from lightning_mics.wire import WIRE_FORMATS
 
 
@@ -87,14 +96,44 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--overlap", type=float, help="fraction of compute that hides communication, 0..1")
     cluster.add_argument("--calibration", type=Path, help="JSON written by the 'calibrate' subcommand")
 
-    model = parser.add_argument_group("model (defaults: the --model preset)")
-    model.add_argument("--model", choices=sorted(MODEL_PRESETS), help="named model preset")
-    model.add_argument("--params", type=_typed(parse_count), help="parameter count, e.g. 10B or 1.3e9")
+    model = parser.add_argument_group(
+        "model (a --model preset, a --hf-config file, or --params with --layers and --hidden)"
+    )
+    model.add_argument(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        metavar="NAME",
+        help="named model: " + ", ".join(MODEL_SHAPES) + " (from their published config.json); "
+        + ", ".join(name for name in MODEL_PRESETS if name not in MODEL_SHAPES) + " (the papers')",
+    )
+    model.add_argument(
+        "--hf-config",
+        type=Path,
+        metavar="PATH",
+        help="a local Hugging Face config.json (or the model folder holding it); read, never downloaded. "
+        "Model types: llama, mistral, qwen2, gpt2",
+    )
+    model.add_argument(
+        "--params",
+        type=_typed(parse_count),
+        help="parameter count, e.g. 10B or 1.3e9: with --layers and --hidden for a custom model, or to override "
+        "a preset's count (alone it is refused: a count does not give the shape)",
+    )
     model.add_argument("--layers", type=int)
     model.add_argument("--hidden", type=int)
-    model.add_argument("--seq-len", type=int)
+    model.add_argument(
+        "--seq-len", type=int, help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN}, at most the model's positions)"
+    )
     model.add_argument("--heads", type=int)
+    model.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention)")
+    model.add_argument("--intermediate", type=int, help="the MLP's inner width")
     model.add_argument("--vocab", type=int)
+    model.add_argument(
+        "--attention",
+        choices=("fused", "eager"),
+        help="fused: F.scaled_dot_product_attention / FlashAttention, no s x s scores kept (the default for "
+        "published shapes and config files); eager: scores stored (the papers' presets and custom shapes)",
+    )
 
     batch = parser.add_argument_group("batch and numerics")
     batch.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per micro-step")
@@ -140,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="streaming DiLoCo: inner steps each fragment's average runs behind (priced as hidden behind them)",
     )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
+    search.add_argument(
+        "--show-infeasible",
+        action="store_true",
+        help="list the layouts that do not fit memory too (by default they are summarised in one line)",
+    )
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
 
@@ -191,30 +235,86 @@ def _flag(field_name: str) -> str:
     }.get(field_name, field_name.replace("_", "-"))
 
 
+#: ``--flag`` -> the :class:`TransformerShape` field it overrides
+_SHAPE_FLAGS = {
+    "layers": "layers",
+    "hidden": "hidden",
+    "heads": "heads",
+    "kv_heads": "kv_heads",
+    "intermediate": "intermediate",
+    "vocab": "vocab",
+}
+
+
 def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec:
-    given = {
-        name: value
-        for name, value in {
-            "params": args.params,
-            "layers": args.layers,
-            "hidden": args.hidden,
-            "seq_len": args.seq_len,
-            "heads": args.heads,
-            "vocab": args.vocab,
-        }.items()
-        if value is not None
+    """The model the flags name: a published shape or ``--hf-config`` (shape flags override it and the count
+    follows), a paper preset (flags override its fields), or a custom shape given in full with ``--params``."""
+    shape_overrides = {
+        field: getattr(args, flag) for flag, field in _SHAPE_FLAGS.items() if getattr(args, flag) is not None
     }
+    if args.model and args.hf_config:
+        parser.error("give --model or --hf-config, not both: each names the whole model.")
+    fused = None if args.attention is None else args.attention == "fused"
+    shape: Optional[TransformerShape] = None
+    if args.hf_config:
+        shape = read_hf_config(args.hf_config)
+    elif args.model in MODEL_SHAPES:
+        shape = MODEL_SHAPES[args.model]
+    if shape is not None:
+        if "heads" in shape_overrides and "kv_heads" not in shape_overrides and shape.kv_heads == shape.heads:
+            shape_overrides["kv_heads"] = shape_overrides["heads"]  # multi-head attention stays multi-head
+        spec = replace(shape, **shape_overrides).model_spec(args.seq_len, fused_attention=fused is not False)
+        return spec if args.params is None else replace(spec, params=args.params)
+    given = {
+        "params": args.params,
+        "seq_len": args.seq_len,
+        **shape_overrides,
+        **({} if fused is None else {"fused_attention": fused}),
+    }
+    given = {name: value for name, value in given.items() if value is not None}
     if args.model:
         return replace(MODEL_PRESETS[args.model], **given)
+    presets = ", ".join(MODEL_SHAPES)
     if "params" not in given:
         parser.error(
-            "give --params (and ideally --layers --hidden --seq-len), "
-            f"or --model {{{','.join(sorted(MODEL_PRESETS))}}}."
+            f"name the model: --model NAME ({presets}, ...), --hf-config path/to/config.json, "
+            "or a custom shape: --params N --layers L --hidden H [--seq-len S --heads A --vocab V]."
         )
-    if not {"layers", "hidden"} <= set(given):  # shape unknown: a GPT-shaped guess from the count
-        guess = ModelSpec.from_param_count(given["params"], seq_len=given.get("seq_len", 2048))
-        return replace(guess, **given)
-    return ModelSpec(**{"seq_len": 2048, **given})
+    if not {"layers", "hidden"} <= set(given):
+        parser.error(
+            f"--params {given['params']:,} alone does not give the model's shape (layers, hidden size), which sets "
+            "its activations, FLOPs and FSDP units, so the planner does not guess one. Name the model: "
+            f"--model NAME (about that size: {', '.join(nearest_presets(given['params']))}; all: {presets}), "
+            "--hf-config path/to/config.json, or add --layers and --hidden (with --seq-len, --heads, --vocab)."
+        )
+    return ModelSpec(**{"seq_len": DEFAULT_SEQ_LEN, **given})
+
+
+def _model_text(model: ModelSpec) -> str:
+    """The model line's shape: what the plan assumed, so that a wrong input shows."""
+    heads = f"{model.num_heads} heads" + (f" ({model.num_kv_heads} kv)" if model.num_kv_heads != model.num_heads else "")
+    mlp = f"MLP {model.mlp_width}" + (" gated" if model.gated_mlp else "")
+    positions = f" of {model.max_positions} positions" if model.max_positions else ""
+    return (
+        f"{model.name}, {model.params:,} params, {model.layers} layers x {model.hidden}, {heads}, {mlp}"
+        + (f", vocab {model.vocab:,}" if model.vocab else "")
+        + f", seq {model.seq_len}{positions}, {'fused' if model.fused_attention else 'eager'} attention"
+    )
+
+
+def _checkpointing_hint(result: Plan, search: dict[str, Any]) -> Optional[str]:
+    """When nothing fits without activation checkpointing: whether it fits with it, and which layout wins."""
+    training = result.training
+    if result.any_fits or training.activation_checkpointing:
+        return None
+    checkpointed = plan(result.cluster, result.model, replace(training, activation_checkpointing=True), **search)
+    if not checkpointed.any_fits:
+        return None
+    best = checkpointed.winner
+    return (
+        f"With --activation-checkpointing it fits: {best.name} at {best.memory.total / 1024**3:.1f} GiB per GPU, "
+        f"{best.step_time_s:.3g} s/step -- {checkpointed.strategy_line()}."
+    )
 
 
 def run_plan(argv: Optional[Sequence[str]] = None) -> int:
@@ -232,17 +332,14 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             num_fragments=args.num_fragments,
             fragment_sync_delay=args.fragment_sync_delay,
         )
-        result = plan(
-            cluster,
-            model,
-            training,
-            uniform_only=args.uniform_only,
-            hierarchical=False if args.flat else "auto",
-            grad_accumulation=args.grad_accumulation,
-            cross_replica_bytes=(
-                None if args.cross_replica_dtype == "fp32" else WIRE_FORMATS[args.cross_replica_dtype].element_bytes
-            ),
-        )
+        search: dict[str, Any] = {
+            "uniform_only": args.uniform_only,
+            "hierarchical": False if args.flat else "auto",
+            "grad_accumulation": args.grad_accumulation,
+            "cross_replica_dtype": None if args.cross_replica_dtype == "fp32" else args.cross_replica_dtype,
+        }
+        result = plan(cluster, model, training, **search)
+        hint = _checkpointing_hint(result, search)
     except (ValueError, OSError) as error:
         parser.error(str(error))
     top = args.top or None
@@ -254,16 +351,22 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
         f"{cluster.gpu_memory_bytes / 1024**3:.0f} GiB, intra {cluster.intra_node_bandwidth / 1e9:.0f} GB/s, "
         f"inter {cluster.inter_node_bandwidth * 8 / 1e9:.0f} Gbps per node, {cluster.compute_flops / 1e12:.0f} TFLOP/s"
     )
+    print(f"model: {_model_text(model)}")
     print(
-        f"model: {model.name}, {model.params:,} params, {model.layers} layers x {model.hidden}, seq {model.seq_len}; "
-        f"micro-batch {training.micro_batch} x {training.accumulation} accumulation, {training.precision}"
+        f"training: micro-batch {training.micro_batch} x {training.accumulation} micro-steps per optimizer step, "
+        f"{training.precision}, grad accumulation {args.grad_accumulation}"
+        + (" (each row says which mode it priced)" if args.grad_accumulation == "auto" else "")
         + (", activation checkpointing" if training.activation_checkpointing else "")
         + (f", semi-synchronous (DiLoCo) every {training.sync_every} steps" if training.sync_every else "")
     )
     print()
-    print(result.table(top))
+    print(result.table(top, show_infeasible=args.show_infeasible))
     print()
     print(result.explain())
+    if hint:
+        print(hint)
+    print()
+    print(result.strategy_text())
     return 0
 
 

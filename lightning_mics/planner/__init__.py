@@ -4,7 +4,8 @@ The planner answers "which partition size (or AMSP sharding spec) should this jo
 cluster?" before anything is launched. It is pure Python (no processes) except
 :func:`calibrate_cluster`, which times real collectives on an initialised process group.
 
-* :mod:`.specs` -- the inputs: cluster, model, training setup, precision byte widths, presets.
+* :mod:`.specs` -- the inputs: cluster, model, training setup, precision byte widths, cluster presets.
+* :mod:`.models` -- the models: published shapes (Llama, Mistral, GPT-2), a local ``config.json``, presets.
 * :mod:`.cost_model` -- the alpha-beta collective model, a layout's per-step schedule, and its
   time/traffic/memory estimate (the derivation is in that module's docstring).
 * :mod:`.search` -- ranking every valid layout; ``partition_size="auto"``'s entry points.
@@ -41,11 +42,18 @@ from lightning_mics.planner.search import (
     plan_layout_for,
     plan_partition_size_for,
 )
+from lightning_mics.planner.models import (
+    DEFAULT_SEQ_LEN,
+    MODEL_PRESETS,
+    MODEL_SHAPES,
+    TransformerShape,
+    read_hf_config,
+    shape_from_hf_config,
+)
 from lightning_mics.planner.specs import (
     CLUSTER_PRESETS,
     GB,
     GIB,
-    MODEL_PRESETS,
     NETWORK_EFFICIENCY,
     PRECISIONS,
     ClusterSpec,
@@ -58,9 +66,11 @@ from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
 
 __all__ = [
     "CLUSTER_PRESETS",
+    "DEFAULT_SEQ_LEN",
     "GB",
     "GIB",
     "MODEL_PRESETS",
+    "MODEL_SHAPES",
     "NETWORK_EFFICIENCY",
     "PRECISIONS",
     "Calibration",
@@ -80,6 +90,7 @@ __all__ = [
     "ShardingDegrees",
     "ShardingSpec",
     "TrainingSpec",
+    "TransformerShape",
     "activation_bytes",
     "calibrate_cluster",
     "choose_layout",
@@ -100,5 +111,7 @@ __all__ = [
     "plan",
     "plan_layout_for",
     "plan_partition_size_for",
+    "read_hf_config",
     "ring_cost",
+    "shape_from_hf_config",
 ]

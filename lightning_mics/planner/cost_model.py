@@ -308,16 +308,22 @@ def activation_bytes(model: ModelSpec, training: TrainingSpec) -> float:
 
     Without checkpointing each layer keeps ``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit (Korthikanti et al.,
     "Reducing Activation Recomputation", 2022: 34 sbh for the matmul/GeLU/LayerNorm/dropout inputs,
-    5 a s^2 b for the attention scores, softmax and its dropout mask). With checkpointing only each
-    layer's input (``2 sbh`` at 16-bit) is kept, plus one layer's full activations while it is
-    recomputed. Other dtypes scale by ``bytes / 2``; known vocabularies add fp32 logits and their
+    5 a s^2 b for the attention scores, softmax and its dropout mask). The 34 are 11 for attention
+    (of which 4 for K and V, scaled by ``kv_heads / heads`` under grouped-query attention), 19 for a GPT MLP
+    of width ``4h`` (``3 + 4 I / h`` for width ``I``; a gated SwiGLU MLP keeps ``2 + 8 I / h``: its input, the
+    gate and up projections, the activation and their product) and 4 for the two norms. With
+    checkpointing only each layer's input (``2 sbh`` at 16-bit) is kept, plus one layer's full activations
+    while it is recomputed. Other dtypes scale by ``bytes / 2``; known vocabularies add fp32 logits and their
     gradient (``2 * 4 s b V``). A fused attention kernel (``ModelSpec.fused_attention``) stores no
     scores: the ``5 a s^2 b`` term goes.
     """
     s, bsz, h, a = model.seq_len, training.micro_batch, model.hidden, model.num_heads
     scale = training.bytes.activation_bytes / 2
     scores = 0.0 if model.fused_attention else 5 * a * s / h
-    per_layer = s * bsz * h * (34 + scores) * scale
+    attention = 7 + 4 * model.num_kv_heads / a
+    width = model.mlp_width / h
+    mlp = 2 + 8 * width if model.gated_mlp else 3 + 4 * width
+    per_layer = s * bsz * h * (attention + mlp + 4 + scores) * scale
     if training.activation_checkpointing:
         body = model.layers * 2 * s * bsz * h * scale + per_layer
     else:
@@ -420,6 +426,22 @@ class LayoutEstimate:
             + (" cpu-offload" if self.cpu_offload else "")
             + (f" diloco H={self.sync_every}" if self.sync_every is not None else "")
         )
+
+    @property
+    def layout_text(self) -> str:
+        """:attr:`name` without the accumulation mode, for tables that give the mode a column of its own."""
+        return (
+            f"{self.layout.kind}: {self.layout.label}"
+            + (" hier" if self.hierarchical else "")
+            + (" cpu-offload" if self.cpu_offload else "")
+            + (f" diloco H={self.sync_every}" if self.sync_every is not None else "")
+        )
+
+    @property
+    def accumulation_text(self) -> str:
+        """How this layout accumulates gradients: ``sharded`` / ``unsharded`` or, with a partition of one,
+        ``replicated`` -- whole gradients on every rank, where the two modes are the same thing."""
+        return "replicated" if self.layout.grads == 1 else self.grad_accumulation
 
     @property
     def busy_fraction(self) -> float:

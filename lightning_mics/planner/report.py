@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning_mics.planner.cost_model import LayoutEstimate
 from lightning_mics.planner.specs import GB, GIB, ClusterSpec, ModelSpec, TrainingSpec
+from lightning_mics.planner.ties import MEMORY_TIE_TOLERANCE, TIE_TOLERANCE, lost_because, near_ties
 
 # ---------------------------------------------------------------------------------------------- search
 
@@ -52,9 +54,14 @@ class SemiSyncAdvice:
         }
 
 
+#: Lightning's names for the precisions the planner knows (``deepspeed-fp16`` is DeepSpeed's recipe, not one)
+_LIGHTNING_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The ranked layouts for one job: fitting layouts first, fastest first."""
+    """The ranked layouts for one job: fitting layouts first, fastest first, the near-ties' winner on top
+    (:mod:`lightning_mics.planner.ties`)."""
 
     cluster: ClusterSpec
     model: ModelSpec
@@ -62,6 +69,16 @@ class Plan:
     ranked: tuple[LayoutEstimate, ...]
     #: a synchronous plan whose best layout leaves the GPUs mostly waiting: the semi-synchronous way out
     semi_sync_advice: Optional[SemiSyncAdvice] = None
+    #: step times within this fraction of the fastest were a tie (the winner chosen by rules, not the time)
+    tie_tolerance: float = TIE_TOLERANCE
+    #: memory within this fraction of the usable device memory counted as a tie too
+    memory_tie_tolerance: float = MEMORY_TIE_TOLERANCE
+    #: the ``hierarchical`` the layouts were priced with (``"auto"``: two-stage wherever a partition spans nodes)
+    hierarchical: Union[bool, Literal["auto"]] = "auto"
+    #: the strategy's ``cross_replica_dtype`` priced for hop 2 (``None``: the gradients' reduction dtype)
+    cross_replica_dtype: Optional[str] = None
+    #: the accumulation mode(s) asked for: one mode, or ``"auto"`` (every layout priced in both)
+    grad_accumulation: str = "sharded"
 
     @property
     def winner(self) -> LayoutEstimate:
@@ -70,6 +87,15 @@ class Plan:
     @property
     def any_fits(self) -> bool:
         return self.winner.fits
+
+    @property
+    def fitting(self) -> tuple[LayoutEstimate, ...]:
+        return tuple(c for c in self.ranked if c.fits)
+
+    @property
+    def near_ties(self) -> tuple[LayoutEstimate, ...]:
+        """The fitting layouts predicted within :attr:`tie_tolerance` of the fastest, fastest first."""
+        return tuple(near_ties(self.ranked, self.tie_tolerance))
 
     def find(self, params: int, grads: int, optim: int, grad_accumulation: Optional[str] = None) -> LayoutEstimate:
         """The best-ranked estimate of layout (P, G, OS), in ``grad_accumulation`` when given."""
@@ -83,6 +109,76 @@ class Plan:
             f"No layout P={params} G={grads} OS={optim}"
             + (f" with grad_accumulation={grad_accumulation}" if grad_accumulation else "")
             + " in this plan."
+        )
+
+    # ------------------------------------------------------------------------------------------ the winner
+    def strategy_arguments(self) -> Optional[dict[str, Any]]:
+        """The winner as ``MiCSStrategy`` keyword arguments (values as Python source text), only those that
+        differ from the strategy's defaults or carry the choice; ``None`` when no layout fits."""
+        best = self.winner
+        if not best.fits:
+            return None
+        layout, training = best.layout, self.training
+        arguments: dict[str, Any] = {}
+        if layout.is_uniform:
+            arguments["partition_size"] = str(layout.grads)
+        else:
+            arguments["sharding"] = f"ShardingSpec(params={layout.params}, grads={layout.grads}, optim={layout.optim})"
+        if training.accumulation > 1 and layout.grads > 1:
+            arguments["grad_accumulation"] = repr(best.grad_accumulation)
+        if layout.grads > layout.ranks_per_node and self.hierarchical is False:
+            arguments["hierarchical"] = "False"
+        if self.cross_replica_dtype is not None:
+            arguments["cross_replica_dtype"] = repr(self.cross_replica_dtype)
+        if not training.cross_replica_overlap:
+            arguments["cross_replica_overlap"] = "False"
+        if training.sync_every is not None:
+            arguments["cross_replica_sync"] = repr("diloco")
+            arguments["sync_every"] = str(training.sync_every)
+            if training.num_fragments != 1:
+                arguments["num_fragments"] = str(training.num_fragments)
+            if training.fragment_sync_delay:
+                arguments["fragment_sync_delay"] = str(training.fragment_sync_delay)
+        if training.cpu_offload:
+            arguments["cpu_offload"] = "True"
+        if training.activation_checkpointing:
+            arguments["activation_checkpointing_policy"] = "True"
+        return arguments
+
+    def strategy_line(self) -> Optional[str]:
+        """The winner as the ``MiCSStrategy(...)`` to paste (``None`` when no layout fits)."""
+        arguments = self.strategy_arguments()
+        if arguments is None:
+            return None
+        return "MiCSStrategy(" + ", ".join(f"{key}={value}" for key, value in arguments.items()) + ")"
+
+    def trainer_line(self) -> Optional[str]:
+        """The ``Trainer`` settings the plan assumed beside the strategy: the cluster's shape, the precision
+        and the micro-steps per optimizer step (``None`` when no layout fits)."""
+        if not self.any_fits:
+            return None
+        parts = [f"num_nodes={self.cluster.nodes}", f"devices={self.cluster.gpus_per_node}"]
+        if self.training.precision in _LIGHTNING_PRECISIONS:
+            parts.append(f"precision={self.training.precision!r}")
+        if self.training.accumulation > 1:
+            parts.append(f"accumulate_grad_batches={self.training.accumulation}")
+        return "Trainer(" + ", ".join(parts) + ")"
+
+    def strategy_text(self) -> str:
+        """The winner as code: the import, the strategy and the Trainer it was planned for."""
+        strategy, trainer = self.strategy_line(), self.trainer_line()
+        if strategy is None or trainer is None:
+            return "No layout fits, so there is no strategy to recommend (see above)."
+        names = "MiCSStrategy, ShardingSpec" if "ShardingSpec(" in strategy else "MiCSStrategy"
+        note = "" if self.training.precision in _LIGHTNING_PRECISIONS else (
+            f"  # planned for {self.training.precision}, which is DeepSpeed's recipe: choose a Lightning precision"
+        )
+        return "\n".join(
+            [
+                f"The winner as a strategy (from lightning_mics import {names}):",
+                f"    {strategy}",
+                f"  with {trainer}, as planned" + note,
+            ]
         )
 
     def explain(self) -> str:
@@ -99,7 +195,8 @@ class Plan:
         lines = [
             f"{best.name} wins: {best.step_time_s:.3g} s/step ({best.tokens_per_s:,.0f} tokens/s), "
             f"{best.exposed_comm_s:.3g} s exposed communication, {_gb(best.inter_node_bytes)} across nodes per node, "
-            f"{gib_text(best.memory.total)} of {gib_text(best.usable_memory_bytes)} per GPU."
+            f"{gib_text(best.memory.total)} of {gib_text(best.usable_memory_bytes)} per GPU, "
+            f"gradients accumulated {best.accumulation_text}."
         ]
         if best.cpu_offload:
             lines.append(
@@ -121,50 +218,158 @@ class Plan:
         world, node = self.cluster.world_size, min(self.cluster.gpus_per_node, self.cluster.world_size)
         rivals: list[tuple[str, LayoutEstimate]] = []
         if len(self.ranked) > 1:
-            rivals.append(("runner-up", self.ranked[1]))
-        for label, degree in (("MiCS default", node), ("ZeRO-3", world)):
+            rivals.append(("the runner-up, " + self.ranked[1].name, self.ranked[1]))
+        for label, degree in (("MiCS's one-node default", node), ("ZeRO-3", world)):
             try:
-                rivals.append((label, self.find(degree, degree, degree)))
+                rival = self.find(degree, degree, degree)
             except KeyError:
-                pass
+                continue
+            rivals.append((f"{label} ({_without_kind(rival)})", rival))
         seen = {id(best)}
         for label, rival in rivals:
             if id(rival) in seen:
                 continue
             seen.add(id(rival))
-            lines.append(f"  vs {label} {rival.name}: {_compare(best, rival)}")
+            lines.append(f"  vs {label}: {self._compare(best, rival)}")
         return "\n".join(lines)
 
-    def table(self, top: Optional[int] = None) -> str:
-        """The ranked table as fixed-width text."""
-        header = ("#", "layout", "step s", "tokens/s", "exposed comm s", "inter-node GB", "mem GiB/GPU", "fits")
+    def _compare(self, best: LayoutEstimate, rival: LayoutEstimate) -> str:
+        """One line naming the terms that separate two layouts, and the tie-break when it decided."""
+        if not rival.fits:
+            return f"does not fit ({gib_text(rival.memory.total)} > {gib_text(rival.usable_memory_bytes)})."
+        ratio = rival.step_time_s / best.step_time_s
+        tied = self.near_ties
+        why = lost_because(rival, best, tied, self.memory_tie_tolerance) if len(tied) > 1 else None
+        tie = f"within the {100 * self.tie_tolerance:.0f} % tie"
+        if ratio >= 1:
+            parts = [f"{rival.step_time_s:.3g} s/step, {_slower_text(ratio)}" + (f" ({tie}; {why})" if why else "")]
+        else:
+            reason = why or "the tie-break preferred the winner"
+            parts = [f"predicted {100 * (1 - ratio):.1f} % faster ({rival.step_time_s:.3g} s/step), {tie}, but {reason}"]
+        exposed_gap = rival.exposed_comm_s - best.exposed_comm_s
+        if abs(exposed_gap) > 0.01 * best.step_time_s:
+            parts.append(f"{rival.exposed_comm_s:.3g} s exposed communication vs {best.exposed_comm_s:.3g}")
+        if ratio >= 1 and rival.inter_node_bytes > 1.05 * best.inter_node_bytes and not (why and "sends" in why):
+            parts.append(f"{_gb(rival.inter_node_bytes)} across nodes vs {_gb(best.inter_node_bytes)}")
+        if rival.compute_s > 1.001 * best.compute_s:
+            parts.append("more recompute")
+        if rival.memory.total < best.memory.total:
+            parts.append(f"though it needs less memory ({gib_text(rival.memory.total)})")
+        elif not (why and "GiB more" in why) and rival.memory.total > best.memory.total + 0.5 * GIB:
+            parts.append(f"{gib_text(rival.memory.total)} per GPU vs {gib_text(best.memory.total)}")
+        return "; ".join(parts) + "."
+
+    # ------------------------------------------------------------------------------------------ the table
+    def table(self, top: Optional[int] = None, show_infeasible: bool = False, notes: bool = True) -> str:
+        """The ranked table as fixed-width text, with notes under it: how near-ties were decided, what the
+        accumulation modes mean, and the rows left out. Layouts that do not fit are summarised in one note
+        unless ``show_infeasible`` (or unless none fits: then the table lists them, leanest first)."""
+        fitting = list(self.fitting)
+        if show_infeasible:
+            pool = list(self.ranked)
+        elif fitting:
+            pool = fitting
+        else:
+            pool = sorted(self.ranked, key=lambda c: c.memory.total)
+        shown = pool[:top] if top else pool
+        tied = self.near_ties
+        tie_ids = {id(c) for c in tied} if len(tied) > 1 else set()
+        with_fits = any(not c.fits for c in shown)
+        header = ["#", "layout", "grad acc", "step s", "vs #1", "tokens/s", "exposed comm s", "inter-node GB",
+                  "mem GiB/GPU"] + (["fits"] if with_fits else [])
         rows = [header]
-        for index, candidate in enumerate(self.ranked[:top] if top else self.ranked, start=1):
-            rows.append(
-                (
-                    str(index),
-                    candidate.name,
-                    f"{candidate.step_time_s:.4g}",
-                    f"{candidate.tokens_per_s:,.0f}",
-                    f"{candidate.exposed_comm_s:.4g}",
-                    f"{candidate.inter_node_bytes / GB:.3g}",
-                    f"{candidate.memory.total / GIB:.1f}",
-                    "yes" if candidate.fits else "NO",
-                )
-            )
+        first = self.winner.step_time_s
+        for index, candidate in enumerate(shown, start=1):
+            versus = "" if candidate is self.winner else f"{100 * (candidate.step_time_s / first - 1):+.1f}%"
+            if id(candidate) in tie_ids:
+                versus = (versus + " ~").strip()
+            row = [
+                str(index),
+                candidate.layout_text,
+                candidate.accumulation_text,
+                f"{candidate.step_time_s:.4g}",
+                versus,
+                f"{candidate.tokens_per_s:,.0f}",
+                f"{candidate.exposed_comm_s:.4g}",
+                f"{candidate.inter_node_bytes / GB:.3g}",
+                f"{candidate.memory.total / GIB:.1f}",
+            ] + (["yes" if candidate.fits else "NO"] if with_fits else [])
+            rows.append(row)
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * width for width in widths))
+        if notes:
+            lines.extend(self._table_notes(shown, pool, fitting, show_infeasible, top))
         return "\n".join(lines)
 
+    def _table_notes(
+        self,
+        shown: list[LayoutEstimate],
+        pool: list[LayoutEstimate],
+        fitting: list[LayoutEstimate],
+        show_infeasible: bool,
+        top: Optional[int],
+    ) -> list[str]:
+        notes: list[str] = []
+        tied = self.near_ties
+        if len(tied) > 1:
+            winner, fastest = self.winner, tied[0]
+            text = (
+                f"~ a tie: {len(tied)} layouts are predicted within {100 * self.tie_tolerance:.0f} % of the fastest "
+                f"({fastest.step_time_s:.4g} s), closer than the cost model can tell apart. #1 is chosen among them by "
+                "the fewest bytes across nodes, then a gradient partition inside one node, then OS = G, then the "
+                f"least memory per GPU (the fastest where memory, too, is within {100 * self.memory_tie_tolerance:.0f} "
+                "% of the usable GPU memory)."
+            )
+            if fastest is not winner:
+                where = next((f"#{i} " for i, c in enumerate(shown, start=1) if c is fastest), "")
+                text += (
+                    f" #1 is predicted {100 * (winner.step_time_s / fastest.step_time_s - 1):.1f} % slower than "
+                    f"{where}({fastest.layout_text}, {fastest.accumulation_text}), which lost the tie because "
+                    f"{lost_because(fastest, winner, tied, self.memory_tie_tolerance)}."
+                )
+            notes.append(text)
+        modes = {c.accumulation_text for c in shown}
+        legend = {
+            "sharded": "sharded = reduce-scatter inside the partition every micro-step (MiCS's default, least memory)",
+            "unsharded": "unsharded = whole gradients kept until the optimizer step, one reduce-scatter per step "
+            "(more memory)",
+            "replicated": "replicated = a partition of one (G=1): whole gradients on every rank",
+        }
+        text = "grad acc: " + "; ".join(legend[mode] for mode in legend if mode in modes) + "."
+        if self.grad_accumulation == "auto" and self.training.accumulation == 1:
+            text += " At 1 micro-step per optimizer step the two modes are one schedule: the rows say sharded."
+        notes.append(text)
+        unfit = len(self.ranked) - len(fitting)
+        if not show_infeasible and fitting and unfit:
+            lean = leanest(c for c in self.ranked if not c.fits)
+            notes.append(
+                f"{unfit} more layouts do not fit in {gib_text(self.winner.usable_memory_bytes)} usable per GPU "
+                f"(the leanest of them, {lean.name}, needs {gib_text(lean.memory.total)}); --show-infeasible lists "
+                "them."
+            )
+        if top and len(pool) > top:
+            notes.append(f"{len(pool) - top} more {'' if show_infeasible else 'fitting '}layouts not shown "
+                         "(--top 0 lists them all).")
+        return [textwrap.fill(note, width=118, subsequent_indent="  ", break_on_hyphens=False) for note in notes]
+
     def to_dict(self, top: Optional[int] = None) -> dict[str, Any]:
+        tied = self.near_ties
         return {
             "cluster": asdict(self.cluster),
             "model": asdict(self.model),
             "training": asdict(self.training),
             "winner": self.winner.to_dict(),
+            "strategy": self.strategy_line(),
+            "strategy_arguments": self.strategy_arguments(),
             "explanation": self.explain(),
             "semi_sync_advice": self.semi_sync_advice.to_dict() if self.semi_sync_advice is not None else None,
+            "tie": {
+                "tolerance": self.tie_tolerance,
+                "memory_tolerance": self.memory_tie_tolerance,
+                "layouts": len(tied),
+                "fastest_step_time_s": tied[0].step_time_s if tied else None,
+            },
             "ranked": [c.to_dict() for c in (self.ranked[:top] if top else self.ranked)],
         }
 
@@ -193,25 +398,13 @@ def leanest(candidates: Iterable[LayoutEstimate]) -> LayoutEstimate:
     return min(candidates, key=lambda c: c.memory.total)
 
 
-def _compare(best: LayoutEstimate, rival: LayoutEstimate) -> str:
-    """One line naming the terms that separate two layouts."""
-    if not rival.fits:
-        return f"does not fit ({gib_text(rival.memory.total)} > {gib_text(rival.usable_memory_bytes)})."
-    ratio = rival.step_time_s / best.step_time_s
-    if ratio >= 1:
-        parts = [f"{rival.step_time_s:.3g} s/step ({ratio:.2f}x slower)"]
-    else:
-        parts = [
-            f"predicted {100 * (1 - ratio):.1f}% faster ({rival.step_time_s:.3g} s/step), within the tie tolerance, "
-            f"but it sends {_gb(rival.inter_node_bytes)} across nodes vs {_gb(best.inter_node_bytes)}"
-        ]
-    exposed_gap = rival.exposed_comm_s - best.exposed_comm_s
-    if abs(exposed_gap) > 0.01 * best.step_time_s:
-        parts.append(f"{rival.exposed_comm_s:.3g} s exposed communication vs {best.exposed_comm_s:.3g}")
-    if ratio >= 1 and rival.inter_node_bytes > 1.05 * best.inter_node_bytes:
-        parts.append(f"{_gb(rival.inter_node_bytes)} across nodes vs {_gb(best.inter_node_bytes)}")
-    if rival.compute_s > 1.001 * best.compute_s:
-        parts.append("more recompute")
-    if rival.memory.total < best.memory.total:
-        parts.append(f"though it needs less memory ({gib_text(rival.memory.total)})")
-    return "; ".join(parts) + "."
+def _without_kind(estimate: LayoutEstimate) -> str:
+    """``estimate``'s name without its family ("ZeRO-3: P=32 ..." -> "P=32 ..."), for lines that name it."""
+    return estimate.name.split(": ", 1)[-1]
+
+
+def _slower_text(ratio: float) -> str:
+    """A step-time ratio as words: per cent below 1.1x (where "1.00x slower" would hide the gap), else x."""
+    if ratio < 1.1:
+        return f"{100 * (ratio - 1):.1f} % slower"
+    return f"{ratio:.2f}x the step time"

@@ -11,7 +11,9 @@ from lightning_mics.accumulation import GRAD_ACCUMULATION_MODES, GradAccumulatio
 from lightning_mics.planner.cost_model import LayoutEstimate, estimate
 from lightning_mics.planner.report import BUSY_ENOUGH, Plan, SemiSyncAdvice, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
+from lightning_mics.planner.ties import MEMORY_TIE_TOLERANCE, TIE_TOLERANCE, near_ties, tie_break_winner
 from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec, all_sharding_degrees
+from lightning_mics.wire import WIRE_FORMATS
 
 
 def plan(
@@ -20,24 +22,30 @@ def plan(
     training: TrainingSpec = TrainingSpec(),
     uniform_only: bool = False,
     hierarchical: Union[bool, Literal["auto"]] = "auto",
-    tie_tolerance: float = 0.02,
+    tie_tolerance: float = TIE_TOLERANCE,
     grad_accumulation: Union[GradAccumulation, Literal["auto"]] = "sharded",
     partition_size: Optional[int] = None,
     cross_replica_bytes: Optional[float] = None,
+    memory_tie_tolerance: float = MEMORY_TIE_TOLERANCE,
+    cross_replica_dtype: Optional[str] = None,
 ) -> Plan:
     """Estimate every valid layout (only ``P = G = OS`` with ``uniform_only``; only partition size
     ``partition_size`` when given) and rank them.
 
     ``grad_accumulation="auto"`` estimates every sharded layout in both accumulation modes (they
     differ only with ``accumulation > 1``), so the ranking trades the memory of full gradients
-    against the per-micro-step reduce-scatters.
+    against the per-micro-step reduce-scatters. ``cross_replica_dtype``: the strategy's option of that
+    name (``"bf16"``, ``"fp16"``, ``"int8"``), which sets ``cross_replica_bytes`` when that is not given and
+    appears in the plan's :meth:`~Plan.strategy_line`.
 
     Layouts that fit come first, fastest first -- except that the winner is chosen among all
-    fitting layouts within ``tie_tolerance`` of the fastest predicted time: the model cannot tell
-    those apart, so among them the layouts sending the fewest bytes across nodes (within 1 %) are
-    preferred -- the least exposed to a wrong network estimate -- and among those MiCS's rule
+    fitting layouts within ``tie_tolerance`` of the fastest predicted time (:mod:`.ties`): the model
+    cannot tell those apart, so among them the layouts sending the fewest bytes across nodes (within
+    1 %) are preferred -- the least exposed to a wrong network estimate -- and among those MiCS's rule
     decides: a gradient partition inside one node beats one spanning nodes, then optimizer states
-    sharded like the gradients (OS = G) beat a wider optimizer group, then the fastest wins.
+    sharded like the gradients (OS = G) beat a wider optimizer group; then the least memory per GPU
+    wins, unless the memory too is within ``memory_tie_tolerance`` of the usable device memory, when
+    the fastest wins.
     A partition inside a node keeps its collectives on the fast links and needs no two-stage
     collectives, whose extra copies the model prices only in part (measured on the emulated
     cluster: P=1 G=8 hierarchical took 3.00 s, predicted within 2 % of P=1 G=4, which took 2.67 s).
@@ -48,6 +56,17 @@ def plan(
     """
     if not 0.0 <= tie_tolerance < 1.0:
         raise ValueError(f"tie_tolerance is a fraction of the step time in [0, 1), got {tie_tolerance!r}.")
+    if not 0.0 <= memory_tie_tolerance < 1.0:
+        raise ValueError(
+            f"memory_tie_tolerance is a fraction of the usable device memory in [0, 1), got {memory_tie_tolerance!r}."
+        )
+    if cross_replica_dtype is not None:
+        if cross_replica_dtype not in WIRE_FORMATS:
+            raise ValueError(
+                f"cross_replica_dtype={cross_replica_dtype!r} is not one of {sorted(WIRE_FORMATS)} (None: fp32)."
+            )
+        if cross_replica_bytes is None:
+            cross_replica_bytes = WIRE_FORMATS[cross_replica_dtype].element_bytes
     check_grad_accumulation(grad_accumulation, allow_auto=True)
     layouts = _candidate_layouts(cluster, uniform_only, partition_size)
     # optimizer states sharded across replicas are refused with offload, and with DiLoCo (each replica group
@@ -69,14 +88,25 @@ def plan(
         # the modes differ only when a sharded gradient is accumulated over several micro-steps
         if mode == modes[0] or (layout.grads > 1 and training.accumulation > 1)
     ]
-    ranked = tuple(_ranked(estimates, tie_tolerance))
+    ranked = tuple(_ranked(estimates, tie_tolerance, memory_tie_tolerance))
     advice = None
     if training.sync_every is None and ranked[0].fits and ranked[0].busy_fraction < BUSY_ENOUGH:
         advice = _semi_sync_advice(
             ranked[0], cluster, model, training, uniform_only, hierarchical, grad_accumulation, partition_size,
             cross_replica_bytes,
         )
-    return Plan(cluster, model, training, ranked, advice)
+    return Plan(
+        cluster,
+        model,
+        training,
+        ranked,
+        advice,
+        tie_tolerance=tie_tolerance,
+        memory_tie_tolerance=memory_tie_tolerance,
+        hierarchical=hierarchical,
+        cross_replica_dtype=cross_replica_dtype,
+        grad_accumulation=grad_accumulation,
+    )
 
 
 #: DiLoCo's H values :func:`_semi_sync_advice` tries, smallest (closest to synchronous training) first; the
@@ -130,35 +160,15 @@ def _candidate_layouts(
     return layouts
 
 
-def _ranked(estimates: list[LayoutEstimate], tie_tolerance: float) -> list[LayoutEstimate]:
+def _ranked(estimates: list[LayoutEstimate], tie_tolerance: float, memory_tie_tolerance: float) -> list[LayoutEstimate]:
     """``estimates`` in :func:`plan`'s order (sorted in place): fitting first, then by step time and
-    memory, with the winner among the near-ties moved to the front (:func:`_tie_break_winner`)."""
+    memory, with the winner among the near-ties (:func:`~.ties.tie_break_winner`) moved to the front."""
     estimates.sort(key=lambda c: (not c.fits, c.step_time_s, c.memory.total))
     if estimates[0].fits:
-        winner = _tie_break_winner(estimates, tie_tolerance)
+        winner = tie_break_winner(near_ties(estimates, tie_tolerance), memory_tie_tolerance)
         estimates.remove(winner)
         estimates.insert(0, winner)
     return estimates
-
-
-def _tie_break_winner(ranked: list[LayoutEstimate], tie_tolerance: float) -> LayoutEstimate:
-    """The winner among the fitting layouts within ``tie_tolerance`` of the fastest (``ranked[0]``):
-    of those sending the fewest bytes across nodes (within 1 %, plus a byte), a partition inside one
-    node first, then optimizer states sharded like the gradients, then the fastest, then the leanest
-    (why: :func:`plan`)."""
-    limit = ranked[0].step_time_s * (1 + tie_tolerance)
-    near_best = [c for c in ranked if c.fits and c.step_time_s <= limit]
-    fewest_bytes = min(c.inter_node_bytes for c in near_best)
-    frugal = [c for c in near_best if c.inter_node_bytes <= fewest_bytes * 1.01 + 1.0]
-    return min(
-        frugal,
-        key=lambda c: (
-            c.layout.grads > c.layout.ranks_per_node,
-            c.layout.optim > c.layout.grads,
-            c.step_time_s,
-            c.memory.total,
-        ),
-    )
 
 
 @dataclass(frozen=True)

@@ -207,18 +207,36 @@ class ModelSpec:
     #: attention by a fused kernel (FlashAttention, ``F.scaled_dot_product_attention``): the
     #: ``s x s`` scores and softmax are recomputed in backward instead of stored
     fused_attention: bool = False
+    #: key/value heads (grouped-query attention); default: :attr:`num_heads` (every head its own)
+    kv_heads: Optional[int] = None
+    #: the MLP's inner width; default: ``4 * hidden`` (GPT's)
+    intermediate: Optional[int] = None
+    #: a gated MLP (SwiGLU: three matrices, two ``intermediate``-wide activations kept) rather than GPT's two
+    gated_mlp: bool = False
+    #: the model's positions (``max_position_embeddings``) when known: the longest sequence it takes
+    max_positions: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("params", "layers", "hidden", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelSpec.{name} must be a positive int, got {value!r}.")
-        if self.heads is not None and self.heads < 1:
-            raise ValueError(f"ModelSpec.heads must be positive, got {self.heads!r}.")
+        for name in ("heads", "kv_heads", "intermediate", "max_positions"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelSpec.{name} must be a positive int or None, got {value!r}.")
 
     @property
     def num_heads(self) -> int:
         return self.heads or max(1, self.hidden // 128)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads or self.num_heads
+
+    @property
+    def mlp_width(self) -> int:
+        return self.intermediate or 4 * self.hidden
 
     @property
     def num_units(self) -> int:
@@ -234,7 +252,9 @@ class ModelSpec:
     @classmethod
     def from_param_count(cls, params: int, seq_len: int = 2048) -> ModelSpec:
         """A GPT-shaped guess when only the parameter count is known: ``params ~ 12 L h^2`` with the
-        GPT-3 family's aspect ratio ``h / L ~ 128``, hidden rounded to a multiple of 64."""
+        GPT-3 family's aspect ratio ``h / L ~ 128``, hidden rounded to a multiple of 64. The live planner
+        (``partition_size="auto"``) uses it, since a running job tells it a module's count and not its shape;
+        the CLI never does -- it plans named shapes (:mod:`lightning_mics.planner.models`) or given ones."""
         if params < 1:
             raise ValueError(f"params must be positive, got {params!r}.")
         hidden = max(64, int(round((128 * params / 12) ** (1 / 3) / 64)) * 64)
@@ -243,8 +263,9 @@ class ModelSpec:
 
 
 #: Models of the papers' experiments. ``bert-10b``: MiCS's BERT-10B (hidden 2560, 127 layers,
-#: 40 heads, sequence 512 -- 12 * 127 * 2560^2 = 10.0e9 parameters).
-MODEL_PRESETS: dict[str, ModelSpec] = {
+#: 40 heads, sequence 512 -- 12 * 127 * 2560^2 = 10.0e9 parameters). The models users train now, from
+#: their published configs, are in :mod:`lightning_mics.planner.models` (``MODEL_PRESETS`` holds both).
+PAPER_MODELS: dict[str, ModelSpec] = {
     "bert-10b": ModelSpec(params=10_000_000_000, layers=127, hidden=2560, seq_len=512, heads=40, name="bert-10b"),
     "bert-20b": ModelSpec(params=20_000_000_000, layers=254, hidden=2560, seq_len=512, heads=40, name="bert-20b"),
     "gpt-1.3b": ModelSpec(params=1_300_000_000, layers=24, hidden=2048, seq_len=2048, heads=16, name="gpt-1.3b"),
