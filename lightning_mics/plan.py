@@ -292,7 +292,8 @@ def _model_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def _model_text(model: ModelSpec) -> str:
     """The model line's shape: what the plan assumed, so that a wrong input shows."""
-    heads = f"{model.num_heads} heads" + (f" ({model.num_kv_heads} kv)" if model.num_kv_heads != model.num_heads else "")
+    grouped = model.num_kv_heads != model.num_heads
+    heads = f"{model.num_heads} heads" + (f" ({model.num_kv_heads} kv)" if grouped else "")
     mlp = f"MLP {model.mlp_width}" + (" gated" if model.gated_mlp else "")
     positions = f" of {model.max_positions} positions" if model.max_positions else ""
     return (

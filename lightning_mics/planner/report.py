@@ -193,10 +193,12 @@ class Plan:
                 + ("." if self.training.cpu_offload else ", or offload the states to host memory (cpu_offload).")
             )
         lines = [
-            f"{best.name} wins: {best.step_time_s:.3g} s/step ({best.tokens_per_s:,.0f} tokens/s), "
-            f"{best.exposed_comm_s:.3g} s exposed communication, {_gb(best.inter_node_bytes)} across nodes per node, "
-            f"{gib_text(best.memory.total)} of {gib_text(best.usable_memory_bytes)} per GPU, "
-            f"gradients accumulated {best.accumulation_text}."
+            (
+                f"{best.name} wins: {best.step_time_s:.3g} s/step ({best.tokens_per_s:,.0f} tokens/s), "
+                f"{best.exposed_comm_s:.3g} s exposed communication, {_gb(best.inter_node_bytes)} across nodes per "
+                f"node, {gib_text(best.memory.total)} of {gib_text(best.usable_memory_bytes)} per GPU, "
+                f"gradients accumulated {best.accumulation_text}."
+            )
         ]
         if best.cpu_offload:
             lines.append(
@@ -245,7 +247,8 @@ class Plan:
             parts = [f"{rival.step_time_s:.3g} s/step, {_slower_text(ratio)}" + (f" ({tie}; {why})" if why else "")]
         else:
             reason = why or "the tie-break preferred the winner"
-            parts = [f"predicted {100 * (1 - ratio):.1f} % faster ({rival.step_time_s:.3g} s/step), {tie}, but {reason}"]
+            faster = f"predicted {100 * (1 - ratio):.1f} % faster ({rival.step_time_s:.3g} s/step)"
+            parts = [f"{faster}, {tie}, but {reason}"]
         exposed_gap = rival.exposed_comm_s - best.exposed_comm_s
         if abs(exposed_gap) > 0.01 * best.step_time_s:
             parts.append(f"{rival.exposed_comm_s:.3g} s exposed communication vs {best.exposed_comm_s:.3g}")
@@ -278,9 +281,9 @@ class Plan:
         header = ["#", "layout", "grad acc", "step s", "vs #1", "tokens/s", "exposed comm s", "inter-node GB",
                   "mem GiB/GPU"] + (["fits"] if with_fits else [])
         rows = [header]
-        first = self.winner.step_time_s
+        first = shown[0].step_time_s  # the winner, or with nothing fitting the leanest layout
         for index, candidate in enumerate(shown, start=1):
-            versus = "" if candidate is self.winner else f"{100 * (candidate.step_time_s / first - 1):+.1f}%"
+            versus = "" if index == 1 else f"{100 * (candidate.step_time_s / first - 1):+.1f}%"
             if id(candidate) in tie_ids:
                 versus = (versus + " ~").strip()
             row = [
@@ -324,9 +327,9 @@ class Plan:
             if fastest is not winner:
                 where = next((f"#{i} " for i, c in enumerate(shown, start=1) if c is fastest), "")
                 text += (
-                    f" #1 is predicted {100 * (winner.step_time_s / fastest.step_time_s - 1):.1f} % slower than "
-                    f"{where}({fastest.layout_text}, {fastest.accumulation_text}), which lost the tie because "
-                    f"{lost_because(fastest, winner, tied, self.memory_tie_tolerance)}."
+                    f" {where}({fastest.layout_text}, {fastest.accumulation_text}) is predicted "
+                    f"{100 * (1 - fastest.step_time_s / winner.step_time_s):.1f} % faster than #1 but lost the tie "
+                    f"because {lost_because(fastest, winner, tied, self.memory_tie_tolerance)}."
                 )
             notes.append(text)
         modes = {c.accumulation_text for c in shown}
@@ -344,13 +347,16 @@ class Plan:
         if not show_infeasible and fitting and unfit:
             lean = leanest(c for c in self.ranked if not c.fits)
             notes.append(
-                f"{unfit} more layouts do not fit in {gib_text(self.winner.usable_memory_bytes)} usable per GPU "
+                f"{unfit} more {_layouts(unfit)} not fit in {gib_text(self.winner.usable_memory_bytes)} usable per GPU "
                 f"(the leanest of them, {lean.name}, needs {gib_text(lean.memory.total)}); --show-infeasible lists "
                 "them."
             )
         if top and len(pool) > top:
-            notes.append(f"{len(pool) - top} more {'' if show_infeasible else 'fitting '}layouts not shown "
-                         "(--top 0 lists them all).")
+            hidden = len(pool) - top
+            notes.append(
+                f"{hidden} more {'' if show_infeasible else 'fitting '}layout{'s' if hidden > 1 else ''} not shown "
+                "(--top 0 lists them all)."
+            )
         return [textwrap.fill(note, width=118, subsequent_indent="  ", break_on_hyphens=False) for note in notes]
 
     def to_dict(self, top: Optional[int] = None) -> dict[str, Any]:
@@ -396,6 +402,10 @@ def _gb(value: float) -> str:
 
 def leanest(candidates: Iterable[LayoutEstimate]) -> LayoutEstimate:
     return min(candidates, key=lambda c: c.memory.total)
+
+
+def _layouts(count: int) -> str:
+    return "layout does" if count == 1 else "layouts do"
 
 
 def _without_kind(estimate: LayoutEstimate) -> str:
