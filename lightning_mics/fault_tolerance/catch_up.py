@@ -33,6 +33,7 @@ import io
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -189,6 +190,12 @@ class SnapshotServer:
         server = self._server
         return None if server is None else tuple(server.server_address[:2])  # type: ignore[return-value]
 
+    @property
+    def open_connections(self) -> int:
+        """How many connections the listener is handling now (at most :data:`MAX_SNAPSHOT_CONNECTIONS`)."""
+        server = self._server
+        return 0 if server is None else server.open_connections
+
     def _address(self, step: int) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{_USER}:{self._token}@{host}:{self._port()}/snapshot/{step}"
@@ -274,17 +281,16 @@ class SnapshotServer:
                 self._cut_off.cancel()
                 super().finish()
 
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            def do_GET(self) -> None:
                 self._cut_off.cancel()  # the request is in; the answer may take as long as the snapshot's size
                 self.connection.settimeout(server.wait_s)
                 authorised = server._authorised(self.path, self.headers.get("Authorization"))
                 if authorised is None:
-                    server._refuse(self.client_address)
                     self.send_error(404)
                     return
                 data = server._serialised_snapshot(*authorised)
-                if data is None:  # released or replaced meanwhile: the asker's heal is over
-                    self.send_error(404)
+                if data is None:  # released or replaced meanwhile: the asker's heal is over (not a stranger)
+                    self._bare_404()
                     return
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
@@ -299,7 +305,12 @@ class SnapshotServer:
 
             def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
                 """Every refusal -- a wrong method, a malformed request, no token -- is the same bare 404: no body,
-                nothing that tells one from another (an unknown method is not told apart from a wrong token)."""
+                nothing that tells one from another (an unknown method is not told apart from a wrong token);
+                counted and logged with the asker's address."""
+                server._refuse(self.client_address)
+                self._bare_404()
+
+            def _bare_404(self) -> None:
                 self.close_connection = True
                 self.send_response_only(404)
                 self.send_header("Content-Length", "0")
@@ -317,11 +328,19 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
     the accepting thread and closed, without a thread of its own."""
 
     daemon_threads = True
+    #: the kernel's queue of connections not yet accepted (socketserver's 5 would leave a burst's connections
+    #: waiting for a SYN retransmission, a second or more, before the accept loop even sees them)
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], family: int, slots: int) -> None:
         self.address_family = family
         self._slots = threading.BoundedSemaphore(slots)
+        self._capacity = slots
         super().__init__(address, handler)
+
+    @property
+    def open_connections(self) -> int:
+        return self._capacity - self._slots._value  # type: ignore[attr-defined]  # a read of its counter
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -344,6 +363,12 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that broke off (an asker that hung up mid-body, a head cut off) is the asker's business:
+        socketserver would print its traceback on the rank's stderr."""
+        log.debug("fault tolerance: a snapshot connection from %s ended in an error (%s)", client_address,
+                  sys.exc_info()[1])
 
 
 def _shut_down(server: ThreadingHTTPServer) -> None:
@@ -415,7 +440,10 @@ def fetch_snapshot(address: str, timeout: float, max_bytes: Optional[int] = None
                     f"{where} announced a body of {int(length)} bytes, more than the {max_bytes} the heal announced: "
                     "refused unread"
                 )
-            data = response.read(int(length))
+            try:
+                data = response.read(int(length))
+            except http.client.IncompleteRead as short:
+                data = short.partial
             if len(data) != int(length):
                 raise SnapshotUnavailable(f"{where} closed after {len(data)} of {int(length)} bytes")
         except (OSError, http.client.HTTPException) as error:

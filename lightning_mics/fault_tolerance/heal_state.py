@@ -76,11 +76,12 @@ def load_optimizer_local_state(optimizer: Optimizer, received: dict[str, Any]) -
     set_hyper_parameters(optimizer, received.get("param_groups", ()))
 
 
-#: Bytes :func:`snapshot_bytes_bound` allows per entry of a snapshot beyond its tensors' data: torch.save's
-#: record of a tensor (its zip entry, alignment, the pickled rebuild call) and its key -- a few hundred bytes --
-#: with room for long parameter names.
-SNAPSHOT_BYTES_PER_ENTRY = 2048
-#: Bytes :func:`snapshot_bytes_bound` allows once per snapshot (the archive's own records, the pickle's frame).
+#: Bytes :func:`snapshot_bytes_bound` allows per tensor beyond its data: torch.save's record of it (its zip entry,
+#: the 64-byte alignment, the pickled rebuild call) takes about 280.
+SNAPSHOT_BYTES_PER_TENSOR = 512
+#: Bytes it allows per other entry (a dictionary key, a number), beyond the length of the entry's text.
+SNAPSHOT_BYTES_PER_ENTRY = 64
+#: Bytes it allows once per snapshot (the archive's own records, the pickle's frame: about 1.3 KB).
 SNAPSHOT_BYTES_FIXED = 1 << 16
 
 
@@ -88,24 +89,24 @@ def snapshot_bytes_bound(shards: Any) -> int:
     """The most bytes ``torch.save`` takes for ``shards`` (:func:`split_shards`' second part, or the live trees it is
     copied from: DTensors count their local shard), from their sizes alone -- no data is read or copied, so the
     quorum can announce it before the snapshot is taken. A catching-up joiner refuses a larger body: whatever
-    answers at the snapshot's address cannot make it buffer more than its shards' size."""
-    entries, data = 0, 0
+    answers at the snapshot's address cannot make it buffer more than about its shards' size."""
+    total = SNAPSHOT_BYTES_FIXED
     stack = [shards]
     while stack:
         tree = stack.pop()
         if isinstance(tree, DTensor):
             tree = tree._local_tensor
         if isinstance(tree, Tensor):
-            entries, data = entries + 1, data + tree.numel() * tree.element_size()
+            total += tree.numel() * tree.element_size() + SNAPSHOT_BYTES_PER_TENSOR
         elif isinstance(tree, dict):
-            entries += len(tree)
+            total += sum(len(str(key)) + SNAPSHOT_BYTES_PER_ENTRY for key in tree)
             stack.extend(tree.values())
         elif isinstance(tree, (list, tuple)):
-            entries += len(tree)
+            total += SNAPSHOT_BYTES_PER_ENTRY
             stack.extend(tree)
         else:
-            entries += 1
-    return data + SNAPSHOT_BYTES_PER_ENTRY * entries + SNAPSHOT_BYTES_FIXED
+            total += len(repr(tree)) + SNAPSHOT_BYTES_PER_ENTRY
+    return total
 
 
 def training_state(
