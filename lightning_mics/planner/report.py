@@ -171,7 +171,7 @@ class Plan:
             return "No layout fits, so there is no strategy to recommend (see above)."
         names = "MiCSStrategy, ShardingSpec" if "ShardingSpec(" in strategy else "MiCSStrategy"
         note = "" if self.training.precision in _LIGHTNING_PRECISIONS else (
-            f"  # planned for {self.training.precision}, which is DeepSpeed's recipe: choose a Lightning precision"
+            f" ({self.training.precision} is DeepSpeed's recipe, not a Lightning precision: set the one you train in)"
         )
         return "\n".join(
             [
