@@ -69,7 +69,8 @@ recomputes the forward), split 1/3 forward, 2/3 backward.
                   (grad_accumulation="unsharded": Psi * b_reduce for the gradients, the full accumulator)
     held params = Psi * b_gather / P      parameters kept between forward and backward (P < G)
     buffers     = 2 Psi / U * (b_gather + b_reduce)   prefetched unit + unsharded gradients (G > 1)
-    activations = per layer s*b*h*(34 + 5*a*s/h) bytes at 16-bit (Korthikanti et al. 2022), or
+    activations = per layer s*b*h*(34 + 5*a*s/h) bytes at 16-bit (Korthikanti et al. 2022; the 34 adjusted
+                  for grouped-query attention and gated MLPs, see activation_bytes), or
                   2*s*b*h per layer + one layer's worth with activation checkpointing
 
 and a layout *fits* when their sum is at most ``(1 - memory_reserve_fraction)`` of device memory
