@@ -38,6 +38,7 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
 from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
+from lightning_mics.console import quiet_torchft
 from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
     GroupConfiguration,
@@ -338,6 +339,7 @@ class MiCSEngine:
         ft = self.options.fault_tolerance
         self._logging_membership = None  # the front end's setup set the logging rank back to the global rank
         if ft is not None and (self.replica_group is None or self.replica_group.closed):
+            quiet_torchft()  # before torchft's first import: its Rust side reads RUST_LOG once
             ft, heal_note = ft.resolved().with_heal_for(self.options.cross_replica_sync, loss_scaling)
             layout = {name: value for name, value in self.layout().settings._flat().items() if name != "rank"}
             configuration = GroupConfiguration.of(

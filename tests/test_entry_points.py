@@ -222,6 +222,18 @@ def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
     assert re.search(r"group 0 trained alone for [1-9]\d* steps", output), output[-2000:]
     assert (tmp_path / "summary.txt").read_text() in output
     assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
+    # what each group's console shows of the failure after its start-up lines: a few lines, once per group --
+    # no torchft INFO, no traceback (the survivor: discarded, left, joined; the restarted group: joined, caught up)
+    logs = sorted(tmp_path.glob("group*-*.log"))
+    assert len(logs) == 3, logs
+    for log in logs:
+        lines = log.read_text().splitlines()
+        assert not [line for line in lines if "[INFO]" in line or "Traceback" in line], log
+        start_up_end = max(i for i, line in enumerate(lines) if "process groups created by this layout" in line)
+        after = [line for line in lines[start_up_end + 1:] if not line.startswith("`Trainer.fit` stopped")]
+        assert len(after) <= 10, (log, after)
+    survivor = next(log for log in logs if log.name.startswith("group0")).read_text()
+    assert survivor.count("replica group(s) left at step") == 1 and survivor.count("discarded (") <= 1
 
 
 @pytest.mark.timeout(120)
