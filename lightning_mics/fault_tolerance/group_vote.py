@@ -156,8 +156,9 @@ class GroupVote:
                 connection.close()
             raise
         finally:
+            why = "the group was complete" if len(seated) == self.world_size - 1 else "rank 0 gave up waiting"
             for connection in list(unproven):
-                self._refuse(selector, unproven, connection, "the group was complete before it proved itself")
+                self._refuse(selector, unproven, connection, f"{why} before it proved itself")
             selector.close()
         if self.refused > REFUSALS_LOGGED:
             log.warning("fault tolerance: the group's vote refused %d connection(s) in all", self.refused)
