@@ -52,6 +52,18 @@ def speed_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed_ratios(results: dict[str, Any]) -> str:
+    """The README's prose under the speed table: how the names compare in that same run (step-time ratios)."""
+    rows = _rows(results)
+    step = {key: rows[key]["step_time_s"] for key in ("mics-auto", "mics", "ddp", "fsdp-hybrid", "zero3")}
+    return (
+        f"In this run `mics_auto` stepped {step['ddp'] / step['mics-auto']:.2f}× as fast as Lightning's DDP and "
+        f"{step['fsdp-hybrid'] / step['mics-auto']:.2f}× as fast as `HYBRID_SHARD`; plain `mics` "
+        f"{step['fsdp-hybrid'] / step['mics']:.2f}× `HYBRID_SHARD` and {step['zero3'] / step['mics']:.2f}× "
+        "`mics_zero3`.\n"
+    )
+
+
 def fault_tolerance_table(results: dict[str, Any]) -> str:
     """docs/fault-tolerance.md's table of one ``benchmarks/fault_tolerance.py`` run."""
     n, f, r = results["no_failure"], results["failure"], results["rejoin"]
@@ -237,6 +249,7 @@ def convergence_table(results: Optional[dict[str, Any]]) -> str:
 #: block name -> (results file, renderer)
 FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
+    "speed-ratio24-ratios": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_ratios),
     "fault-tolerance-defaults": ("benchmarks/results/fault_tolerance_defaults/fault_tolerance.json",
                                  fault_tolerance_defaults_table),
     "fault-tolerance-hop2": ("benchmarks/results/fault_tolerance_hop2/fault_tolerance.json", fault_tolerance_table),
