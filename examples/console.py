@@ -71,6 +71,33 @@ def validate_at_the_end(trainer: pl.Trainer, model: pl.LightningModule, datamodu
     trainer.validate(model, datamodule=datamodule, verbose=False)
 
 
+def is_library_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is lightning_mics refusing a setting: a ``ValueError``/``TypeError`` raised by the library's
+    own code, whose message names the fix. The entry points print those as one line; anything else (a bug, a
+    crash) keeps its traceback."""
+    if not isinstance(error, (ValueError, TypeError)):
+        return False
+    tb = error.__traceback__
+    innermost = None
+    while tb is not None:
+        innermost, tb = tb, tb.tb_next
+    return innermost is not None and f"{os.sep}lightning_mics{os.sep}" in innermost.tb_frame.f_code.co_filename
+
+
+def write_traceback_to_log_file(error: BaseException) -> Optional[str]:
+    """Write ``error``'s traceback to the root logger's log file (Hydra's ``<run dir>/<job>.log``) only, not to the
+    console; returns the file's path, or ``None`` when no file handler is configured."""
+    import traceback
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            handler.emit(logging.makeLogRecord({"msg": text, "levelno": logging.ERROR, "levelname": "ERROR"}))
+            handler.flush()
+            return handler.baseFilename
+    return None
+
+
 def find_telemetry(trainer: pl.Trainer) -> Optional[TrainingTelemetry]:
     return next((cb for cb in trainer.callbacks if isinstance(cb, TrainingTelemetry)), None)  # type: ignore[attr-defined]
 

@@ -46,7 +46,9 @@ from examples.console import (  # noqa: E402  (needs REPO_ROOT on sys.path)
     ValidationStep,
     configure_console,
     format_summary,
+    is_library_refusal,
     validate_at_the_end,
+    write_traceback_to_log_file,
 )
 from examples.memory_check import check_fits_memory  # noqa: E402
 MICS_TARGETS = ("lightning_mics.MiCSStrategy", "lightning_mics.strategy.MiCSStrategy")
@@ -230,6 +232,12 @@ def main(cfg: DictConfig) -> Optional[float]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(f"error: {error} (set HYDRA_FULL_ERROR=1 for the traceback)")
+    except (ValueError, TypeError) as error:  # the library refusing a setting once the ranks run: the same one line
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" or not is_library_refusal(error):
+            raise
+        logged = write_traceback_to_log_file(error)
+        where = f"the traceback is in {logged}" if logged else "set HYDRA_FULL_ERROR=1 for the traceback"
+        sys.exit(f"error: {error} ({where})")
 
 
 if __name__ == "__main__":
