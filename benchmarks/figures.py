@@ -237,6 +237,130 @@ def fault_tolerance_defaults_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mb(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1e6:,.1f}"
+
+
+def _strategy_label(row: dict[str, Any]) -> str:
+    """A row's name with what it is: the planner's layout, a peer's framework, a semi-synchronous H."""
+    name, family = row["strategy"], row.get("family")
+    if row.get("sync_every"):
+        return f"{name} (semi-synchronous, H={row['sync_every']}: mean over whole rounds)"
+    notes = []
+    if row.get("planned") or name.startswith("mics-auto"):
+        params = row.get("params_degree") or row.get("partition_size")
+        optim = row.get("optim_degree") or row.get("partition_size")
+        notes.append(f"planner: P={params} G={row.get('partition_size')} OS={optim}, {row.get('grad_accumulation')}")
+    if row.get("cross_replica_overlap") is False:
+        notes.append("hop 2 after backward")
+    if family in ("fsdp1", "ddp"):
+        notes.append("Lightning")
+    elif family == "deepspeed":
+        notes.append("DeepSpeed")
+    return name + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _run_caption(results: dict[str, Any]) -> str:
+    """The line above a run's table: the command that wrote it, the setting, the host's load."""
+    machine = results.get("machine", {})
+    load = machine.get("load_before"), machine.get("load_after")
+    caption = f"`{results['command']}`: {results['title']}"
+    if all(load):
+        caption += f"; load average {load[0][0]:.1f} before, {load[1][0]:.1f} after, on {machine.get('cpus')} cores"
+    return caption + ".\n\n"
+
+
+def emulated_cluster_table(results: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table of one ``emulated_cluster.py`` run: per strategy the step time, throughput,
+    inter-node bytes against the byte model, the wire floor, loopback bytes and peak memory."""
+    rows = [r for r in results["results"] if r.get("status") == "ok"]
+    fastest = min(r["step_time_s"] for r in rows)
+    lines = ["| strategy | step (s) | tokens/s | inter-node MB/step (expected) | wire floor (s) | step / floor | "
+             "loopback MB/step | peak RSS/rank (MB) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["results"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['strategy']} | {r.get('status')} | | | | | | |")
+            continue
+        step = f"{r['step_time_s']:.2f}"
+        floor, ratio = r.get("wire_floor_s"), r.get("step_over_floor")
+        lines.append(
+            f"| {_strategy_label(r)} | {f'**{step}**' if r['step_time_s'] == fastest else step} | "
+            f"{r['tokens_per_s']:,.0f} | {_mb(r['inter_node_bytes_per_step'])} "
+            f"({_mb(r['expected_inter_node_bytes_per_step'])}, {r.get('inter_node_error', 0) * 100:+.1f}%) | "
+            f"{'-' if floor is None else f'{floor:.2f}'} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
+            f"{_mb(r['loopback_bytes_per_step'])} | {_mb(r['peak_mem_bytes'])} |"
+        )
+    return _run_caption(results) + "\n".join(lines) + "\n"
+
+
+def scaling_table(results: dict[str, Any]) -> str:
+    """docs/benchmarks.md's table of one ``emulated_cluster.py --scaling`` run: every (nodes, strategy) point."""
+    rows = [r for r in results["rows"] if r["status"] == "ok"]
+    fastest = {n: min(r["step_time_s"] for r in rows if r["nodes"] == n) for n in {r["nodes"] for r in rows}}
+    lines = [f"`{results['command']}`: {results['ranks_per_node']} ranks per node, the link calibrated to "
+             f"{results['inter_node_rate_bytes_per_s'] / 1e6:.0f} MB/s per direction at the first point and kept.", "",
+             "| nodes | strategy | step (s) | tokens/s per node | inter-node MB per node (expected) | wire floor (s) | "
+             "step / floor | planner (fit) |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['nodes']} | {r['strategy']} | {r['status']} | | | | | |")
+            continue
+        step = f"{r['step_time_s']:.2f}"
+        error = r.get("prediction_error")
+        lines.append(
+            f"| {r['nodes']} | {r['strategy']} | {f'**{step}**' if r['step_time_s'] == fastest[r['nodes']] else step} | "
+            f"{r['tokens_per_s_per_node']:.1f} | {_mb(r['inter_node_bytes_per_node_per_step'])} "
+            f"({_mb(r['expected_inter_node_bytes_per_node_per_step'])}) | {_fmt(r.get('wire_floor_s'), '{:.2f}')} | "
+            f"{_fmt(r.get('step_over_floor'), '{:.2f}x')} | {'-' if error is None else f'{error * 100:+.0f} %'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def telemetry_cost_table(results: Optional[dict[str, Any]]) -> str:
+    """docs/benchmarks.md's table of one ``telemetry_cost.py --json`` run (``None``: not run yet)."""
+    if results is None:
+        return ("Not measured with this code yet: `python benchmarks/telemetry_cost.py --steps 40 --rounds 3 --json "
+                "<results>/telemetry_cost/telemetry_cost.json` writes the file this table is rendered from.\n")
+    args, rows = results["args"], results["rows"]
+    named = {"none": "no telemetry", "sampled (default)": "telemetry as shipped (collectives recorded on sampled "
+             "steps)", "every step": "`TrainingTelemetry(sample_every=1)`: the recorder on every step"}
+    lines = [f"{args['world']} ranks, {results['device']}, {args['rounds']} rounds x {args['steps']} steps (first "
+             f"{args['skip']} of each left out), {args['precision']}:", "",
+             "| variant | steps | median step (ms) | vs no telemetry |", "|---|---:|---:|---:|"]
+    for name, row in rows.items():
+        change = "-" if name == "none" else f"{(row['ratio'] - 1) * 100:+.2f} %"
+        lines.append(f"| {named.get(name, name)} | {row['steps']} | {row['median_ms']:.1f} | {change} |")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_throughput_table(results: dict[str, Any]) -> str:
+    """docs/gpu.md's table of one ``gpu_throughput.py`` run: each mode's throughput, MFU, memory and loss, then
+    the strategy / plain ratios against their target."""
+    env, ratios, targets = results["environment"], results["ratios"], results["targets"]
+    named = {"plain": "plain loop", "strategy": '`Trainer(strategy="mics")`', "plain-compiled": "plain loop, compiled "
+             "blocks", "strategy-compiled": '`Trainer(strategy="mics")`, `compile_blocks=True`'}
+    lines = [f"`{results['command']}` on one {env['device_name']} (torch {env['torch']}, lightning "
+             f"{env['lightning']}), model `{results['config']['model']}`, micro-batch {results['config']['micro_batch']}, "
+             f"{results['config']['steps']} timed steps; MFU against {env['peak_flops'] / 1e12:.0f} TFLOP/s:", "",
+             "| mode | tokens/s | step ms | MFU | peak memory | loss, first → last step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results["results"]:
+        if r["status"] != "ok":
+            lines.append(f"| {named.get(r['mode'], r['mode'])} | {r['status']} | | | | |")
+            continue
+        lines.append(f"| {named.get(r['mode'], r['mode'])} | {r['tokens_per_s']:,.0f} | {r['step_time_s'] * 1e3:.1f} | "
+                     f"{r['mfu'] * 100:.1f} % | {r['peak_memory_bytes'] / 2**30:.1f} GiB | "
+                     f"{r['first_loss']:.3f} → {r['last_loss']:.3f} |")
+    lines += ["", f"Strategy / plain throughput: **{ratios['strategy/plain']:.3f}** eager, "
+              f"**{ratios['strategy-compiled/plain-compiled']:.3f}** compiled (target ≥ {targets['strategy/plain']:.2f})."]
+    return "\n".join(lines) + "\n"
+
+
+def verbatim(text: str) -> str:
+    """A Markdown table a benchmark wrote itself (``profile_breakdown.py --markdown``), quoted as it is."""
+    return text if text.endswith("\n") else text + "\n"
+
+
 def convergence_table(results: Optional[dict[str, Any]]) -> str:
     """docs/semi-sync.md's block of one ``emulated_cluster.py --convergence`` run (``None``: not run yet)."""
     if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
@@ -282,10 +406,18 @@ FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
         fault_tolerance_cpu_table,
     ),
     "convergence": ("benchmarks/results/convergence/convergence.json", convergence_table),
+    "emulated-cluster-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", emulated_cluster_table),
+    "emulated-cluster-peers": ("benchmarks/results/peers/emulated_cluster.json", emulated_cluster_table),
+    "emulated-cluster-ratio240": ("benchmarks/results/emulated_cluster_ratio240/emulated_cluster.json",
+                                  emulated_cluster_table),
+    "emulated-cluster-profile": ("benchmarks/results/ratio24_overlap/profile/breakdown.md", verbatim),
+    "scaling": ("benchmarks/results/scaling/scaling.json", scaling_table),
+    "gpu-throughput": ("benchmarks/results/gpu_throughput.json", gpu_throughput_table),
+    "telemetry-cost": ("benchmarks/results/telemetry_cost/telemetry_cost.json", telemetry_cost_table),
 }
 #: Blocks whose measurement may not have run yet: without the results file their renderer gets ``None`` and says
 #: so (once the file exists, ``--check`` fails until the block is rendered from it).
-AWAITING_RUN = frozenset({"convergence"})
+AWAITING_RUN = frozenset({"convergence", "telemetry-cost"})
 
 
 def render(name: str, results: Optional[dict[str, Any]] = None) -> str:
@@ -293,7 +425,10 @@ def render(name: str, results: Optional[dict[str, Any]] = None) -> str:
     path, renderer = FIGURES[name]
     if results is None and name in AWAITING_RUN and not (REPO / path).is_file():
         return renderer(None)
-    return renderer(results if results is not None else json.loads((REPO / path).read_text()))
+    if results is None:
+        text = (REPO / path).read_text()
+        results = json.loads(text) if path.endswith(".json") else text
+    return renderer(results)
 
 
 def stale_blocks(document: str, text: str) -> list[str]:
