@@ -248,3 +248,132 @@ def test_readme_test_command_is_what_ci_runs():
     assert pytest_commands == [command], (
         f"the README's test command(s) {pytest_commands} should be exactly .ci/run's {command!r}"
     )
+
+
+# --- a manual, not a lab notebook: no dates, commit hashes or issue numbers; every results folder cited --------------
+
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS_MAX_LINES = 500
+
+DATE = re.compile(r"(?<![\w-])(?:19|20)\d\d-[01]\d-[0-3]\d(?![\w-])|\b\d{1,2}:\d\d(?::\d\d)? UTC\b")
+# 7-40 hex characters standing alone, with at least one digit and one letter a-f (so "deadbeef" words and plain
+# numbers are not hashes); not part of a path, a name or a longer word
+COMMIT = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/-])")
+ISSUE = re.compile(r"\b(?:issues?|PRs?|pull requests?)\s+#?\d+", re.IGNORECASE)
+HASH_NUMBER = re.compile(r"(?<![\w&#/])#\d+\b")  # "#12" in prose (outside code, link targets stripped)
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+RESULTS_PATH = re.compile(r"benchmarks/results/[\w.*+/-]*[\w*]")
+
+
+def history_findings(text: str) -> list[tuple[int, str]]:
+    """(line number, finding) for what makes a page a lab notebook: dates and times of day, commit hashes, issue
+    numbers ("#12" only in prose: a fenced block or `inline code` may quote a program's "#1")."""
+    def line_of(match: re.Match) -> int:
+        return text.count("\n", 0, match.start()) + 1
+
+    found = [(line_of(m), f"date {m.group(0)!r}") for m in DATE.finditer(text)]
+    found += [(line_of(m), f"commit hash {m.group(0)!r}") for m in COMMIT.finditer(text)]
+    found += [(line_of(m), f"issue reference {m.group(0)!r}") for m in ISSUE.finditer(text)]
+    prose, _ = split_fences(text)
+    for number, line in enumerate(prose, 1):
+        line = ISSUE.sub("", LINK_TARGET.sub("]()", INLINE_CODE.sub("", line)))
+        found += [(number, f"issue reference {m.group(0)!r}") for m in HASH_NUMBER.finditer(line)]
+    return sorted(found)
+
+
+def _pages_linked_from(page: Path) -> set[Path]:
+    linked = set()
+    for _, target in relative_links(page):
+        file_part = target.partition("#")[0]
+        if file_part:
+            resolved = (page.parent / file_part).resolve()
+            if resolved.suffix == ".md" and resolved.is_file() and resolved.is_relative_to(RESULTS):
+                linked.add(resolved)
+    return linked
+
+
+def citing_pages() -> list[Path]:
+    """README, docs/*.md, and the pages beside the results they reach: a benchmarks/results/ page one of them
+    links, and the README.md of a results folder one of them cites (to a fixed point)."""
+    pages = list(markdown_files())
+    while True:
+        texts = [page.read_text(encoding="utf-8") for page in pages]
+        more = {linked for page in pages for linked in _pages_linked_from(page)}
+        more |= {folder / "README.md" for folder in RESULTS.iterdir()
+                 if (folder / "README.md").is_file() and any(cites(text, folder) for text in texts)}
+        more -= set(pages)
+        if not more:
+            return pages
+        pages += sorted(more)
+
+
+def cites(text: str, entry: Path) -> bool:
+    """Whether ``text`` names the results folder or file ``entry`` (a top-level entry of benchmarks/results/)."""
+    name = re.escape(entry.name)
+    after = r"(?![\w-]|\.\w)"  # not a longer name (a sentence's full stop may follow)
+    if entry.is_dir():  # results/NAME, ../NAME/ or `NAME/`
+        return re.search(rf"results/{name}{after}|(?:\.\./|(?<![\w./-])){name}/", text) is not None
+    return re.search(rf"(?:results/|\]\(){name}{after}", text) is not None  # results/NAME, or a link beside it
+
+
+def test_history_scanner_catches_dates_hashes_and_issue_numbers():
+    page = (
+        "Run 2026-11-28 at 22:30 UTC from commit 8ec78b0 (issue 24, see #12); `vs #1` and [x](a.md#2-nodes) are fine.\n"
+        "Not hashes: 1234567, deadbeef, a 12.7 M model, benchmarks/results/ab_12345ff/, 0x1f2e3d4c, fe36f72abc_x.\n"
+        "```text\n#1 in a fence is output, 2026-01-02 is not\n```\n"
+    )
+    assert history_findings(page) == sorted([
+        (1, "date '2026-11-28'"), (1, "date '22:30 UTC'"), (4, "date '2026-01-02'"), (1, "commit hash '8ec78b0'"),
+        (1, "issue reference 'issue 24'"), (1, "issue reference '#12'"),
+    ])
+    assert [f for _, f in history_findings("The Issue #7 and issues 3 and PR 9.")] == [
+        "issue reference 'Issue #7'", "issue reference 'PR 9'", "issue reference 'issues 3'"]
+
+
+def test_docs_and_readme_hold_no_dates_commit_hashes_or_issue_numbers():
+    problems = [f"{path.relative_to(ROOT)}:{number}: {finding}" for path in markdown_files()
+                for number, finding in history_findings(path.read_text(encoding="utf-8"))]
+    assert not problems, ("history belongs beside the results (benchmarks/results/) or in CHANGELOG.md, not in the "
+                          "manual:\n" + "\n".join(problems))
+
+
+def test_no_docs_page_is_over_500_lines():
+    long = {path.name: n for path in DOCS.glob("*.md") if (n := len(path.read_text(encoding="utf-8").splitlines()))
+            > DOCS_MAX_LINES}
+    assert not long, f"docs pages over {DOCS_MAX_LINES} lines (move history beside the results): {long}"
+
+
+def test_every_results_folder_is_cited_by_a_page():
+    pages = citing_pages()
+    assert any(page.is_relative_to(RESULTS) for page in pages), "no docs page links a history beside the results"
+    texts = [page.read_text(encoding="utf-8") for page in pages]
+    entries = sorted(p for p in RESULTS.iterdir() if not p.name.startswith("."))
+    assert len(entries) >= 5, f"benchmarks/results/ is nearly empty: {entries}"
+    uncited = [entry.name for entry in entries if not any(cites(text, entry) for text in texts)]
+    assert not uncited, ("results no page cites (README, docs/, or a results page a doc links); cite them where the "
+                         f"reason matters or `git rm -r` them: {uncited}")
+
+
+def test_results_citation_rule(tmp_path):
+    (tmp_path / "run_a").mkdir()
+    (tmp_path / "run.json").write_text("{}")
+    assert cites("see `benchmarks/results/run_a/`", tmp_path / "run_a")
+    assert cites("beside it, `run_a/` holds", tmp_path / "run_a")
+    assert cites("in benchmarks/results/run_a.", tmp_path / "run_a")
+    assert not cites("benchmarks/results/run_ab/ and run_a.json", tmp_path / "run_a")
+    assert cites("(`benchmarks/results/run.json`)", tmp_path / "run.json")
+    assert not cites("benchmarks/results/run.json5 and run.json", tmp_path / "run.json")
+
+
+def test_every_cited_results_path_exists():
+    cited = {(page, match.group(0)) for page in citing_pages()
+             for match in RESULTS_PATH.finditer(page.read_text(encoding="utf-8"))}
+    assert len(cited) >= 5, "the scanner found almost no benchmarks/results/ paths"
+    missing = sorted(f"{page.relative_to(ROOT)}: {path}" for page, path in cited
+                     if not (sorted(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()))
+    assert not missing, "cited results that do not exist:\n" + "\n".join(missing)
+
+
+def test_no_scripts_in_the_results():
+    scripts = sorted(str(p.relative_to(ROOT)) for p in RESULTS.rglob("*") if p.suffix in (".py", ".sh", ".ipynb"))
+    assert not scripts, f"scripts belong in benchmarks/, not beside the results: {scripts}"
