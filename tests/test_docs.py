@@ -377,3 +377,11 @@ def test_every_cited_results_path_exists():
 def test_no_scripts_in_the_results():
     scripts = sorted(str(p.relative_to(ROOT)) for p in RESULTS.rglob("*") if p.suffix in (".py", ".sh", ".ipynb"))
     assert not scripts, f"scripts belong in benchmarks/, not beside the results: {scripts}"
+
+
+def test_links_of_the_history_pages_resolve():
+    """The experiment logs the docs link, and CHANGELOG.md, link back into the docs and to their results."""
+    pages = [page for page in citing_pages() if page.is_relative_to(RESULTS)] + [ROOT / "CHANGELOG.md"]
+    assert len(pages) >= 3, f"expected the experiment logs and the changelog, found {pages}"
+    problems = [problem for page in pages for problem in broken_links(page)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
