@@ -319,8 +319,10 @@ def scaling_table(results: dict[str, Any]) -> str:
 def telemetry_cost_table(results: Optional[dict[str, Any]]) -> str:
     """docs/benchmarks.md's table of one ``telemetry_cost.py --json`` run (``None``: not run yet)."""
     if results is None:
-        return ("Not measured with this code yet: `python benchmarks/telemetry_cost.py --steps 40 --rounds 3 --json "
-                "<results>/telemetry_cost/telemetry_cost.json` writes the file this table is rendered from.\n")
+                        return ("Not yet measured into a results file: `python benchmarks/telemetry_cost.py --steps 40 --rounds 3 "
+                "--json telemetry_cost.json`, kept as `telemetry_cost/telemetry_cost.json` beside the other results, "
+                "renders this table; the earlier runs are in [the experiment log]"
+                "(../benchmarks/results/emulated_cluster_history.md#telemetry-cost).\n")
     args, rows = results["args"], results["rows"]
     named = {"none": "no telemetry", "sampled (default)": "telemetry as shipped (collectives recorded on sampled "
              "steps)", "every step": "`TrainingTelemetry(sample_every=1)`: the recorder on every step"}
