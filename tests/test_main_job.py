@@ -58,3 +58,22 @@ def test_main_job_trains_logs_checkpoints_and_summarises(tmp_path: Path) -> None
     assert output.count("Initializing distributed") == 1, output[-3000:]
     assert output.count("MiCS layout") == 2  # the layout line, and the summary's copy of it
     assert not list(run_dir.glob("train_ddp_process_*.log"))
+
+
+def test_a_refusal_raised_inside_the_ranks_prints_as_one_line_with_the_fix(tmp_path: Path) -> None:
+    """The library refusing a setting once the ranks run (fault tolerance without a Lighthouse: known only when
+    the group joins) ends the job with one line naming the fix; the traceback goes to the job's log file."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LIGHTHOUSE", "HYDRA_FULL_ERROR")}
+    command = [sys.executable, str(TRAIN_SCRIPT), f"hydra.run.dir={run_dir}", "trainer.devices=1", "cluster.ranks_per_node=1",
+               "trainer.max_steps=1", "+trainer.enable_progress_bar=false",
+               "strategy.fault_tolerance={replica_group: 0, num_replica_groups: 2}"]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "Traceback" not in output, output[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: fault_tolerance needs the Lighthouse's address"), last
+    assert "TORCHFT_LIGHTHOUSE" in last and "the traceback is in" in last
+    log_file = Path(last.rsplit("the traceback is in ", 1)[1].rstrip(")"))
+    assert "Traceback" in log_file.read_text() and log_file.is_relative_to(run_dir)
