@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_mics import _compat as compat
+
 #: How buffers are made equal across ranks (see :func:`sync_buffers`).
 BufferSync = Literal["broadcast", "average", "none"]
 BUFFER_SYNC_MODES: tuple[str, ...] = ("broadcast", "average", "none")
@@ -44,8 +46,8 @@ def persistent_buffers(module: nn.Module) -> list[Tensor]:
     seen: set[int] = set()
     buffers: list[Tensor] = []
     for submodule in module.modules():
-        non_persistent = getattr(submodule, "_non_persistent_buffers_set", set())
-        for name, buffer in submodule._buffers.items():
+        non_persistent = compat.non_persistent_buffer_names(submodule)
+        for name, buffer in compat.module_buffers(submodule).items():
             if buffer is None or name in non_persistent or id(buffer) in seen:
                 continue
             seen.add(id(buffer))

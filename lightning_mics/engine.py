@@ -75,11 +75,6 @@ log = logging.getLogger("lightning_mics")
 #: The checkpoint entry that holds the fault-tolerance state (torchft's step count).
 FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
 
-def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
-
 #: whether ``gc_freeze`` ran its one full garbage collection in this process (:meth:`MiCSEngine.freeze_startup_objects`)
 _COLLECTED_FULLY = False
 

@@ -21,7 +21,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -232,7 +231,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise ValueError(
                 f"accumulate is the micro-batches per optimizer step of your loop, >= 1; got {accumulate!r}."
             )
-        source = getattr(loader, "_dataloader", loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
+        source = compat.user_dataloader(loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
         world = self.num_nodes * self.num_processes
         data = self._engine.training_data(source, world, self.global_rank, accumulate, self.committed_steps, True)
         return self._trained_micro_batches(data)
@@ -341,7 +340,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def sync_buffers(self, module: nn.Module) -> None:
         """Make every rank's persistent buffers of ``module`` (the model ``fabric.setup`` returned) equal
         now, as ``buffer_sync`` says. A collective. ``fabric.save`` calls it; call it before evaluating too."""
-        module = _unwrap_objects(module)
+        module = compat.unwrap_fabric_objects(module)
         self._check_set_up(module, "sync_buffers(module)")
         self._engine.sync_buffers(module, self.root_device)
 

@@ -35,19 +35,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_mics import _compat as compat
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
-
-def local_shard(t: Tensor) -> Tensor:
-    """The tensor holding this rank's elements: a DTensor's local shard (its storage, so in-place
-    writes land in the parameter or gradient), or ``t`` itself."""
-    return compat.local_tensor(t) if isinstance(t, DTensor) else t
-
-
-def fsdp_units(module: nn.Module) -> list[FSDPModule]:
-    """All FSDP units inside ``module`` (including itself), in module order."""
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
+from lightning_mics.shards import fsdp_units, local_shard
 
 def set_cross_replica_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
     """Turn the cross-replica all-reduce (hop 2) on or off for every unit; reduce-scatter always runs."""

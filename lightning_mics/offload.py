@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lightning_mics.grad_sync import local_shard
+from lightning_mics import _compat as compat
+
+from lightning_mics.shards import local_shard
 from lightning_mics.sharding_spec import ShardingSpec
 
 #: What ``cpu_offload`` takes: ``True`` (FSDP2's policy with pinned host memory), ``False``, or a policy.
@@ -136,13 +138,14 @@ def move_unsharded_states(root: nn.Module, device: torch.device) -> None:
     GPU too (FSDP2 then copies pinned shards back, and refuses unpinned ones on the GPU at the first
     forward)."""
     for module in root.modules():
-        for name, buffer in module._buffers.items():
+        buffers, params = compat.module_buffers(module), compat.module_parameters(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-        for name, param in module._parameters.items():
+                buffers[name] = buffer.to(device)
+        for name, param in params.items():
             if param is not None and not hasattr(param, "device_mesh") and param.device != device:
                 with torch.no_grad():
-                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+                    params[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
 
 
 def check_clipping(params: Iterable[Tensor]) -> None:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
-from lightning_mics.grad_sync import local_shard as _local
+from lightning_mics.shards import local_shard as _local
 
 
 @dataclass

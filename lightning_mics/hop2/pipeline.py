@@ -31,7 +31,6 @@ the sum).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -39,11 +38,10 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mics import _compat as compat
-from lightning_mics.grad_sync import fsdp_units, local_shard
+from lightning_mics.shards import fsdp_units, local_shard, padded_shard_numel
 from lightning_mics.hop2.shares import ShareGradients
 from lightning_mics.hop2.transport import InFlight, Transport
 
@@ -61,17 +59,6 @@ class StepHook(Protocol):
 
 
 # --------------------------------------------------------------------------------------------- packing
-def padded_shard_numel(param: Tensor) -> int:
-    """Elements one rank packs for ``param``: its gradient shard padded as FSDP2 pads dim 0, so that every
-    rank of a replication group packs alike (the same offsets for the same parameters)."""
-    if not isinstance(param, DTensor):
-        return param.numel()
-    shards = math.prod(param.device_mesh.size(d) for d, pl in enumerate(param.placements) if isinstance(pl, Shard))
-    shape = tuple(param.shape) or (1,)
-    rows = -(-shape[0] // shards)
-    return rows * math.prod(shape[1:])
-
-
 def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
     """This rank's gradient shards of ``params`` in one flat buffer (each at its padded size, zeros in the
     padding): one message for the cross-replica hop instead of one per parameter."""
