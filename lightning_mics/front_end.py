@@ -24,7 +24,7 @@ from lightning_mics.accumulation import GradAccumulation
 from lightning_mics.console import show_start_up_lines
 from lightning_mics.layout import MiCSLayout
 from lightning_mics.registration import register_strategy_names
-from lightning_mics.offload import check_offload_before_launch
+from lightning_mics.offload_option import check_offload_before_launch
 from lightning_mics.options import MiCSOptions, ShardingOption
 from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
 from lightning_mics.wire import WireFormat
