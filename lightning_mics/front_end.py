@@ -183,7 +183,7 @@ class MiCSFrontEnd:
     def outer_round(self) -> Optional[tuple[int, bool]]:
         """With ``cross_replica_sync="diloco"``: (optimizer steps between two outer averages, whether the next
         step starts one); ``None`` with a hop 2 every step."""
-        return self._engine.semi_sync.outer_round()
+        return self._engine.outer_round()
 
     @property
     def device_mesh(self) -> DeviceMesh:

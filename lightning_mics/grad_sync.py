@@ -36,13 +36,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
+from lightning_mics.hop2.fsdp import set_cross_replica_sync
 from lightning_mics.shards import fsdp_units, local_shard
-
-def set_cross_replica_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
-    """Turn the cross-replica all-reduce (hop 2) on or off for every unit; reduce-scatter always runs."""
-    for unit in units:
-        unit.set_requires_all_reduce(enabled, recurse=False)
-
 
 def set_gradient_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
     """Turn both hops (reduce-scatter and cross-replica all-reduce) on or off for every unit; while
@@ -161,7 +156,7 @@ def clip_grad_norm_(
     Where a gradient's pieces are disjoint: a DTensor's over its ``Shard`` mesh dims, which it
     carries itself; a plain tensor's over ``disjoint_groups[param]`` -- the slice parameters of
     optimizer-state sharding, whose groups only their owner knows
-    (:attr:`~lightning_mics.optim_sharding.ReplicaShardedOptimizerStates.disjoint_groups`, which the
+    (:attr:`~lightning_mics.hop2.optimizer_states.ReplicaShardedOptimizerStates.disjoint_groups`, which the
     strategy passes in through its precision plugin); any other plain tensor is taken as replicated.
     """
     disjoint_groups = disjoint_groups or {}

@@ -28,24 +28,18 @@ replication process group; with it (replica groups as separate worlds), through 
 quorum, heal and commit per outer round (:class:`OuterSync`): a lost group misses rounds, a joining group heals
 the last-synchronised copy and the outer optimizer's state too.
 
-Checkpoints (:meth:`SemiSync.checkpoint_entries`, :meth:`SemiSync.after_load`): between two synchronisations the
-replicas differ -- their parameters and their inner optimizer states -- so a checkpoint's usual entries, which
-DCP writes once per shard from whichever replica it picks, would mix them. Instead the model entry holds the
-last-synchronised parameters (the global model: what evaluation, export and any other layout load), the
-optimizer entries the inner states averaged over the replicas, and the sharded extras (saved with the shards
-under :data:`~lightning_mics.checkpoint.format.SHARDED_EXTRAS_KEY`) the outer optimizer's state, the inner-step
-count and each replica group's own parameters and inner optimizer states under its index. Resuming with the
-same layout restores all of it, so the run goes on exactly as if uninterrupted; another layout resumes from the
-global model with averaged inner states.
+Checkpoints: between two synchronisations the replicas differ, so a checkpoint keeps the global model, the
+replica-averaged inner optimizer states (:meth:`SemiSync.global_model_state`, :meth:`SemiSync.replica_averaged`)
+and, beside the shards, the outer state and each replica group's own (:mod:`lightning_mics.checkpoint.diloco`,
+which writes and reads them).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -61,10 +55,6 @@ if TYPE_CHECKING:
     from lightning_mics.layout import MiCSLayout
 
 log = logging.getLogger("lightning_mics")
-
-#: The extras' entry this module owns (under ``SHARDED_EXTRAS_KEY``).
-EXTRAS_ENTRY = "diloco"
-
 
 def default_outer_optimizer(params: list[Tensor]) -> Optimizer:
     """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
@@ -183,6 +173,8 @@ class OuterSync:
         self.outer_steps = 0
         #: fault tolerance: rounds dropped because a group failed during their average
         self.dropped_rounds = 0
+        #: the run this optimizer's sync belongs to (:meth:`SemiSync.attach` sets it): the one model's DiLoCo state
+        self.run: Optional[SemiSync] = None
 
     def before_step(self) -> None:
         """Nothing crosses replicas before an inner step."""
@@ -201,7 +193,8 @@ class OuterSync:
         if self.inner_steps >= self.cadence:
             self.finish_fragment()
 
-    def _members(self, fragment: Optional[int]) -> range:
+    def members(self, fragment: Optional[int]) -> range:
+        """The indices of ``fragment``'s parameters (``None``: all of them)."""
         start, stop = (0, len(self.params)) if fragment is None else self.fragments[fragment]
         return range(start, stop)
 
@@ -209,7 +202,7 @@ class OuterSync:
     def pseudo_gradient(self, fragment: Optional[int] = None) -> Tensor:
         """This rank's ``last synchronised - current`` over its shards (of ``fragment``; ``None``: all), as one flat
         message (the same offsets on every replica of these shards: they hold equal shapes)."""
-        pieces = [(_local(self.anchors[i]) - _local(self.params[i])).reshape(-1) for i in self._members(fragment)]
+        pieces = [(_local(self.anchors[i]) - _local(self.params[i])).reshape(-1) for i in self.members(fragment)]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     @torch.no_grad()
@@ -257,7 +250,7 @@ class OuterSync:
         ``flat`` as its gradient (the others get none, so an element-wise optimizer leaves them and their state
         alone); the result becomes the new last-synchronised copy and, mixed with the local values by ``alpha``,
         the parameters."""
-        members = self._members(fragment)
+        members = self.members(fragment)
         offset = 0
         for i in members:
             anchor = self.anchors[i]
@@ -280,7 +273,7 @@ class OuterSync:
     def restart_from_anchors(self, fragment: Optional[int] = None) -> None:
         """A dropped round: the parameters (of ``fragment``; ``None``: all) go back to the last-synchronised copy; a
         new round starts."""
-        for i in self._members(fragment):
+        for i in self.members(fragment):
             _local(self.params[i]).copy_(_local(self.anchors[i]))
         self.inner_steps = 0
 
@@ -331,7 +324,7 @@ class OuterSync:
         if self.pending is None:
             return {}
         pieces, offset = {}, 0
-        for i in self._members(self.pending.fragment):
+        for i in self.members(self.pending.fragment):
             local = _local(self.params[i])
             piece = self.pending.sent[offset : offset + local.numel()].view(local.shape)
             pieces[self.names[i]] = _like(piece.clone(), self.params[i])
@@ -349,7 +342,7 @@ class OuterSync:
         average is the one the interrupted run would have applied)."""
         fragment = self.pending_after_load()
         assert fragment is not None
-        flat = torch.cat([_local(pieces[self.names[i]]).reshape(-1) for i in self._members(fragment)])
+        flat = torch.cat([_local(pieces[self.names[i]]).reshape(-1) for i in self.members(fragment)])
         self.start_fragment(fragment, sent=flat)
 
     def outer_state(self) -> dict[str, dict[str, Tensor]]:
@@ -370,11 +363,11 @@ class SemiSync:
     def __init__(self) -> None:
         #: in the order the optimizers were attached (the same on every rank and in a resumed run)
         self.syncs: list[OuterSync] = []
-        self._optimizers: list[Optimizer] = []
-        self._module: Optional[nn.Module] = None
-        self._replica = 0
-        self._layout_key = (1, 1)
-        self._group: Optional[dist.ProcessGroup] = None
+        self.optimizers: list[Optimizer] = []
+        self.module: Optional[nn.Module] = None
+        self.replica = 0
+        self.layout_key = (1, 1)
+        self.group: Optional[dist.ProcessGroup] = None
         #: fault tolerance: this group healed from a live one at the current round's quorum
         self._healed_this_round = False
         #: fault tolerance: heals from a live group so far (for tests and logs)
@@ -416,19 +409,19 @@ class SemiSync:
         (module,) = modules
         if isinstance(module, RootUnit):  # the Trainer's wrapper: names as the LightningModule's checkpoints have them
             module = module.module
-        if self._module is not None and module is not self._module:
+        if self.module is not None and module is not self.module:
             raise ValueError(
                 "cross_replica_sync='diloco' checkpoints one model's replicas: set up one model with this strategy."
             )
-        self._module = module
+        self.module = module
         settings = layout.settings
         mesh = layout.device_mesh
         transport = None
         if mesh.ndim == 2:
-            self._group = mesh.get_group(0)
-            self._replica = mesh.get_local_rank(0)
-            transport = ProcessGroupTransport(self._group, settings.cross_replica_wire)
-        self._layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
+            self.group = mesh.get_group(0)
+            self.replica = mesh.get_local_rank(0)
+            transport = ProcessGroupTransport(self.group, settings.cross_replica_wire)
+        self.layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
         round_quorum: Optional[Callable[[], bool]] = None
         counter = None
         if settings.hop2.managed:
@@ -457,8 +450,9 @@ class SemiSync:
                 [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum,
                 counter, *streaming,
             )
+            sync.run = self
             self.syncs.append(sync)
-            self._optimizers.append(optimizer)
+            self.optimizers.append(optimizer)
             hooks[id(optimizer)] = sync
         return hooks
 
@@ -489,11 +483,6 @@ class SemiSync:
         tolerance's parameter check compares; the current parameters differ between rounds)."""
         return [a for sync in self.syncs for a in sync.anchors]
 
-    def detach(self) -> None:
-        self.syncs.clear()
-        self._optimizers.clear()
-        self._module = None
-
     # ------------------------------------------------------------------ checkpoints
     def global_model_state(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         """``module``'s checkpoint state with the last-synchronised parameters in place of the replica's current
@@ -509,9 +498,9 @@ class SemiSync:
     def replica_averaged(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Inner optimizer states (name-keyed) with every floating-point tensor averaged over the replicas (one
         message per optimizer), so that the checkpoint's optimizer entry is one state, not DCP's per-shard mix."""
-        if self._group is None:
+        if self.group is None:
             return states
-        replicas = self._group.size()
+        replicas = self.group.size()
         out = []
         for state in states:
             per_param = state.get("state", {})
@@ -525,7 +514,7 @@ class SemiSync:
                 out.append(state)
                 continue
             flat = torch.cat([_local(value).detach().reshape(-1).float() for _, _, value in slots])
-            dist.all_reduce(flat, group=self._group)
+            dist.all_reduce(flat, group=self.group)
             flat.div_(replicas)
             averaged = {name: dict(entries) for name, entries in per_param.items()}
             offset = 0
@@ -537,143 +526,35 @@ class SemiSync:
             out.append({**state, "state": averaged})
         return out
 
-    def checkpoint_entries(self) -> dict[str, Any]:
-        """What a sharded checkpoint keeps beside the global model (module docstring)."""
-        from lightning_mics.checkpoint import optimizer_state_dict
 
-        assert self._module is not None
-        replicas, partition = self._layout_key
-        own: dict[str, Any] = {
-            "params": {name: p.detach() for sync in self.syncs for name, p in zip(sync.names, sync.params)},
-            "optimizers": {
-                str(i): optimizer_state_dict(self._module, optimizer) for i, optimizer in enumerate(self._optimizers)
-            },
-        }
-        pending = {name: piece for sync in self.syncs for name, piece in sync.pending_pieces().items()}
-        if pending:  # streaming: a fragment's average in flight, as this replica sent it
-            own["pending"] = pending
-        return {EXTRAS_ENTRY: {
-            "layout": torch.tensor([replicas, partition]),
-            "inner_steps": torch.tensor([sync.inner_steps for sync in self.syncs]),
-            "outer_steps": torch.tensor([sync.outer_steps for sync in self.syncs]),
-            "outer": {str(i): sync.outer_state() for i, sync in enumerate(self.syncs)},
-            "replica": {str(self._replica): own},
-        }}
+def attach(
+    optimizers: Sequence[Optimizer],
+    modules: Sequence[nn.Module],
+    layout: MiCSLayout,
+    attached: Mapping[int, object],
+    factory: Optional[OuterOptimizerFactory],
+    replica_group: Optional[ReplicaGroup] = None,
+    quorum: Optional[Callable[[], None]] = None,
+    streaming: tuple[int, int, float] = (1, 0, 0.0),
+) -> dict[int, OuterSync]:
+    """The step hooks of ``optimizers``: :meth:`SemiSync.attach` on the run the hooks already ``attached`` belong
+    to (one per engine: its one model), or on a new one."""
+    run = run_of(attached.values()) or SemiSync()
+    return run.attach(optimizers, modules, layout, factory, replica_group, quorum, streaming)
 
-    @torch.no_grad()
-    def after_load(self, path: str) -> None:
-        """After the checkpoint's model (the global one) and averaged inner states were loaded: those parameters are
-        the last-synchronised copy; then the outer state and step count, and -- same layout -- this replica group's
-        own parameters and inner optimizer states (module docstring). A collective."""
-        from lightning_mics.checkpoint.format import METADATA_FILE, SHARDED_EXTRAS_KEY
-        from lightning_mics.checkpoint.loading import _saved_shapes, open_checkpoint, read_dcp
-        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner, read_metadata
 
-        for sync in self.syncs:
-            sync.restart_from_parameters()
-        info, _ = open_checkpoint(Path(path))
-        if info.kind != "sharded" or info.data_dir is None:
-            return  # a full file: a new round from its parameters
-        saved = _saved_shapes(read_metadata(info.data_dir / METADATA_FILE))
-        root = (SHARDED_EXTRAS_KEY, EXTRAS_ENTRY)
-        if (*root, "inner_steps") not in saved:
-            return  # a synchronous run's checkpoint: a new round from its parameters
-        template: dict[str, Any] = {
-            "layout": torch.zeros(2, dtype=torch.int64),
-            "inner_steps": torch.zeros(len(self.syncs), dtype=torch.int64),
-        }
-        if saved[(*root, "inner_steps")] != (len(self.syncs),):
-            raise ValueError(
-                f"{path} holds DiLoCo state for {saved[(*root, 'inner_steps')]} optimizer(s), this run has "
-                f"{len(self.syncs)}: it was saved with another `configure_optimizers`."
-            )
-        template["outer"] = {str(i): self._outer_template(i, sync, saved, root) for i, sync in enumerate(self.syncs)}
-        if (*root, "outer_steps") in saved:  # which fragment is next (streaming); older checkpoints: the first
-            template["outer_steps"] = torch.zeros(len(self.syncs), dtype=torch.int64)
-        read_dcp(info.data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: template}}, SafeLoadPlanner())
-        outer_steps = template.get("outer_steps", torch.zeros(len(self.syncs), dtype=torch.int64)).tolist()
-        for sync, steps, done in zip(self.syncs, template["inner_steps"].tolist(), outer_steps):
-            sync.inner_steps, sync.outer_steps = int(steps), int(done)
-        for sync, outer in zip(self.syncs, template["outer"].values()):
-            anchor_of = dict(zip(sync.names, sync.anchors))
-            for name, state in outer.items():
-                sync.outer.state[anchor_of[name]] = state
-        if tuple(template["layout"].tolist()) != self._layout_key:
-            log.info(
-                "DiLoCo: %s was saved by %s replica(s) of partition %s, this run has %s of %s: every replica group "
-                "resumes from the last-synchronised model and the replica-averaged inner optimizer states%s",
-                path, *template["layout"].tolist(), *self._layout_key,
-                "; the fragment average in flight starts again from them" if any(
-                    sync.pending_after_load() is not None for sync in self.syncs) else "",
-            )
-            for sync in self.syncs:
-                fragment = sync.pending_after_load()
-                if fragment is not None:
-                    sync.start_fragment(fragment)
-            return
-        self._load_own_replica(info.data_dir, root)
-
-    def _outer_template(
-        self, index: int, sync: OuterSync, saved: Mapping[tuple[str, ...], Any], root: tuple[str, ...]
-    ) -> dict[str, dict[str, Tensor]]:
-        """Tensors to read the saved outer state into: placed like the anchors where the saved entry has the
-        parameter's shape, plain otherwise (a step count). Built from the checkpoint's metadata, since an outer
-        optimizer that has not stepped yet has no state to copy the layout from."""
-        prefix = (*root, "outer", str(index))
-        anchor_of = dict(zip(sync.names, sync.anchors))
-        template: dict[str, dict[str, Tensor]] = {}
-        for key, shape in saved.items():
-            if key[: len(prefix)] != prefix or len(key) != len(prefix) + 2 or shape is None:
-                continue
-            name, slot = key[len(prefix)], key[len(prefix) + 1]
-            anchor = anchor_of.get(name)
-            if anchor is None:
-                raise ValueError(
-                    f"The checkpoint's outer optimizer state names {name!r}, which this model does not train."
-                )
-            if shape == tuple(anchor.shape):
-                value = torch.empty_like(anchor)
-            else:
-                value = torch.zeros(shape, device=_local(anchor).device if shape else "cpu")
-            template.setdefault(name, {})[slot] = value
-        return template
-
-    def _load_own_replica(self, data_dir: Path, root: tuple[str, ...]) -> None:
-        """This replica group's own parameters and inner optimizer states (saved under its index)."""
-        from lightning_mics.checkpoint import optimizer_state_dict
-        from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
-        from lightning_mics.checkpoint.loading import _fresh_like, read_dcp
-        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        assert self._module is not None
-        params = {name: p for sync in self.syncs for name, p in zip(sync.names, sync.params)}
-        own: dict[str, Any] = {
-            "params": {name: torch.empty_like(p.detach()) for name, p in params.items()},
-            "optimizers": {
-                str(i): _fresh_like(optimizer_state_dict(self._module, optimizer))
-                for i, optimizer in enumerate(self._optimizers)
-            },
-        }
-        in_flight = [sync for sync in self.syncs if sync.pending_after_load() is not None]
-        if in_flight:  # streaming: the fragment average the checkpoint had in flight, as this replica sent it
-            own["pending"] = {
-                sync.names[i]: torch.empty_like(sync.params[i].detach())
-                for sync in in_flight
-                for i in sync._members(sync.pending_after_load())
-            }
-        template = {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}
-        read_dcp(data_dir, template, SafeLoadPlanner())
-        for name, value in own["params"].items():
-            _local(params[name]).copy_(_local(value))
-        for sync in in_flight:
-            sync.resume_pending(own["pending"])
-        for i, optimizer in enumerate(self._optimizers):
-            set_optimizer_state_dict(self._module, optimizer, own["optimizers"][str(i)])
+def run_of(hooks: Iterable[object]) -> Optional[SemiSync]:
+    """The DiLoCo run step hooks belong to, or ``None`` where none of them is an :class:`OuterSync`."""
+    for hook in hooks:
+        if isinstance(hook, OuterSync) and hook.run is not None:
+            return hook.run
+    return None
 
 
 __all__ = [
     "OuterSync",
     "SemiSync",
+    "attach",
     "default_outer_optimizer",
+    "run_of",
 ]
