@@ -22,7 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -36,19 +36,24 @@ from torch.optim import Optimizer
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
+from lightning_mics.checkpoint import diloco as diloco_checkpoint
+from lightning_mics.checkpoint import fabric_entries
 from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
-from lightning_mics.console import quiet_torchft
+from lightning_mics.console import quiet_torchft, show_start_up_lines
 from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
+    DataEpochs,
     GroupConfiguration,
     ReplicaGroup,
     check_catch_up_heal,
     check_exact_trajectory,
     check_fault_tolerant_layout,
+    run_configuration,
+    state_hooks,
+    trainer_state_hooks,
 )
 from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, tensor_digest_chunks
 from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
-from lightning_mics.checkpoint import diloco as diloco_checkpoint
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2 import diloco, optimizer_states
 from lightning_mics.hop2.attach import StepHook, attach
@@ -60,14 +65,19 @@ from lightning_mics.launch import check_layout, limit_intra_op_threads, resolve_
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
+    accumulation_context,
     build_layout,
     layout_planner,
     resolve_layout,
     shard_module,
 )
+from lightning_mics.offload_option import check_offload_before_launch
 from lightning_mics.options import MiCSOptions
+from lightning_mics.precision import MiCSFabricPrecision, MiCSPrecision, precision_property
+from lightning_mics.shards import fsdp_units
+from lightning_mics.topology import MiCSTopology
 from lightning_mics.wire import WireFormat, resolve_wire_format
-from lightning_mics.wrapping import WrapPlan, plan_wrapping
+from lightning_mics.wrapping import RootUnit, ShardRegistry, WrapPlan, plan_wrapping
 
 log = logging.getLogger("lightning_mics")
 
@@ -83,8 +93,11 @@ class MiCSEngine:
 
     Collective methods say so; every rank calls them in the same order."""
 
-    def __init__(self, options: MiCSOptions) -> None:
+    def __init__(self, options: MiCSOptions, trainer_loop: bool = True) -> None:
+        """``trainer_loop``: the Trainer's front end runs the training loop (Fabric's leaves it to the user's)."""
         self.options = options
+        self.trainer_loop = trainer_loop
+        show_start_up_lines()  # the layout line shows like Lightning's own, without logging set up
         #: the process-group backend: the option, or (after :meth:`join_world`) what the world uses
         self.backend: Optional[str] = options.process_group_backend
         self.layout_or_none: Optional[MiCSLayout] = None
@@ -122,6 +135,14 @@ class MiCSEngine:
         return self.layout_or_none
 
     # ------------------------------------------------------------------ processes and layout
+    def check_devices_before_launch(self, device_type: Optional[str], num_processes: int, num_nodes: int) -> None:
+        """Whatever starts the ranks: ``cpu_offload`` on CPU ranks, or with a spec whose optimizer degree resolves
+        beyond its gradient degree, is refused once, before they run."""
+        o = self.options
+        world_size = num_processes * num_nodes
+        ranks_per_node = o.ranks_per_node or num_processes
+        check_offload_before_launch(o.cpu_offload, device_type, world_size, ranks_per_node, o.sharding)
+
     def check_before_launch(self, num_processes: int, num_nodes: int) -> None:
         """A launcher is about to start ``num_processes`` ranks per node: refuse an invalid layout now,
         once, instead of in every rank (pure layout math), and share the cores between the local ranks."""
@@ -297,7 +318,81 @@ class MiCSEngine:
         with cross_replica_sync_off(shares.units):
             yield
 
+    # ------------------------------------------------------------------ collectives and units, for the front ends
+    @staticmethod
+    def assign_world_ranks(strategy: Any) -> None:
+        """Tell ``strategy``'s cluster environment the ranks and the world size
+        (:mod:`lightning_mics.process_groups`)."""
+        process_groups.assign_world_ranks(strategy)
+
+    @staticmethod
+    def barrier(device: torch.device) -> None:
+        process_groups.barrier(device)
+
+    @staticmethod
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        return process_groups.broadcast_object(obj, src)
+
+    @staticmethod
+    def units_of(module: nn.Module) -> list[FSDPModule]:
+        """The FSDP units inside ``module`` (itself included), in module order."""
+        return fsdp_units(module)
+
+    def accumulation_context(self, units: Sequence[FSDPModule]) -> AbstractContextManager[None]:
+        """The backward of a non-boundary micro-step, as the layout's ``grad_accumulation`` says (hop 1 only, or
+        full gradients kept); hop 2 waits for the boundary backward
+        (:func:`lightning_mics.layout.accumulation_context`)."""
+        return accumulation_context(units, self.layout())
+
+    @staticmethod
+    def outside_inference_mode() -> AbstractContextManager[None]:
+        """Evaluation runs outside inference mode: FSDP2 keeps the all-gather buffers of its first unshard, and
+        made under inference mode they break the next fit (:func:`lightning_mics.checkpoint.outside_inference_mode`)."""
+        return ckpt.outside_inference_mode()
+
     # ------------------------------------------------------------------ fault tolerance (torchft)
+    @property
+    def keeps_trajectory(self) -> bool:
+        """``FaultTolerance.keep_trajectory`` as this front end reads it: the Trainer's training data keeps the global
+        sample order unless ``keep_trajectory=False``; Fabric's only with ``True`` (its loop, and so which loader
+        trains, is the user's: ``MiCSFabricStrategy.training_batches``). ``False`` without fault tolerance."""
+        ft = self.options.fault_tolerance
+        if ft is None:
+            return False
+        return ft.trainer_keeps_trajectory if self.trainer_loop else ft.keep_trajectory is True
+
+    def join_trainer_fault_domain(
+        self,
+        trainer: Any,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        schedulers: Sequence[Any],
+        device: torch.device,
+        precision: str,
+        loss_scaling: bool,
+    ) -> CommittedStepCounters:
+        """:meth:`join_fault_domain` for a Trainer: serving and healing its model, optimizers, schedulers and step
+        count; returns its step counters, kept to committed steps."""
+        state_fn, load_fn, counters = trainer_state_hooks(trainer, module, optimizers, schedulers)
+        run = run_configuration(precision, trainer.accumulate_grad_batches, module, optimizers, schedulers)
+        run |= {"keep_trajectory": self.keeps_trajectory}
+        self.join_fault_domain(device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+        return counters
+
+    def join_fabric_fault_domain(
+        self, module: nn.Module, optimizer: Optimizer, device: torch.device, precision: str, loss_scaling: bool
+    ) -> None:
+        """:meth:`join_fault_domain` for Fabric: serving and healing one model and its optimizer."""
+        state_fn, load_fn = state_hooks(module, [optimizer])
+        run = run_configuration(precision, 0, module, [optimizer]) | {"keep_trajectory": self.keeps_trajectory}
+        self.join_fault_domain(device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+
+    def data_epochs(self, trainer: Any) -> Optional[DataEpochs]:
+        """With fault tolerance keeping the trajectory: the Trainer's epochs kept to the data's (``None`` without a
+        data cursor, or where ``limit_train_batches`` shortens the epoch)."""
+        cursor = self.data_cursor
+        return None if cursor is None else DataEpochs.of(trainer, cursor.order)
+
     def join_fault_domain(
         self,
         device: torch.device,
@@ -691,3 +786,25 @@ def sharded_before(
         earlier.check_reusable(settings, precision, sync_batchnorm)
     return earlier
 
+
+#: The engine module is the front ends' one door to the library: besides the engine, what they name of the layout,
+#: precision, wrapping, fault tolerance and Fabric's checkpoint entries is taken from here.
+__all__ = [
+    "SHARDED_MODELS",
+    "CommittedStepCounters",
+    "DataCursor",
+    "DataEpochs",
+    "MiCSEngine",
+    "MiCSFabricPrecision",
+    "MiCSLayout",
+    "MiCSPrecision",
+    "MiCSTopology",
+    "RootUnit",
+    "ShardRegistry",
+    "ShardedModel",
+    "WireFormat",
+    "WrapPlan",
+    "fabric_entries",
+    "precision_property",
+    "sharded_before",
+]

@@ -18,16 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics import _compat as compat
-from lightning_mics import process_groups
-from lightning_mics.engine import MiCSEngine
-from lightning_mics.accumulation import GradAccumulation
-from lightning_mics.console import show_start_up_lines
-from lightning_mics.layout import MiCSLayout
-from lightning_mics.registration import register_strategy_names
-from lightning_mics.offload_option import check_offload_before_launch
-from lightning_mics.options import MiCSOptions, ShardingOption
-from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
-from lightning_mics.wire import WireFormat
+from lightning_mics.engine import MiCSEngine, MiCSLayout, MiCSTopology, WireFormat
+from lightning_mics.options import (
+    GradAccumulation,
+    MiCSOptions,
+    PartitionSizeSpec,
+    ShardingOption,
+    register_strategy_names,
+)
 
 T = TypeVar("T")
 
@@ -110,8 +108,7 @@ class MiCSFrontEnd:
         given = MiCSOptions(**option_values) if options is None else replace(options, **option_values)
         if not self._trainer_front_end:
             given.refuse_trainer_only()
-        self._engine = MiCSEngine(given)
-        show_start_up_lines()  # the layout line shows like Lightning's own, without logging set up
+        self._engine = MiCSEngine(given, trainer_loop=self._trainer_front_end)
         self._num_nodes = 1
         self._fsdp_units: list[FSDPModule] = []  # of every model set up (per model: blocks, then its root)
         self._init_front_end_state()
@@ -121,11 +118,9 @@ class MiCSFrontEnd:
         invalid layout before it does, once (see :meth:`MiCSEngine.check_before_launch`)."""
         environment = self.cluster_environment
         assert environment is not None
-        o, devices = self._engine.options, self.parallel_devices
-        check_offload_before_launch(
-            o.cpu_offload, devices[0].type if devices else None, self.num_processes * self.num_nodes,
-            o.ranks_per_node or self.num_processes, o.sharding,
-        )
+        devices = self.parallel_devices
+        device_type = devices[0].type if devices else None
+        self._engine.check_devices_before_launch(device_type, self.num_processes, self.num_nodes)
         if not environment.creates_processes_externally:
             self._engine.check_before_launch(self.num_processes, self.num_nodes)
             self._launcher = self._launcher_class(environment, self.num_processes, self.num_nodes)
@@ -252,7 +247,7 @@ class MiCSFrontEnd:
     all_reduce = reduce
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        process_groups.barrier(self.root_device)
+        self._engine.barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return process_groups.broadcast_object(obj, src)
+        return self._engine.broadcast(obj, src)

@@ -13,8 +13,8 @@ Communication is counted from the collectives this rank actually issues (through
 * **cross-replica** -- the rank's replication group (the boundary gradient all-reduce),
 * **other** -- anything else (e.g. world-wide metric syncs).
 
-:func:`lightning_mics.accounting.analytic_comm_bytes` gives the same numbers from parameter shapes alone, which is how the
-tests check the accounting and how one predicts the traffic of a layout before running it.
+:func:`lightning_mics.accounting.analytic_comm_bytes` gives the same numbers from parameter shapes alone, which
+is how the tests check the accounting and how one predicts the traffic of a layout before running it.
 
 The recorder is on only for sampled steps (:class:`~lightning_mics.comm_sampling.CommSampler`: the first two,
 every ``sample_every``-th, and the ones that differ from the pattern); the others report the bytes of the
@@ -39,8 +39,15 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from lightning_mics import _compat as compat
-from lightning_mics.accounting import CROSS_REPLICA, INTRA_PARTITION, OTHER, CommBytes, classify_calls, model_state_bytes
-from lightning_mics.accounting import unique_parameters
+from lightning_mics.accounting import (
+    CROSS_REPLICA,
+    INTRA_PARTITION,
+    OTHER,
+    CommBytes,
+    classify_calls,
+    model_state_bytes,
+    unique_parameters,
+)
 from lightning_mics.collective_recorder import CollectiveRecorder
 from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
 from lightning_mics.engine import MiCSEngine
