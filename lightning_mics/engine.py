@@ -256,9 +256,9 @@ class MiCSEngine:
     def attach_optimizers(
         self, optimizers: Sequence[Optimizer], modules: Union[nn.Module, Sequence[nn.Module]], loss_scaling: bool
     ) -> None:
-        """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
-        ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
-        never both."""
+        """The hooks around each optimizer's steps, from the layout's cross-replica schedule
+        (:func:`lightning_mics.hop2.attach.attach`): hop 2 of ``modules`` (the models the optimizers step) run by
+        the engine, their states sharded across replicas (AMSP ``optim > grads``) or DiLoCo's outer sync."""
         ft = self.options.fault_tolerance
         check_catch_up_heal(ft, loss_scaling=loss_scaling)
         layout = self.layout()
