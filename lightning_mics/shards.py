@@ -24,6 +24,16 @@ def local_shard(t: Tensor) -> Tensor:
     return compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
+def laid_out_like(local: Tensor, like: Tensor) -> Tensor:
+    """``local`` (this rank's elements) as a tensor laid out like ``like``: a DTensor on its mesh, with its
+    placements, shape and stride (no check, no copy), or ``local`` itself where ``like`` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def fsdp_units(module: nn.Module) -> list[FSDPModule]:
     """All FSDP units inside ``module`` (including itself), in module order."""
     return [m for m in module.modules() if isinstance(m, FSDPModule)]

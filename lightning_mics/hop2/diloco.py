@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.hop2.diloco_options import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizerFactory
+from lightning_mics.shards import laid_out_like
 
 if TYPE_CHECKING:
     from lightning_mics.fault_tolerance.group import ReplicaGroup
@@ -86,15 +87,6 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, in
 def _local(t: Tensor) -> Tensor:
     """This rank's elements of ``t`` (a DTensor's local shard, sharing its storage), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(local: Tensor, like: Tensor) -> Tensor:
-    """``local`` as a tensor laid out like ``like`` (a DTensor with its mesh and placements, or plain)."""
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
 
 
 @dataclass
@@ -256,7 +248,7 @@ class OuterSync:
             anchor = self.anchors[i]
             local = _local(anchor)
             piece = flat[offset : offset + local.numel()].view(local.shape)
-            anchor.grad = _like(piece.to(local.dtype), anchor)
+            anchor.grad = laid_out_like(piece.to(local.dtype), anchor)
             offset += local.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
@@ -302,7 +294,9 @@ class OuterSync:
             anchor = params[int(index)]
             local = _local(anchor)
             self.outer.state[anchor] = {
-                key: (_like(value.to(local.device).clone(), anchor) if value.shape == local.shape else value.clone())
+                key: (
+                    laid_out_like(value.to(local.device).clone(), anchor) if value.shape == local.shape else value.clone()
+                )
                 if isinstance(value, Tensor) else value
                 for key, value in slots.items()
             }
@@ -327,7 +321,7 @@ class OuterSync:
         for i in self.members(self.pending.fragment):
             local = _local(self.params[i])
             piece = self.pending.sent[offset : offset + local.numel()].view(local.shape)
-            pieces[self.names[i]] = _like(piece.clone(), self.params[i])
+            pieces[self.names[i]] = laid_out_like(piece.clone(), self.params[i])
             offset += local.numel()
         return pieces
 
@@ -521,7 +515,7 @@ class SemiSync:
             for name, key, value in slots:
                 local = _local(value)
                 piece = flat[offset : offset + local.numel()].view(local.shape).to(local.dtype)
-                averaged[name][key] = _like(piece, value)
+                averaged[name][key] = laid_out_like(piece, value)
                 offset += local.numel()
             out.append({**state, "state": averaged})
         return out

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
+from lightning_mics.shards import laid_out_like
 from lightning_mics.shards import local_shard as _local
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class ReplicaShardedOptimizerStates:
                 local = _local(p)
                 values = flat[offset : offset + local.numel()].view(local.shape).clone()
                 offset += local.numel()
-                gathered.setdefault(p, {})[key] = _like_param(values, p)
+                gathered.setdefault(p, {})[key] = laid_out_like(values, p)
         for index, values in per_param.items():
             p = self.params[index]
             restored = {k: v.to(device) if on_device else v for k, (v, on_device) in values.items()}
@@ -245,15 +245,6 @@ class ReplicaShardedOptimizerStates:
                     value = value.clone()
                 sliced[piece.slice_param][key] = value
         return sliced
-
-
-def _like_param(local: Tensor, param: nn.Parameter) -> Tensor:
-    """``local`` (this rank's elements) as a tensor laid out like ``param``: a DTensor for FSDP params."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
 
 
 def _to_cpu(value: Any) -> Any:
