@@ -176,9 +176,15 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         precision = self.precision.precision
         self._engine.join_fabric_fault_domain(module, optimizer, self.root_device, precision, loss_scaling)
 
+    @property
+    def _keeps_trajectory(self) -> bool:
+        """``FaultTolerance(keep_trajectory=True)``: the loop reads :meth:`training_batches` (Fabric's default: fixed
+        shares -- the loop, and so which loader trains, is the user's); resolved by the engine."""
+        return self._engine.keeps_trajectory
+
     def _begin_step(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad starts no step
-            if self._engine.keeps_trajectory and self._engine.data_cursor is None:
+            if self._keeps_trajectory and self._engine.data_cursor is None:
                 raise ValueError(
                     "FaultTolerance(keep_trajectory=True) with Fabric: take the training micro-batches from "
                     "`batches = strategy.training_batches(train_loader, accumulate=A)` (`next(batches)` in the loop), "
@@ -205,7 +211,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                 optimizer.zero_grad()
 
         Each step's quorum runs at its first ``next(batches)`` (a joining group heals there)."""
-        if not self._engine.keeps_trajectory:
+        if not self._keeps_trajectory:
             raise ValueError(
                 "training_batches reads the training data on the global sample order of fault tolerance: it needs "
                 "MiCSFabricStrategy(fault_tolerance=FaultTolerance(..., keep_trajectory=True))."

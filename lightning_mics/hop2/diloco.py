@@ -293,16 +293,20 @@ class OuterSync:
         for index, slots in state["outer"]["state"].items():
             anchor = params[int(index)]
             local = _local(anchor)
-            self.outer.state[anchor] = {
-                key: (
-                    laid_out_like(value.to(local.device).clone(), anchor) if value.shape == local.shape else value.clone()
-                )
-                if isinstance(value, Tensor) else value
-                for key, value in slots.items()
-            }
+            self.outer.state[anchor] = {key: self._received(value, anchor, local) for key, value in slots.items()}
         for group, peer in zip(self.outer.param_groups, state["outer"]["param_groups"]):
             group.update({key: value for key, value in peer.items() if key != "params"})
         self.inner_steps = int(state["inner_steps"])
+
+    @staticmethod
+    def _received(value: Any, anchor: Tensor, local: Tensor) -> Any:
+        """A peer's outer-state entry, here: a tensor of the anchor's local shape laid out like the anchor (on its
+        device), any other tensor copied, anything else as it is."""
+        if not isinstance(value, Tensor):
+            return value
+        if value.shape == local.shape:
+            return laid_out_like(value.to(local.device).clone(), anchor)
+        return value.clone()
 
     @torch.no_grad()
     def restart_from_parameters(self) -> None:
