@@ -10,7 +10,7 @@ repeats the other.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Generic, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -27,21 +27,37 @@ from lightning_mics.options import (
     register_strategy_names,
 )
 
-T = TypeVar("T")
+#: Options that both strategies expose as attributes of the same name, read from (and set into) the engine's
+#: options; the others are read through the layout's resolved values below, or ``strategy.options``.
+OPTION_ATTRIBUTES = (
+    "auto_wrap_policy",
+    "hierarchical",
+    "activation_checkpointing_policy",
+    "prefetch_depth",
+    "compile_blocks",
+    "save_full_state_dict",
+    "sync_module_states",
+    "checkpoint_verify",
+    "buffer_sync",
+    "gc_freeze",
+    "planner_cluster",
+    "release_gradients_after_step",
+    "cpu_offload",
+)
 
 
-class _Option(Generic[T]):
+class _Option:
     """A strategy attribute that is the option of the same name (setting it re-validates the options)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __get__(self, strategy: Any, owner: Optional[type] = None) -> T:
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> Any:
         if strategy is None:
-            return self  # type: ignore[return-value]
+            return self
         return getattr(strategy._engine.options, self.name)
 
-    def __set__(self, strategy: Any, value: T) -> None:
+    def __set__(self, strategy: Any, value: Any) -> None:
         engine = strategy._engine
         engine.options = replace(engine.options, **{self.name: value})
 
@@ -55,19 +71,7 @@ class MiCSFrontEnd:
     parallel_devices: Optional[list[torch.device]]
     local_rank: int
 
-    auto_wrap_policy = _Option[Any]()
-    hierarchical = _Option[Any]()
-    activation_checkpointing_policy = _Option[Any]()
-    prefetch_depth = _Option[int]()
-    compile_blocks = _Option[bool]()
-    save_full_state_dict = _Option[bool]()
-    sync_module_states = _Option[bool]()
-    checkpoint_verify = _Option[str]()
-    buffer_sync = _Option[str]()
-    gc_freeze = _Option[bool]()
-    planner_cluster = _Option[Any]()
-    release_gradients_after_step = _Option[bool]()
-    cpu_offload = _Option[Any]()
+    # the options in OPTION_ATTRIBUTES are attributes too (set below the class)
 
     strategy_name = "mics"
     #: how the Lightning base class names its precision-plugin argument
@@ -251,3 +255,7 @@ class MiCSFrontEnd:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return self._engine.broadcast(obj, src)
+
+
+for _name in OPTION_ATTRIBUTES:
+    setattr(MiCSFrontEnd, _name, _Option(_name))
