@@ -51,7 +51,7 @@ import torch
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
 from examples.models import GPT, GPTConfig
 from lightning_mics.schedule import CollectiveKind, StepLayout, UnitSize, step_schedule
-from lightning_mics.telemetry import UnitShapes, padded_numel
+from lightning_mics.accounting import UnitShapes, padded_numel
 from lightning_mics.topology import MiCSTopology
 from lightning_mics.wire import resolve_wire_format
 

@@ -57,7 +57,7 @@ from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 from examples.models.gpt import Block
 from lightning_mics import MiCSStrategy, ShardingSpec
 from lightning_mics.planner import device_memory_bytes, live
-from lightning_mics.telemetry import model_state_bytes
+from lightning_mics.accounting import model_state_bytes
 
 UPLINK = "uplink"
 

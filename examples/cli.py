@@ -152,7 +152,7 @@ def _apply_registered_name(argv: list[str], named: list[str], name: str, configu
     config's class is MiCS's, the name's own settings are applied on top of the config's options instead (the
     name becomes ``--trainer.strategy.<option>=<value>`` arguments); another class's options cannot apply to
     MiCS, so that is refused with the spelling that says what to keep."""
-    from lightning_mics.registration import REGISTERED_STRATEGIES
+    from lightning_mics.options import REGISTERED_STRATEGIES
 
     if name not in REGISTERED_STRATEGIES:
         return argv  # another library's name: jsonargparse decides

@@ -84,9 +84,37 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-def _register() -> None:
-    from lightning_mics.registration import register_with_lightning
+def trainer_strategy(**options: Any) -> Any:
+    """``Trainer(strategy="mics")``'s factory: the Trainer's ``MiCSStrategy`` with the name's options."""
+    from lightning_mics.strategy import MiCSStrategy
 
+    return MiCSStrategy(**options)
+
+
+def fabric_strategy(**options: Any) -> Any:
+    """``Fabric(strategy="mics")``'s factory: Fabric's ``MiCSStrategy`` with the name's options."""
+    from lightning_mics.fabric import MiCSStrategy
+
+    return MiCSStrategy(**options)
+
+
+def register_with_lightning() -> None:
+    """Both registries get every name (idempotent: a name already there is left as it is). The registries hold
+    the two factories above, which import a front end only when a Trainer or Fabric builds its strategy; the names
+    come from :mod:`lightning_mics.options`, which imports no Lightning -- so it is never half-imported when
+    Lightning's own import runs this."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_mics.options import register_strategy_names
+
+    if "mics" not in StrategyRegistry:
+        register_strategy_names(StrategyRegistry, trainer_strategy, knows_accumulation=True)
+    if "mics" not in STRATEGY_REGISTRY:
+        register_strategy_names(STRATEGY_REGISTRY, fabric_strategy, knows_accumulation=False)
+
+
+def _register() -> None:
     register_with_lightning()
 
 

@@ -1,4 +1,4 @@
-"""Every private torch and Lightning API lightning-mics relies on, in one place.
+"""Every private torch, Lightning and torchft API lightning-mics relies on, in one place.
 
 Private APIs change without deprecation, so each entry says what it is for and the versions it was
 checked on (torch 2.11 and 2.13, lightning 2.6; the declared floor, lightning 2.5.3, passed
@@ -172,6 +172,46 @@ def set_post_forward_mesh_info(param_group: Any, mesh_info: Any) -> None:
             init_metadata(torch.empty(fsdp_param._orig_size, device="meta"))
 
 
+# The staging copies of an asynchronous save (what ``dcp.async_save`` itself uses): a CPU twin of a state dict,
+# pinned where CUDA is there, refilled in place while its shapes stay the same. torch 2.4 - 2.13.
+from torch.distributed._state_dict_utils import (  # noqa: E402
+    _check_state_dict_similarity as state_dict_similar,
+)
+from torch.distributed._state_dict_utils import _copy_state_dict as copy_state_dict  # noqa: E402
+from torch.distributed._state_dict_utils import _create_cpu_state_dict as create_cpu_state_dict  # noqa: E402
+
+
+def op_schema_arguments(op: Any) -> list[Any]:
+    """The arguments of a dispatcher op's schema (``OpOverload._schema``; torch 2.0 - 2.13): the collective
+    recorder finds a c10d op's process group and tensors by their names there."""
+    return list(op._schema.arguments)
+
+
+def module_buffers(module: Any) -> dict[str, Any]:
+    """``module``'s own buffers by name, the dict itself (``nn.Module._buffers``): replacing an entry moves a
+    buffer without ``module.to()`` touching the parameters. Stable since torch 1.0."""
+    return module._buffers
+
+
+def module_parameters(module: Any) -> dict[str, Any]:
+    """``module``'s own parameters by name, the dict itself (``nn.Module._parameters``; torch 1.0 - 2.13)."""
+    return module._parameters
+
+
+def non_persistent_buffer_names(module: Any) -> set[str]:
+    """The names of ``module``'s buffers its ``state_dict`` leaves out (``nn.Module._non_persistent_buffers_set``;
+    torch 1.6 - 2.13)."""
+    return getattr(module, "_non_persistent_buffers_set", set())
+
+
+def gloo_all_gather_flat(group: Any, output: Tensor, message: Tensor) -> Any:
+    """Gloo's flat all-gather into one tensor (``ProcessGroup._allgather_base``, what ``all_gather_into_tensor``
+    calls; torch 1.12 - 2.13): one buffer, no per-rank temporaries. Returns its work."""
+    from torch.distributed.distributed_c10d import AllgatherOptions
+
+    return group._allgather_base(output, message, AllgatherOptions())
+
+
 def process_group_count() -> int:
     """How many process groups this process is a member of, the default group included: torch's registry
     of live groups (``destroy_process_group`` removes them; 0 without a default group). The map is
@@ -293,7 +333,87 @@ def logging_step(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer`` (their
+    ``_optimizer``; lightning 2.0 - 2.6), or ``optimizer`` itself."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def user_dataloader(loader: Any) -> Any:
+    """The DataLoader inside ``fabric.setup_dataloaders``' wrapper (``_FabricDataLoader._dataloader``; lightning
+    2.0 - 2.6), or ``loader`` itself."""
+    return getattr(loader, "_dataloader", loader)
+
+
+from lightning.fabric.wrappers import _unwrap_objects as unwrap_fabric_objects  # noqa: E402,F401
+
+
+def trainer_of(module: Any) -> Any:
+    """The Trainer a LightningModule is attached to, or ``None`` (``LightningModule._trainer``: the public
+    ``trainer`` property raises when there is none; lightning 2.0 - 2.6)."""
+    return getattr(module, "_trainer", None)
+
+
+def on_before_batch_transfer(module: Any, batch: Any, dataloader_idx: int) -> Any:
+    """The hook the Trainer runs on every batch before moving it to the device (the LightningModule's and its
+    datamodule's ``on_before_batch_transfer``, through ``LightningModule._on_before_batch_transfer``; lightning
+    2.0 - 2.6)."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+
+
+def layer_sync(strategy: Any) -> Any:
+    """A Trainer strategy's ``sync_batchnorm`` plugin (``Strategy._layer_sync``, set by the Trainer's
+    connector; ``None`` without ``sync_batchnorm=True``; lightning 2.0 - 2.6)."""
+    return strategy._layer_sync
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    """Forget a Trainer strategy's optimizers and schedulers before they are created again
+    (``Strategy._reset_optimizers_and_schedulers``; lightning 2.0 - 2.6)."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+# ------------------------------------------------------------------------------------------------- torchft
+# torchft 0.2.0.
+TORCHFT_EXTENSION = "torchft._torchft"
+
+
+def import_torchft_extension() -> None:
+    """Import torchft's Rust extension (``torchft._torchft``), which reads ``RUST_LOG`` once, when imported."""
+    import torchft._torchft  # noqa: F401
+
+
+def quorum_id(manager: Any) -> Optional[int]:
+    """The Lighthouse's number of the Manager's current quorum (``Manager._quorum_id``), ``None`` where a torchft
+    version has none: it changes exactly when the membership does."""
+    return getattr(manager, "_quorum_id", None)
+
+
+def wrapped_process_group(group: Any) -> Any:
+    """The process group under torchft's reconfigurable wrapper (``ProcessGroupWrapper._pg``), or ``None``."""
+    return getattr(group, "_pg", None)
+
+
 __all__ = [
+    "TORCHFT_EXTENSION",
+    "copy_state_dict",
+    "layer_sync",
+    "reset_optimizers_and_schedulers",
+    "create_cpu_state_dict",
+    "gloo_all_gather_flat",
+    "import_torchft_extension",
+    "module_buffers",
+    "module_parameters",
+    "non_persistent_buffer_names",
+    "on_before_batch_transfer",
+    "op_schema_arguments",
+    "quorum_id",
+    "state_dict_similar",
+    "trainer_of",
+    "unwrap_fabric_objects",
+    "unwrap_optimizer",
+    "user_dataloader",
+    "wrapped_process_group",
     "AllGather",
     "BackwardSyncControl",
     "EmptyStateDictLoadPlanner",

@@ -15,27 +15,15 @@ are left alone.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-#: How buffers are made equal across ranks (see :func:`sync_buffers`).
-BufferSync = Literal["broadcast", "average", "none"]
-BUFFER_SYNC_MODES: tuple[str, ...] = ("broadcast", "average", "none")
-
-
-def check_buffer_sync(mode: object) -> None:
-    """Refuse an unknown ``buffer_sync`` when the strategy is built, naming the valid values."""
-    if mode not in BUFFER_SYNC_MODES:
-        raise ValueError(
-            f"buffer_sync={mode!r} is not one of {list(BUFFER_SYNC_MODES)}: 'broadcast' gives every rank global rank "
-            "0's buffers (as DDP does), 'average' the mean over ranks of floating-point buffers (integer ones from "
-            "rank 0), 'none' leaves each rank its own (a sharded checkpoint may then mix ranks' buffers)."
-        )
-
+from lightning_mics import _compat as compat
+from lightning_mics.options import BufferSync, check_buffer_sync
 
 def persistent_buffers(module: nn.Module) -> list[Tensor]:
     """The buffers ``module.state_dict()`` holds, each once, in module order (the same on every rank).
@@ -44,8 +32,8 @@ def persistent_buffers(module: nn.Module) -> list[Tensor]:
     seen: set[int] = set()
     buffers: list[Tensor] = []
     for submodule in module.modules():
-        non_persistent = getattr(submodule, "_non_persistent_buffers_set", set())
-        for name, buffer in submodule._buffers.items():
+        non_persistent = compat.non_persistent_buffer_names(submodule)
+        for name, buffer in compat.module_buffers(submodule).items():
             if buffer is None or name in non_persistent or id(buffer) in seen:
                 continue
             seen.add(id(buffer))

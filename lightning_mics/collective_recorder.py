@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_mics._compat import TorchDispatchMode, dispatch_mode_stack, unbox_process_group
+from lightning_mics._compat import TorchDispatchMode, dispatch_mode_stack, op_schema_arguments, unbox_process_group
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _c10d_ops() -> dict[Any, _C10dOp]:
             continue
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            names = [argument.name for argument in op._schema.arguments]
+            names = [argument.name for argument in op_schema_arguments(op)]
             group_arg = names.index("process_group")
             # the tensor arguments are the ones before the group (outputs and inputs; allreduce's
             # optional sparse indices come after it and are not payload)
@@ -157,7 +157,7 @@ class _RecordingMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record_op(self, func: Any, op: _C10dOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        schema = func._schema.arguments
+        schema = op_schema_arguments(func)
 
         def argument(index: int) -> Any:
             return args[index] if index < len(args) else kwargs.get(schema[index].name)

@@ -202,7 +202,7 @@ class CompressedAllReduce:
         if self.done:
             return
         flat = tensor.view(-1)
-        self.piece = wire_codec.padded_numel(-(-flat.numel() // n), wire.block)
+        self.piece = wire_codec.round_up_to_blocks(-(-flat.numel() // n), wire.block)
         self.accumulate = torch.promote_types(tensor.dtype, torch.float32)
         pieces = torch.zeros(n * self.piece, dtype=self.accumulate, device=tensor.device)
         pieces[: flat.numel()].copy_(flat)

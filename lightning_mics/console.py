@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import warnings
 
+from lightning_mics import _compat as compat
+
 LOGGER_NAME = "lightning_mics"
 
 
@@ -67,10 +69,10 @@ def quiet_torchft() -> None:
     import os
     import sys
 
-    if "torchft._torchft" not in sys.modules and "RUST_LOG" not in os.environ:
+    if compat.TORCHFT_EXTENSION not in sys.modules and "RUST_LOG" not in os.environ:
         os.environ["RUST_LOG"] = "warn"
         try:
-            import torchft._torchft  # noqa: F401  (reads RUST_LOG once, here)
+            compat.import_torchft_extension()  # reads RUST_LOG once, here
         except ImportError:
             pass  # no torchft: the Manager's import says how to install it
         finally:

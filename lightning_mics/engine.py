@@ -22,7 +22,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -33,52 +33,56 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
-from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import process_groups
 from lightning_mics.buffer_sync import sync_buffers
+from lightning_mics.checkpoint import diloco as diloco_checkpoint
+from lightning_mics.checkpoint import fabric_entries
 from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
-from lightning_mics.console import quiet_torchft
+from lightning_mics.console import quiet_torchft, show_start_up_lines
 from lightning_mics.fault_tolerance import (
     CommittedStepCounters,
+    DataEpochs,
     GroupConfiguration,
     ReplicaGroup,
     check_catch_up_heal,
     check_exact_trajectory,
     check_fault_tolerant_layout,
+    run_configuration,
+    state_hooks,
+    trainer_state_hooks,
 )
 from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, tensor_digest_chunks
 from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
-from lightning_mics.grad_sync import clip_grad_norm_, set_cross_replica_sync
-from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, StepHook
+from lightning_mics.grad_sync import clip_grad_norm_
+from lightning_mics.hop2 import diloco, optimizer_states
+from lightning_mics.hop2.attach import StepHook, attach
+from lightning_mics.hop2.diloco import SemiSync
+from lightning_mics.hop2.fsdp import cross_replica_sync_off
+from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, pipelines_in
 from lightning_mics.hop2.shares import ShareGradients
-from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport, Transport
 from lightning_mics.launch import check_layout, limit_intra_op_threads, resolve_ranks_per_node
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
+    accumulation_context,
     build_layout,
     layout_planner,
-    optimizers_in_partition_form,
     resolve_layout,
     shard_module,
-    shard_optimizer_states,
 )
-from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
+from lightning_mics.offload_option import check_offload_before_launch
 from lightning_mics.options import MiCSOptions
-from lightning_mics.semi_sync import SemiSync
+from lightning_mics.precision import MiCSFabricPrecision, MiCSPrecision, precision_property
+from lightning_mics.shards import fsdp_units
+from lightning_mics.topology import MiCSTopology
 from lightning_mics.wire import WireFormat, resolve_wire_format
-from lightning_mics.wrapping import WrapPlan, plan_wrapping
+from lightning_mics.wrapping import RootUnit, ShardRegistry, WrapPlan, plan_wrapping
 
 log = logging.getLogger("lightning_mics")
 
 #: The checkpoint entry that holds the fault-tolerance state (torchft's step count).
 FAULT_TOLERANCE_KEY = "mics_fault_tolerance"
-
-def unwrap_optimizer(optimizer: Any) -> Optimizer:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer``."""
-    return getattr(optimizer, "_optimizer", optimizer)
-
 
 #: whether ``gc_freeze`` ran its one full garbage collection in this process (:meth:`MiCSEngine.freeze_startup_objects`)
 _COLLECTED_FULLY = False
@@ -89,19 +93,17 @@ class MiCSEngine:
 
     Collective methods say so; every rank calls them in the same order."""
 
-    def __init__(self, options: MiCSOptions) -> None:
+    def __init__(self, options: MiCSOptions, trainer_loop: bool = True) -> None:
+        """``trainer_loop``: the Trainer's front end runs the training loop (Fabric's leaves it to the user's)."""
         self.options = options
+        self.trainer_loop = trainer_loop
+        show_start_up_lines()  # the layout line shows like Lightning's own, without logging set up
         #: the process-group backend: the option, or (after :meth:`join_world`) what the world uses
         self.backend: Optional[str] = options.process_group_backend
         self.layout_or_none: Optional[MiCSLayout] = None
-        #: per optimizer (by id): AMSP ``optim > grads`` states sharded across replicas
-        self._state_sharding: dict[int, ReplicaShardedOptimizerStates] = {}
-        #: per optimizer (by id): its models' hop 2 run by the engine (:mod:`lightning_mics.hop2`); per model (by
-        #: id), its pipeline
-        self._cross_replica: dict[int, StepHook] = {}
-        self._model_syncs: dict[int, CrossReplicaPipeline] = {}
-        #: ``exact_trajectory``: the data shares' gradients kept apart (the Trainer's one model)
-        self._share_gradients: Optional[ShareGradients] = None
+        #: per optimizer (by id): the hook of its cross-replica schedule (:func:`lightning_mics.hop2.attach.attach`)
+        #: -- hop 2 run by the engine, AMSP ``optim > grads`` states sharded across replicas, or DiLoCo's outer sync
+        self._step_hooks: dict[int, StepHook] = {}
         #: with ``fault_tolerance``: this group's torchft Manager (created when training starts)
         self.replica_group: Optional[ReplicaGroup] = None
         #: (group, quorums it asked, groups not contributing) when the logging rank was last set: the same at the
@@ -112,8 +114,6 @@ class MiCSEngine:
         self._training_data: Optional[TrajectoryDataLoader] = None
         #: optimizers whose gradients already crossed replicas this step (clipping came first)
         self._synced_before_step: set[int] = set()
-        #: with ``cross_replica_sync="diloco"``: the outer synchronisation of each optimizer's parameters
-        self.semi_sync = SemiSync()
         #: the background checkpoint writer with ``async_save``, else ``None``
         self.async_saver = ckpt.AsyncCheckpointSaver(options.timeout_delta) if options.async_save else None
         #: seconds the training loop spent in each checkpoint save (async: the copy to CPU memory)
@@ -135,6 +135,14 @@ class MiCSEngine:
         return self.layout_or_none
 
     # ------------------------------------------------------------------ processes and layout
+    def check_devices_before_launch(self, device_type: Optional[str], num_processes: int, num_nodes: int) -> None:
+        """Whatever starts the ranks: ``cpu_offload`` on CPU ranks, or with a spec whose optimizer degree resolves
+        beyond its gradient degree, is refused once, before they run."""
+        o = self.options
+        world_size = num_processes * num_nodes
+        ranks_per_node = o.ranks_per_node or num_processes
+        check_offload_before_launch(o.cpu_offload, device_type, world_size, ranks_per_node, o.sharding)
+
     def check_before_launch(self, num_processes: int, num_nodes: int) -> None:
         """A launcher is about to start ``num_processes`` ranks per node: refuse an invalid layout now,
         once, instead of in every rank (pure layout math), and share the cores between the local ranks."""
@@ -248,81 +256,143 @@ class MiCSEngine:
     def attach_optimizers(
         self, optimizers: Sequence[Optimizer], modules: Union[nn.Module, Sequence[nn.Module]], loss_scaling: bool
     ) -> None:
-        """The hooks around each optimizer's steps: its states sharded across replicas (AMSP
-        ``optim > grads``) or hop 2, run by the engine, of ``modules`` (the models the optimizers step) --
-        never both."""
+        """The hooks around each optimizer's steps, from the layout's cross-replica schedule
+        (:func:`lightning_mics.hop2.attach.attach`): hop 2 of ``modules`` (the models the optimizers step) run by
+        the engine, their states sharded across replicas (AMSP ``optim > grads``) or DiLoCo's outer sync."""
         ft = self.options.fault_tolerance
         check_catch_up_heal(ft, loss_scaling=loss_scaling)
         layout = self.layout()
         check_exact_trajectory(ft, loss_scaling=loss_scaling, grad_accumulation=layout.settings.grad_accumulation)
-        sharded = shard_optimizer_states(optimizers, layout, loss_scaling=loss_scaling)
-        self._state_sharding.update(sharded)
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-        if sharded or not modules:
-            return
-        if layout.settings.hop2.schedule == "diloco":  # no hop 2: an outer sync every H steps (semi_sync.py)
-            o = self.options
-            hooks = self.semi_sync.attach(
-                optimizers, modules, layout, o.outer_optimizer, self.replica_group, self._round_quorum,
-                (o.num_fragments, o.fragment_sync_delay, o.fragment_update_alpha),
-            )
-            self._cross_replica.update(hooks)
-            return
-        syncs = []
-        for module in modules:
-            sync = self._model_syncs.get(id(module))
-            if sync is None:
-                sync = self._cross_replica_hook(module, layout)
-                if sync is None:
-                    continue
-                self._model_syncs[id(module)] = sync
-            syncs.append(sync)
-        if syncs:
-            hook = syncs[0] if len(syncs) == 1 else EachModel(syncs)
-            self._cross_replica.update({id(optimizer): hook for optimizer in optimizers})
+        hooks = attach(
+            optimizers,
+            modules,
+            layout,
+            self._step_hooks,
+            self.options,
+            loss_scaling=loss_scaling,
+            replica_group=self.replica_group,
+            round_quorum=self._round_quorum,
+        )
+        self._step_hooks.update(hooks)
 
-    def _cross_replica_hook(self, module: nn.Module, layout: MiCSLayout) -> Optional[CrossReplicaPipeline]:
-        """Hop 2 of ``module`` when the layout says the engine runs it (:class:`~lightning_mics.hop2.Hop2`)."""
-        hop2 = layout.settings.hop2
-        if not hop2.run_by_engine:
-            return None
-        transport: Transport
-        shares: Optional[ShareGradients] = None
-        if hop2.managed:
-            group = self.replica_group
-            assert group is not None, "join_fault_domain() runs before the optimizers are attached"
-            exact = group.options.exact_trajectory
-            transport = ManagedTransport(group, layout.settings.cross_replica_wire, in_share_order=exact)
-            if exact:
-                shares = self._share_gradients = ShareGradients(module)
-        else:
-            transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
-        return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped, shares=shares)
+    def pipelines(self) -> list[CrossReplicaPipeline]:
+        """The hop-2 pipelines of the models set up (schedules ``behind_backward``/``after_backward``), in the order
+        their optimizers were attached."""
+        return pipelines_in(self._step_hooks.values())
+
+    @property
+    def semi_sync(self) -> SemiSync:
+        """With ``cross_replica_sync="diloco"``: the run's DiLoCo state, an :class:`OuterSync
+        <lightning_mics.hop2.diloco.OuterSync>` per optimizer (an empty one before the optimizers are attached)."""
+        return self._diloco() or SemiSync()
+
+    def _diloco(self) -> Optional[SemiSync]:
+        return diloco.run_of(self._step_hooks.values())
+
+    def outer_round(self) -> Optional[tuple[int, bool]]:
+        """With ``cross_replica_sync="diloco"``: (optimizer steps between two outer averages, whether the next
+        step starts one); ``None`` with a hop 2 every step, or before the optimizers are attached."""
+        run = self._diloco()
+        return None if run is None else run.outer_round()
+
+    def _share_gradients(self) -> Optional[ShareGradients]:
+        """``exact_trajectory``: the data shares' gradients kept apart (the Trainer's one model's pipeline)."""
+        return next((p.shares for p in self.pipelines() if p.shares is not None), None)
 
     def use_share(self, share: int) -> None:
         """``exact_trajectory``: the micro-step's backward accumulates into data share ``share``'s gradients."""
-        if self._share_gradients is not None:
-            self._share_gradients.use(share)
+        shares = self._share_gradients()
+        if shares is not None:
+            shares.use(share)
 
     @contextmanager
     def training_other_share(self, share: int) -> Iterator[None]:
         """``exact_trajectory``: around the extra pass (forward and backward) of one more data share of this
         micro-step -- a lost group's: its gradients accumulate apart (:mod:`lightning_mics.hop2.shares`), and
         even on the boundary micro-step hop 2 does not start (it starts in the loop's own backward, last)."""
-        shares = self._share_gradients
+        shares = self._share_gradients()
         if shares is None:
             raise RuntimeError("training_other_share needs FaultTolerance(exact_trajectory=True) and an optimizer.")
         shares.use(share)
-        units = shares.units
-        boundary = [compat.fsdp_requires_all_reduce(unit) for unit in units]
-        set_cross_replica_sync(units, False)
-        try:
+        with cross_replica_sync_off(shares.units):
             yield
-        finally:
-            for unit, was in zip(units, boundary):
-                unit.set_requires_all_reduce(was, recurse=False)
+
+    # ------------------------------------------------------------------ collectives and units, for the front ends
+    @staticmethod
+    def assign_world_ranks(strategy: Any) -> None:
+        """Tell ``strategy``'s cluster environment the ranks and the world size
+        (:mod:`lightning_mics.process_groups`)."""
+        process_groups.assign_world_ranks(strategy)
+
+    @staticmethod
+    def barrier(device: torch.device) -> None:
+        process_groups.barrier(device)
+
+    @staticmethod
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        return process_groups.broadcast_object(obj, src)
+
+    @staticmethod
+    def units_of(module: nn.Module) -> list[FSDPModule]:
+        """The FSDP units inside ``module`` (itself included), in module order."""
+        return fsdp_units(module)
+
+    def accumulation_context(self, units: Sequence[FSDPModule]) -> AbstractContextManager[None]:
+        """The backward of a non-boundary micro-step, as the layout's ``grad_accumulation`` says (hop 1 only, or
+        full gradients kept); hop 2 waits for the boundary backward
+        (:func:`lightning_mics.layout.accumulation_context`)."""
+        return accumulation_context(units, self.layout())
+
+    @staticmethod
+    def outside_inference_mode() -> AbstractContextManager[None]:
+        """Evaluation runs outside inference mode: FSDP2 keeps the all-gather buffers of its first unshard, and
+        made under inference mode they break the next fit (:func:`lightning_mics.checkpoint.outside_inference_mode`)."""
+        return ckpt.outside_inference_mode()
 
     # ------------------------------------------------------------------ fault tolerance (torchft)
+    @property
+    def keeps_trajectory(self) -> bool:
+        """``FaultTolerance.keep_trajectory`` as this front end reads it: the Trainer's training data keeps the global
+        sample order unless ``keep_trajectory=False``; Fabric's only with ``True`` (its loop, and so which loader
+        trains, is the user's: ``MiCSFabricStrategy.training_batches``). ``False`` without fault tolerance."""
+        ft = self.options.fault_tolerance
+        if ft is None:
+            return False
+        return ft.trainer_keeps_trajectory if self.trainer_loop else ft.keep_trajectory is True
+
+    def join_trainer_fault_domain(
+        self,
+        trainer: Any,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        schedulers: Sequence[Any],
+        device: torch.device,
+        precision: str,
+        loss_scaling: bool,
+    ) -> CommittedStepCounters:
+        """:meth:`join_fault_domain` for a Trainer: serving and healing its model, optimizers, schedulers and step
+        count; returns its step counters, kept to committed steps."""
+        state_fn, load_fn, counters = trainer_state_hooks(trainer, module, optimizers, schedulers)
+        run = run_configuration(precision, trainer.accumulate_grad_batches, module, optimizers, schedulers)
+        run |= {"keep_trajectory": self.keeps_trajectory}
+        self.join_fault_domain(device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+        return counters
+
+    def join_fabric_fault_domain(
+        self, module: nn.Module, optimizer: Optimizer, device: torch.device, precision: str, loss_scaling: bool
+    ) -> None:
+        """:meth:`join_fault_domain` for Fabric: serving and healing one model and its optimizer."""
+        state_fn, load_fn = state_hooks(module, [optimizer])
+        run = run_configuration(precision, 0, module, [optimizer]) | {"keep_trajectory": self.keeps_trajectory}
+        self.join_fault_domain(device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+
+    def data_epochs(self, trainer: Any) -> Optional[DataEpochs]:
+        """With fault tolerance keeping the trajectory: the Trainer's epochs kept to the data's (``None`` without a
+        data cursor, or where ``limit_train_batches`` shortens the epoch)."""
+        cursor = self.data_cursor
+        return None if cursor is None else DataEpochs.of(trainer, cursor.order)
+
     def join_fault_domain(
         self,
         device: torch.device,
@@ -348,15 +418,14 @@ class MiCSEngine:
                 | {"num_replica_groups": ft.num_replica_groups, "heal": ft.heal}
                 | {"exact_trajectory": ft.exact_trajectory}
             )
-            semi_sync = self.semi_sync
-
             def serve(shards: bool = True) -> dict[str, Any]:  # DiLoCo: the outer state travels with the rest
-                return state_fn(shards=shards) | ({"diloco": semi_sync.heal_state()} if semi_sync.active else {})
+                run = self._diloco()
+                return state_fn(shards=shards) | ({"diloco": run.heal_state()} if run is not None else {})
 
             def heal(state: dict[str, Any]) -> None:
                 load_fn(state)
                 if "diloco" in state:
-                    semi_sync.load_heal_state(state["diloco"])
+                    self.semi_sync.load_heal_state(state["diloco"])
 
             self.replica_group = ReplicaGroup(
                 ft, device, serve, heal, configuration, parameter_digest=self._parameter_digest
@@ -377,9 +446,10 @@ class MiCSEngine:
         """This rank's parameter shards of every model hop 2 runs for -- with DiLoCo the last-synchronised copy,
         since the groups' parameters differ between rounds -- as digest chunks (fault tolerance compares them
         across groups every ``check_parameters_every`` committed steps, or rounds)."""
-        if self.semi_sync.active:
-            return tensor_digest_chunks(self.semi_sync.anchor_tensors())
-        return parameter_digest_chunks([pipeline.module for pipeline in self._model_syncs.values()])
+        run = self._diloco()
+        if run is not None:
+            return tensor_digest_chunks(run.anchor_tensors())
+        return parameter_digest_chunks([pipeline.module for pipeline in self.pipelines()])
 
     def _round_quorum(self) -> None:
         """DiLoCo with fault tolerance: the quorum of an outer round, at its synchronisation (a joining group heals
@@ -410,7 +480,7 @@ class MiCSEngine:
     def begin_step(self, counters: Optional[CommittedStepCounters] = None) -> bool:
         """Before the first micro-step of an optimizer step: the quorum (a joining group heals here), and the
         front end's step counters kept to committed steps. Whether this call opened the step."""
-        if self.replica_group is not None and self.semi_sync.active:
+        if self.replica_group is not None and self._diloco() is not None:
             self.replica_group.keep_alive()  # the quorum runs once per outer round (:meth:`_round_quorum`)
             return False
         if self.replica_group is not None and not self._step_open:
@@ -429,7 +499,7 @@ class MiCSEngine:
         """After a synchronous step's commit: whether the groups discarded it (it must not count). A
         semi-synchronous run counts every inner step; its rounds commit or not on their own."""
         group = self.replica_group
-        return group is not None and not self.semi_sync.active and group.last_step_discarded
+        return group is not None and self._diloco() is None and group.last_step_discarded
 
     def training_data(
         self, loader: Any, world_size: int, rank: int, accumulate: int, first_step: int, keep_trajectory: bool
@@ -486,20 +556,21 @@ class MiCSEngine:
         process_groups.set_logging_rank(rank if group.leads else world + rank)
 
     def detach_optimizers(self) -> None:
-        """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit)."""
-        self._state_sharding.clear()
-        self._cross_replica.clear()
+        """Forget every optimizer's hooks (the Trainer creates its optimizers afresh at each fit); the pipelines
+        let go of the models' gradients, and the next :meth:`attach_optimizers` makes new ones."""
+        for pipeline in self.pipelines():
+            pipeline.remove()
+        self._step_hooks.clear()
         self._synced_before_step.clear()
-        self.semi_sync.detach()
 
     def step_hook(self, optimizer: Optimizer) -> Optional[StepHook]:
-        return self._state_sharding.get(id(optimizer)) or self._cross_replica.get(id(optimizer))
+        return self._step_hooks.get(id(optimizer))
 
     def disjoint_groups(self, optimizer: Optional[Optimizer] = None) -> dict[Tensor, Sequence[dist.ProcessGroup]]:
         """For clipping: the groups over which the optimizer-state slices' gradients are disjoint (AMSP
         ``optim > grads``), of ``optimizer`` or of every optimizer; empty in every other layout."""
-        hooks = self._state_sharding.values() if optimizer is None else [self._state_sharding.get(id(optimizer))]
-        return {param: groups for hook in hooks if hook is not None for param, groups in hook.disjoint_groups.items()}
+        hooks = self._step_hooks.values() if optimizer is None else [self._step_hooks.get(id(optimizer))]
+        return optimizer_states.disjoint_groups(hooks)
 
     def sync_before_step(self, optimizer: Optimizer) -> None:
         """Once per step, before clipping and the step: the boundary gradients cross replicas in this
@@ -548,14 +619,16 @@ class MiCSEngine:
         """``module``'s state for a checkpoint, buffers synced first (one model, not a per-tensor mix of ranks)."""
         self.sync_buffers(module, device)
         state = ckpt.model_state_dict(module, full=self.options.save_full_state_dict)
-        return self.semi_sync.global_model_state(module, state) if self.semi_sync.active else state
+        run = self._diloco()
+        return run.global_model_state(module, state) if run is not None else state
 
     def optimizer_states(self, module: nn.Module, optimizers: Sequence[Optimizer]) -> list[dict[str, Any]]:
         """The optimizers' states at the partition degree (one checkpoint format for every layout)."""
-        with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=False):
+        with optimizer_states.in_partition_form(self._step_hooks, optimizers, write_back=False):
             full = self.options.save_full_state_dict
             states = [ckpt.optimizer_state_dict(module, optimizer, full=full) for optimizer in optimizers]
-        return self.semi_sync.replica_averaged(states) if self.semi_sync.active else states
+        run = self._diloco()
+        return run.replica_averaged(states) if run is not None else states
 
     def save(self, path: Any, checkpoint: dict[str, Any]) -> None:
         """Write ``checkpoint`` (with states from :meth:`model_state` / :meth:`optimizer_states`). A collective.
@@ -565,8 +638,9 @@ class MiCSEngine:
             if not self.replica_group.writes_checkpoints:
                 return
             checkpoint[FAULT_TOLERANCE_KEY] = self.replica_group.state_dict()
-        if self.semi_sync.active:  # DiLoCo's outer state and each replica group's own states, with the shards
-            checkpoint[SHARDED_EXTRAS_KEY] = self.semi_sync.checkpoint_entries()
+        run = self._diloco()
+        if run is not None:  # DiLoCo's outer state and each replica group's own states, with the shards
+            checkpoint[SHARDED_EXTRAS_KEY] = diloco_checkpoint.checkpoint_entries(run)
         started = time.perf_counter()
         layout = self.layout().checkpoint_layout
         ckpt.save(
@@ -586,12 +660,13 @@ class MiCSEngine:
         flight: it may be this one); return its other entries. A collective."""
         if self.async_saver is not None:
             self.async_saver.wait()
-        with optimizers_in_partition_form(self._state_sharding, optimizers, write_back=True):
+        with optimizer_states.in_partition_form(self._step_hooks, optimizers, write_back=True):
             state = ckpt.load(
                 path, module, optimizers, strict, restore_rng=True, verify=self.options.checkpoint_verify, **kwargs
             )
-        if optimizers and self.semi_sync.active:
-            self.semi_sync.after_load(path)
+        run = self._diloco()
+        if optimizers and run is not None:
+            diloco_checkpoint.after_load(run, path)
         fault_tolerance = state.pop(FAULT_TOLERANCE_KEY, None)
         if fault_tolerance is not None and self.replica_group is not None:
             self.replica_group.load_state_dict(fault_tolerance)
@@ -627,10 +702,10 @@ class MiCSEngine:
         if self._froze_gc:  # what was frozen is collectable again once the run is over
             gc.unfreeze()
             self._froze_gc = False
-        for sync in self._model_syncs.values():  # the model may go on under another strategy
-            sync.remove()
-        self._model_syncs.clear()
-        self._cross_replica.clear()
+        for pipeline in self.pipelines():  # the model may go on under another strategy
+            pipeline.remove()
+        pipelines = (CrossReplicaPipeline, EachModel)
+        self._step_hooks = {key: hook for key, hook in self._step_hooks.items() if not isinstance(hook, pipelines)}
         try:
             if self.async_saver is not None:
                 self.async_saver.close()
@@ -711,3 +786,25 @@ def sharded_before(
         earlier.check_reusable(settings, precision, sync_batchnorm)
     return earlier
 
+
+#: The engine module is the front ends' one door to the library: besides the engine, what they name of the layout,
+#: precision, wrapping, fault tolerance and Fabric's checkpoint entries is taken from here.
+__all__ = [
+    "SHARDED_MODELS",
+    "CommittedStepCounters",
+    "DataCursor",
+    "DataEpochs",
+    "MiCSEngine",
+    "MiCSFabricPrecision",
+    "MiCSLayout",
+    "MiCSPrecision",
+    "MiCSTopology",
+    "RootUnit",
+    "ShardRegistry",
+    "ShardedModel",
+    "WireFormat",
+    "WrapPlan",
+    "fabric_entries",
+    "precision_property",
+    "sharded_before",
+]

@@ -21,20 +21,13 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import _compat as compat
-from lightning_mics import fault_tolerance as ft
-from lightning_mics import process_groups
-from lightning_mics.checkpoint import fabric_entries
+from lightning_mics.engine import MiCSEngine, MiCSFabricPrecision, ShardRegistry, fabric_entries, precision_property
 from lightning_mics.front_end import MiCSFrontEnd
-from lightning_mics.grad_sync import fsdp_units
-from lightning_mics.layout import accumulation_context
-from lightning_mics.precision import MiCSFabricPrecision, precision_property
-from lightning_mics.wrapping import ShardRegistry
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +93,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     # ------------------------------------------------------------------ processes and layout
     def _set_world_ranks(self) -> None:
         """Fabric's connector calls this (when a strategy has it) before launching."""
-        process_groups.assign_world_ranks(self)
+        self._engine.assign_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
@@ -180,16 +173,14 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                 "exact_trajectory=False (keep_trajectory=True still keeps the samples and the global batch)."
             )
         (module,) = list(self._modules)
-        state_fn, load_fn = ft.state_hooks(module, [optimizer])
-        keep = self._keeps_trajectory
-        run = ft.run_configuration(self.precision.precision, 0, module, [optimizer]) | {"keep_trajectory": keep}
-        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+        precision = self.precision.precision
+        self._engine.join_fabric_fault_domain(module, optimizer, self.root_device, precision, loss_scaling)
 
     @property
     def _keeps_trajectory(self) -> bool:
         """``FaultTolerance(keep_trajectory=True)``: the loop reads :meth:`training_batches` (Fabric's default: fixed
-        shares -- the loop, and so which loader trains, is the user's)."""
-        return self.options.fault_tolerance is not None and self.options.fault_tolerance.keep_trajectory is True
+        shares -- the loop, and so which loader trains, is the user's); resolved by the engine."""
+        return self._engine.keeps_trajectory
 
     def _begin_step(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward; evaluation under no_grad starts no step
@@ -232,7 +223,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             raise ValueError(
                 f"accumulate is the micro-batches per optimizer step of your loop, >= 1; got {accumulate!r}."
             )
-        source = getattr(loader, "_dataloader", loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
+        source = compat.user_dataloader(loader)  # fabric.setup_dataloaders' wrapper: the user's DataLoader
         world = self.num_nodes * self.num_processes
         data = self._engine.training_data(source, world, self.global_rank, accumulate, self.committed_steps, True)
         return self._trained_micro_batches(data)
@@ -274,13 +265,13 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def no_cross_replica_sync(self, module: nn.Module) -> AbstractContextManager:
         """The backward of a non-boundary micro-step: hop 1 (reduce-scatter inside the partition) only.
         ``fabric.no_backward_sync(model, enabled=True)`` is this context."""
-        units = fsdp_units(module)
+        units = MiCSEngine.units_of(module)
         if not units:
             raise TypeError(
                 f"{type(module).__name__} has not been set up by MiCSStrategy: call `model = fabric.setup(model, ...)` "
                 "before `fabric.no_backward_sync(model)`."
             )
-        return accumulation_context(units, self.layout)
+        return self._engine.accumulation_context(units)
 
     @override
     def clip_gradients_norm(
@@ -341,7 +332,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def sync_buffers(self, module: nn.Module) -> None:
         """Make every rank's persistent buffers of ``module`` (the model ``fabric.setup`` returned) equal
         now, as ``buffer_sync`` says. A collective. ``fabric.save`` calls it; call it before evaluating too."""
-        module = _unwrap_objects(module)
+        module = compat.unwrap_fabric_objects(module)
         self._check_set_up(module, "sync_buffers(module)")
         self._engine.sync_buffers(module, self.root_device)
 

@@ -10,7 +10,7 @@ repeats the other.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Generic, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -18,32 +18,46 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_mics import _compat as compat
-from lightning_mics import process_groups
-from lightning_mics.engine import MiCSEngine
-from lightning_mics.accumulation import GradAccumulation
-from lightning_mics.console import show_start_up_lines
-from lightning_mics.layout import MiCSLayout
-from lightning_mics.registration import register_strategy_names
-from lightning_mics.offload import check_offload_before_launch
-from lightning_mics.options import MiCSOptions, ShardingOption
-from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
-from lightning_mics.wire import WireFormat
+from lightning_mics.engine import MiCSEngine, MiCSLayout, MiCSTopology, WireFormat
+from lightning_mics.options import (
+    GradAccumulation,
+    MiCSOptions,
+    PartitionSizeSpec,
+    ShardingOption,
+    register_strategy_names,
+)
 
-T = TypeVar("T")
+#: Options that both strategies expose as attributes of the same name, read from (and set into) the engine's
+#: options; the others are read through the layout's resolved values below, or ``strategy.options``.
+OPTION_ATTRIBUTES = (
+    "auto_wrap_policy",
+    "hierarchical",
+    "activation_checkpointing_policy",
+    "prefetch_depth",
+    "compile_blocks",
+    "save_full_state_dict",
+    "sync_module_states",
+    "checkpoint_verify",
+    "buffer_sync",
+    "gc_freeze",
+    "planner_cluster",
+    "release_gradients_after_step",
+    "cpu_offload",
+)
 
 
-class _Option(Generic[T]):
+class _Option:
     """A strategy attribute that is the option of the same name (setting it re-validates the options)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
 
-    def __get__(self, strategy: Any, owner: Optional[type] = None) -> T:
+    def __get__(self, strategy: Any, owner: Optional[type] = None) -> Any:
         if strategy is None:
-            return self  # type: ignore[return-value]
+            return self
         return getattr(strategy._engine.options, self.name)
 
-    def __set__(self, strategy: Any, value: T) -> None:
+    def __set__(self, strategy: Any, value: Any) -> None:
         engine = strategy._engine
         engine.options = replace(engine.options, **{self.name: value})
 
@@ -57,19 +71,7 @@ class MiCSFrontEnd:
     parallel_devices: Optional[list[torch.device]]
     local_rank: int
 
-    auto_wrap_policy = _Option[Any]()
-    hierarchical = _Option[Any]()
-    activation_checkpointing_policy = _Option[Any]()
-    prefetch_depth = _Option[int]()
-    compile_blocks = _Option[bool]()
-    save_full_state_dict = _Option[bool]()
-    sync_module_states = _Option[bool]()
-    checkpoint_verify = _Option[str]()
-    buffer_sync = _Option[str]()
-    gc_freeze = _Option[bool]()
-    planner_cluster = _Option[Any]()
-    release_gradients_after_step = _Option[bool]()
-    cpu_offload = _Option[Any]()
+    # the options in OPTION_ATTRIBUTES are attributes too (set below the class)
 
     strategy_name = "mics"
     #: how the Lightning base class names its precision-plugin argument
@@ -110,8 +112,7 @@ class MiCSFrontEnd:
         given = MiCSOptions(**option_values) if options is None else replace(options, **option_values)
         if not self._trainer_front_end:
             given.refuse_trainer_only()
-        self._engine = MiCSEngine(given)
-        show_start_up_lines()  # the layout line shows like Lightning's own, without logging set up
+        self._engine = MiCSEngine(given, trainer_loop=self._trainer_front_end)
         self._num_nodes = 1
         self._fsdp_units: list[FSDPModule] = []  # of every model set up (per model: blocks, then its root)
         self._init_front_end_state()
@@ -121,11 +122,9 @@ class MiCSFrontEnd:
         invalid layout before it does, once (see :meth:`MiCSEngine.check_before_launch`)."""
         environment = self.cluster_environment
         assert environment is not None
-        o, devices = self._engine.options, self.parallel_devices
-        check_offload_before_launch(
-            o.cpu_offload, devices[0].type if devices else None, self.num_processes * self.num_nodes,
-            o.ranks_per_node or self.num_processes, o.sharding,
-        )
+        devices = self.parallel_devices
+        device_type = devices[0].type if devices else None
+        self._engine.check_devices_before_launch(device_type, self.num_processes, self.num_nodes)
         if not environment.creates_processes_externally:
             self._engine.check_before_launch(self.num_processes, self.num_nodes)
             self._launcher = self._launcher_class(environment, self.num_processes, self.num_nodes)
@@ -183,7 +182,7 @@ class MiCSFrontEnd:
     def outer_round(self) -> Optional[tuple[int, bool]]:
         """With ``cross_replica_sync="diloco"``: (optimizer steps between two outer averages, whether the next
         step starts one); ``None`` with a hop 2 every step."""
-        return self._engine.semi_sync.outer_round()
+        return self._engine.outer_round()
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -252,7 +251,11 @@ class MiCSFrontEnd:
     all_reduce = reduce
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        process_groups.barrier(self.root_device)
+        self._engine.barrier(self.root_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return process_groups.broadcast_object(obj, src)
+        return self._engine.broadcast(obj, src)
+
+
+for _name in OPTION_ATTRIBUTES:
+    setattr(MiCSFrontEnd, _name, _Option(_name))

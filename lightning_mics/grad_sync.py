@@ -35,25 +35,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_mics import _compat as compat
 from lightning_mics.accumulation import GradAccumulation, check_grad_accumulation
-
-def local_shard(t: Tensor) -> Tensor:
-    """The tensor holding this rank's elements: a DTensor's local shard (its storage, so in-place
-    writes land in the parameter or gradient), or ``t`` itself."""
-    return compat.local_tensor(t) if isinstance(t, DTensor) else t
-
-
-def fsdp_units(module: nn.Module) -> list[FSDPModule]:
-    """All FSDP units inside ``module`` (including itself), in module order."""
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def set_cross_replica_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
-    """Turn the cross-replica all-reduce (hop 2) on or off for every unit; reduce-scatter always runs."""
-    for unit in units:
-        unit.set_requires_all_reduce(enabled, recurse=False)
-
+from lightning_mics.hop2.fsdp import set_cross_replica_sync
+from lightning_mics.shards import fsdp_units, local_shard
 
 def set_gradient_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
     """Turn both hops (reduce-scatter and cross-replica all-reduce) on or off for every unit; while
@@ -172,7 +156,7 @@ def clip_grad_norm_(
     Where a gradient's pieces are disjoint: a DTensor's over its ``Shard`` mesh dims, which it
     carries itself; a plain tensor's over ``disjoint_groups[param]`` -- the slice parameters of
     optimizer-state sharding, whose groups only their owner knows
-    (:attr:`~lightning_mics.optim_sharding.ReplicaShardedOptimizerStates.disjoint_groups`, which the
+    (:attr:`~lightning_mics.hop2.optimizer_states.ReplicaShardedOptimizerStates.disjoint_groups`, which the
     strategy passes in through its precision plugin); any other plain tensor is taken as replicated.
     """
     disjoint_groups = disjoint_groups or {}

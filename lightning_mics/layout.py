@@ -11,8 +11,8 @@ once, so that the two cannot drift apart:
 * :func:`shard_module` -- one model onto the layout: every rank starts from rank 0's states,
   FSDP2 units on the mesh, the collectives gloo or multi-node partitions need, meta-device models
   materialised shard by shard;
-* :func:`shard_optimizer_states`, :func:`accumulation_context`, :func:`optimizers_in_partition_form`
-  -- the optimizer and gradient-accumulation pieces that depend on the layout.
+* :func:`accumulation_context` -- the gradient-accumulation context that depends on the layout (the
+  cross-replica schedules, AMSP's optimizer states among them, are :mod:`lightning_mics.hop2`'s).
 
 What happens before the ranks start (the pre-launch layout check, ranks per node, threads) is in
 :mod:`lightning_mics.launch`.
@@ -21,8 +21,8 @@ What happens before the ranks start (the pre-launch layout check, ranks per node
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
-from torch.optim import Optimizer
 
 from lightning_mics import _compat as compat
 from lightning_mics import checkpoint as ckpt
@@ -53,7 +52,6 @@ from lightning_mics.offload import (
     move_unsharded_states,
     offload_policy,
 )
-from lightning_mics.optim_sharding import ReplicaShardedOptimizerStates
 from lightning_mics.options import Hierarchical, ShardingOption
 from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
 from lightning_mics.post_forward_mesh import PostForwardMeshes
@@ -567,43 +565,6 @@ def install_layout_collectives(units: Sequence[FSDPModule], layout: MiCSLayout) 
         install_ring_reduce_scatter(units)
         if not layout.settings.topology.spans_nodes:  # every pair of a partition talks: keep it off the slow links
             install_direct_all_gather(units)
-
-
-def shard_optimizer_states(
-    optimizers: Iterable[Optimizer], layout: MiCSLayout, loss_scaling: bool
-) -> dict[int, ReplicaShardedOptimizerStates]:
-    """AMSP ``optim > grads``: each optimizer steps on this rank's slice of its partition shard;
-    returns the hook that brackets its steps, by ``id(optimizer)``. Empty in every other layout."""
-    if not layout.settings.shards_optimizer_beyond_partition:
-        return {}
-    if loss_scaling:
-        raise ValueError(
-            "Optimizer-state sharding across replicas does not support precision='16-mixed' (loss scaling); "
-            "use 'bf16-mixed' or keep the optimizer states at the partition degree."
-        )
-    assert layout.optim_groups is not None
-    shard_pg, replica_pg = layout.optim_groups
-    partition_pg = layout.fsdp_mesh.get_group()  # 1-D in this mode: the partition
-    return {
-        id(optimizer): ReplicaShardedOptimizerStates(
-            optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=layout.settings.topology.replication_degree
-        )
-        for optimizer in optimizers
-    }
-
-
-@contextmanager
-def optimizers_in_partition_form(
-    hooks: Mapping[int, ReplicaShardedOptimizerStates], optimizers: Iterable[Optimizer], write_back: bool
-) -> Generator[None, None, None]:
-    """With optimizer states sharded across replicas (AMSP ``optim > grads``), checkpoints see them at
-    the partition degree, as plain MiCS holds them: one checkpoint format for every layout."""
-    with ExitStack() as stack:
-        for optimizer in optimizers:
-            hook = hooks.get(id(optimizer))
-            if hook is not None:
-                stack.enter_context(hook.partition_form(write_back=write_back))
-        yield
 
 
 @contextmanager

@@ -29,82 +29,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from lightning_mics.grad_sync import local_shard
-from lightning_mics.sharding_spec import ShardingSpec
+from lightning_mics import _compat as compat
+from lightning_mics.offload_option import ON_CPU_RANKS, check_offload_optim_degree, offload_requested
+from lightning_mics.shards import local_shard
 
 #: What ``cpu_offload`` takes: ``True`` (FSDP2's policy with pinned host memory), ``False``, or a policy.
 CPUOffloadOption = Union[bool, CPUOffloadPolicy]
-
-ON_CPU_RANKS = (
-    "cpu_offload moves model states from the GPU to host memory; on CPU ranks they already are there -- drop "
-    "cpu_offload (or run on GPUs: Trainer(accelerator='gpu'))."
-)
-_HOST_GRADIENTS = "with cpu_offload the gradient shards are in host memory when backward ends"
 
 
 def offload_policy(option: Any) -> Optional[CPUOffloadPolicy]:
     """The FSDP2 policy ``cpu_offload`` stands for: ``None`` for ``False``, pinned host memory for ``True``
     (page-locked buffers let the copies run asynchronously, beside compute), a given policy as it is."""
-    if option is False or option is None:
+    if not offload_requested(option):
         return None
-    if option is True:
-        return CPUOffloadPolicy(pin_memory=True)
-    if isinstance(option, CPUOffloadPolicy):
-        return option
-    raise TypeError(
-        f"cpu_offload must be True, False or a torch.distributed.fsdp.CPUOffloadPolicy, got {option!r}"
-        + (f"; write cpu_offload={option.lower() == 'true'}." if option in ("true", "false", "True", "False") else ".")
-    )
-
-
-def check_cpu_offload_option(
-    option: Any, cross_replica_dtype: Any, fault_tolerance: Any, sharding: Any
-) -> None:
-    """Refuse ``cpu_offload`` with the options whose step hooks need the gradient shards on the GPU, when
-    the options are created (before anything is launched). Degrees given by name ("node", "world") are
-    compared once the world size is known (:func:`check_offload_before_launch`)."""
-    if offload_policy(option) is None:
-        return
-    if cross_replica_dtype is not None:
-        raise ValueError(
-            f"cpu_offload cannot be combined with cross_replica_dtype={cross_replica_dtype!r}: the compressed hop 2 "
-            f"packs and all-reduces the gradient shards after backward, and {_HOST_GRADIENTS}. Drop "
-            "cross_replica_dtype (hop 2 then runs inside FSDP2, on the GPU, before the copy to host memory) or "
-            "cpu_offload."
-        )
-    if fault_tolerance is not None:
-        raise ValueError(
-            "cpu_offload cannot be combined with fault_tolerance: torchft's hop 2 all-reduces the gradient shards "
-            f"after backward, and {_HOST_GRADIENTS}. Drop one of the two."
-        )
-    if isinstance(sharding, ShardingSpec) and isinstance(sharding.optim, int) and isinstance(sharding.grads, int):
-        check_offload_optim_degree(sharding.optim, sharding.grads)
-
-
-def check_offload_optim_degree(optim_degree: Optional[int], partition_size: int) -> None:
-    """AMSP ``optim > grads`` reduce-scatters the gradient shards across replicas before the step: refused."""
-    if optim_degree is not None and optim_degree > partition_size:
-        raise ValueError(
-            f"cpu_offload cannot be combined with optimizer states sharded across replicas (ShardingSpec optim="
-            f"{optim_degree} > grads={partition_size}): that reduce-scatters the gradient shards before the step, "
-            f"and {_HOST_GRADIENTS}. Use optim equal to grads -- offload already takes the optimizer states off the "
-            "GPU -- or drop cpu_offload."
-        )
-
-
-def check_offload_before_launch(
-    option: Any, device_type: Optional[str], world_size: int, ranks_per_node: int, sharding: Any
-) -> None:
-    """What the launcher knows before it starts the ranks: their device type and the world. ``cpu_offload``
-    on CPU ranks, or with a spec whose optimizer degree resolves beyond its gradient degree, is refused
-    here, once, instead of in every rank."""
-    if offload_policy(option) is None:
-        return
-    if device_type == "cpu":
-        raise ValueError(ON_CPU_RANKS)
-    if isinstance(sharding, ShardingSpec) and world_size >= 1:
-        degrees = sharding.resolve(world_size, ranks_per_node)
-        check_offload_optim_degree(degrees.optim, degrees.grads)
+    return CPUOffloadPolicy(pin_memory=True) if option is True else option
 
 
 def check_offload_layout(
@@ -136,13 +74,14 @@ def move_unsharded_states(root: nn.Module, device: torch.device) -> None:
     GPU too (FSDP2 then copies pinned shards back, and refuses unpinned ones on the GPU at the first
     forward)."""
     for module in root.modules():
-        for name, buffer in module._buffers.items():
+        buffers, params = compat.module_buffers(module), compat.module_parameters(module)
+        for name, buffer in buffers.items():
             if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
-        for name, param in module._parameters.items():
+                buffers[name] = buffer.to(device)
+        for name, param in params.items():
             if param is not None and not hasattr(param, "device_mesh") and param.device != device:
                 with torch.no_grad():
-                    module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+                    params[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
 
 
 def check_clipping(params: Iterable[Tensor]) -> None:

@@ -37,9 +37,10 @@ Everything here is pure integer arithmetic (no processes), so it is unit-tested 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, Union
 
-from lightning_mics.topology import _check_world, named_size, valid_partition_sizes, valid_sizes_text
+from lightning_mics.topology import MiCSTopology, _check_world, named_size, valid_partition_sizes, valid_sizes_text
 
 #: What a user may write for one degree: a positive int, ``-1`` / ``"world"`` (every rank) or
 #: ``"node"`` (one node's ranks).
@@ -121,10 +122,15 @@ class ShardingDegrees:
         """MiCS partition size = the gradient degree: the FSDP2 shard dimension."""
         return self.grads
 
+    @cached_property
+    def topology(self) -> MiCSTopology:
+        """The rank layout the degrees run on: partitions of ``grads`` ranks (valid by the same rule)."""
+        return MiCSTopology(self.world_size, self.ranks_per_node, self.grads)
+
     @property
     def replication_degree(self) -> int:
         """Copies of the (gradient-sharded) model states: the boundary sync runs across these."""
-        return self.world_size // self.grads
+        return self.topology.replication_degree
 
     @property
     def optimizer_replica_shards(self) -> int:

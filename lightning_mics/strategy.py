@@ -24,18 +24,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import _compat as compat
-from lightning_mics import checkpoint as ckpt
-from lightning_mics import fault_tolerance as ft
-from lightning_mics import process_groups
-from lightning_mics.engine import SHARDED_MODELS, ShardedModel, sharded_before, unwrap_optimizer
+from lightning_mics.engine import (
+    SHARDED_MODELS,
+    MiCSEngine,
+    MiCSPrecision,
+    RootUnit,
+    ShardedModel,
+    WrapPlan,
+    precision_property,
+    sharded_before,
+)
 from lightning_mics.front_end import MiCSFrontEnd
-from lightning_mics.grad_sync import fsdp_units
-from lightning_mics.layout import accumulation_context
-from lightning_mics.precision import MiCSPrecision, precision_property
-from lightning_mics.wrapping import RootUnit, WrapPlan
 
 if TYPE_CHECKING:
-    from lightning_mics.fault_tolerance.trajectory import DataCursor
+    from lightning_mics.engine import CommittedStepCounters, DataCursor, DataEpochs
 
 __all__ = ["MiCSStrategy"]
 
@@ -56,10 +58,10 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     _launcher_class = compat.SubprocessScriptLauncher
     _trainer_front_end = True
     #: with ``fault_tolerance``: the Trainer's counters kept to committed steps (set when training starts)
-    _step_counters: Optional[ft.CommittedStepCounters] = None
+    _step_counters: Optional[CommittedStepCounters] = None
     #: with ``fault_tolerance`` keeping the trajectory: the Trainer's epochs kept to the data's (set when training
     #: starts; ``None`` where ``limit_train_batches`` shortens the epoch)
-    _data_epochs: Optional[ft.DataEpochs] = None
+    _data_epochs: Optional[DataEpochs] = None
 
     def _init_front_end_state(self) -> None:
         self._wrap_plan: Optional[WrapPlan] = None  # which modules became units and why, for the layout log
@@ -77,7 +79,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every rank is a data-parallel worker: partitions shard states, not data.
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = compat.trainer_of(self.lightning_module)
         world, training = self.num_nodes * self.num_processes, trainer is not None and trainer.training
         num_replicas, rank = self._engine.data_share(world, self.global_rank, across_groups=training)
         return {"num_replicas": num_replicas, "rank": rank}
@@ -99,7 +101,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         # SyncBatchNorm runs on GPUs only: refuse it on CPU ranks now rather than in every rank's first forward
-        if self._layer_sync is not None and self.parallel_devices and self.parallel_devices[0].type == "cpu":
+        if compat.layer_sync(self) is not None and self.parallel_devices and self.parallel_devices[0].type == "cpu":
             raise ValueError(
                 "Trainer(sync_batchnorm=True) converts BatchNorm to torch.nn.SyncBatchNorm, which torch runs on GPUs "
                 "only; on CPU ranks remove sync_batchnorm=True (each rank then keeps its own BatchNorm statistics)."
@@ -110,7 +112,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         """Lightning's accelerator connector calls this when the Trainer is built: the ranks and the world size
         are right from construction on, as with DDP and FSDP (scripts size data or guard downloads by
         ``trainer.world_size`` / ``trainer.is_global_zero`` before ``fit``)."""
-        process_groups.assign_world_ranks(self)
+        self._engine.assign_world_ranks(self)
 
     @override
     def setup_environment(self) -> None:
@@ -127,16 +129,16 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         then its layout and groups are used."""
         module = self.lightning_module
         assert module is not None
-        trainer = getattr(module, "_trainer", None)
+        trainer = compat.trainer_of(module)
         accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         settings = self._engine.resolve_layout(self, module, self.precision_plugin.precision, accumulation)
         earlier = sharded_before(module, settings, self.precision_plugin.precision, self._converts_batchnorm())
         self._engine.use_layout(settings, earlier.layout if earlier is not None else None)
 
     def _converts_batchnorm(self) -> bool:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = compat.trainer_of(self.lightning_module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        return self._layer_sync is not None and fitting
+        return compat.layer_sync(self) is not None and fitting
 
     # ------------------------------------------------------------------ model setup
     @override
@@ -162,10 +164,11 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             compat.optimizers_to_device(self.optimizers, self.root_device)
             self._join_fault_domain(trainer)
             self._engine.detach_optimizers()
-            raw = [unwrap_optimizer(o) for o in self.optimizers]
+            raw = [compat.unwrap_optimizer(o) for o in self.optimizers]
             self._engine.attach_optimizers(raw, self._root, loss_scaling=self.precision_plugin.scaler is not None)
             self.precision_plugin.disjoint_groups = self._engine.disjoint_groups()
-            self.precision_plugin.before_clipping = lambda opt: self._engine.sync_before_step(unwrap_optimizer(opt))
+            unwrap = compat.unwrap_optimizer
+            self.precision_plugin.before_clipping = lambda opt: self._engine.sync_before_step(unwrap(opt))
         if self.is_global_zero and self._layout_logged_for is not self._root:
             self.layout.log_description(log, self.lightning_module, len(self._fsdp_units), self._wrap_plan)
             self._layout_logged_for = self._root
@@ -177,14 +180,12 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             return
         if not module.automatic_optimization:
             raise ValueError("fault_tolerance needs automatic optimization: each step must be one quorum and commit.")
-        optimizers = [unwrap_optimizer(o) for o in self.optimizers]
+        optimizers = [compat.unwrap_optimizer(o) for o in self.optimizers]
         schedulers = [config.scheduler for config in self.lr_scheduler_configs]
-        state_fn, load_fn, self._step_counters = ft.trainer_state_hooks(trainer, module, optimizers, schedulers)
-        run = ft.run_configuration(
-            self.precision_plugin.precision, trainer.accumulate_grad_batches, module, optimizers, schedulers
-        ) | {"keep_trajectory": self.options.fault_tolerance.trainer_keeps_trajectory}
-        loss_scaling = self.precision_plugin.scaler is not None
-        self._engine.join_fault_domain(self.root_device, state_fn, load_fn, run, loss_scaling=loss_scaling)
+        plugin = self.precision_plugin
+        self._step_counters = self._engine.join_trainer_fault_domain(
+            trainer, module, optimizers, schedulers, self.root_device, plugin.precision, plugin.scaler is not None
+        )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -193,7 +194,8 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training or self.options.fault_tolerance is None:
             return dataloader
-        if self.options.fault_tolerance.trainer_keeps_trajectory and is_param_in_hook_signature(
+        keep = self._engine.keeps_trajectory
+        if keep and is_param_in_hook_signature(
             self.lightning_module.training_step, "dataloader_iter", explicit=True
         ):
             raise ValueError(
@@ -203,7 +205,6 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
             )
         world = self.num_nodes * self.num_processes
         accumulate = trainer.accumulate_grad_batches
-        keep = self.options.fault_tolerance.trainer_keeps_trajectory
         return self._engine.training_data(dataloader, world, self.global_rank, accumulate, trainer.global_step, keep)
 
     @override
@@ -219,8 +220,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
                     "Combine them into one dataset, or set FaultTolerance(keep_trajectory=False) to give each group "
                     "a fixed share of each."
                 )
-        cursor = self._engine.data_cursor
-        self._data_epochs = None if cursor is None or module is None else ft.DataEpochs.of(module.trainer, cursor.order)
+        self._data_epochs = None if module is None else self._engine.data_epochs(module.trainer)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -261,7 +261,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         batch = module.trainer.precision_plugin.convert_input(batch)
-        batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+        batch = compat.on_before_batch_transfer(module, batch, dataloader_idx=0)
         return self.batch_to_device(batch, dataloader_idx=0)
 
     @override
@@ -282,7 +282,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         root = earlier.root()
         assert isinstance(root, RootUnit)
         self.precision_plugin.device_type = self.root_device.type
-        self._fsdp_units = [unit for unit in fsdp_units(root) if unit is not root] + [root]  # blocks, then root
+        self._fsdp_units = [unit for unit in MiCSEngine.units_of(root) if unit is not root] + [root]  # blocks, root
         self._wrap_plan = None  # the plan it was sharded with is the earlier strategy's
         if self.is_global_zero:
             log.info("using the model as an earlier MiCSStrategy sharded it (same layout): not sharding it again")
@@ -292,8 +292,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         """Wrap ``module`` in the root unit and shard it onto the layout, and record that this strategy did,
         so that a later one can use the model as it is."""
         sync_batchnorm = self._converts_batchnorm()
-        if self._layer_sync is not None and sync_batchnorm:
-            self._layer_sync.apply(module)  # BatchNorm -> SyncBatchNorm, before sharding
+        layer_sync = compat.layer_sync(self)
+        if layer_sync is not None and sync_batchnorm:
+            layer_sync.apply(module)  # BatchNorm -> SyncBatchNorm, before sharding
         converted = self.precision_plugin.convert_module(module)
         assert converted is module
         root = RootUnit(module)
@@ -311,7 +312,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         so inside the closure -- once the boundary backward has produced the gradients, before Lightning's
         ``on_before_optimizer_step`` and clipping -- and finishes after the step. Then, with
         ``release_gradients_after_step``, the gradients are freed."""
-        raw = unwrap_optimizer(optimizer)
+        raw = compat.unwrap_optimizer(optimizer)
         if self._engine.step_hook(raw) is None:
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
@@ -331,7 +332,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         # The optimizer must reference the sharded DTensor parameters, so it is (re)created after
         # sharding; one left from an earlier stage would point at stale tensors.
-        self._reset_optimizers_and_schedulers()
+        compat.reset_optimizers_and_schedulers(self)
         super().setup_optimizers(trainer)
 
     @override
@@ -353,17 +354,17 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     # with NCCL, or a caller's `with torch.inference_mode(): trainer.test(...)` -- they break the next fit.
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with ckpt.outside_inference_mode():
+        with self._engine.outside_inference_mode():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with ckpt.outside_inference_mode():
+        with self._engine.outside_inference_mode():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with ckpt.outside_inference_mode():
+        with self._engine.outside_inference_mode():
             return super().predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------ gradient sync and collectives
@@ -373,7 +374,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         """Non-boundary micro-steps: ``grad_accumulation="sharded"`` reduce-scatters inside the
         partition only, ``"unsharded"`` keeps full gradients; either way the cross-replica
         all-reduce runs once, on the boundary backward."""
-        with accumulation_context(self._fsdp_units, self.layout):
+        with self._engine.accumulation_context(self._fsdp_units):
             yield None
 
     def no_cross_replica_sync(self) -> Any:
@@ -411,7 +412,7 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return self._engine.optimizer_states(self.lightning_module, [unwrap_optimizer(optimizer)])[0]
+        return self._engine.optimizer_states(self.lightning_module, [compat.unwrap_optimizer(optimizer)])[0]
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -434,9 +435,9 @@ class MiCSStrategy(MiCSFrontEnd, ParallelStrategy):
         # and must neither need their state (weights-only checkpoints) nor write it.
         module = self.lightning_module
         assert module is not None
-        trainer = getattr(module, "_trainer", None)
+        trainer = compat.trainer_of(module)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        optimizers = [unwrap_optimizer(o) for o in self.optimizers] if fitting else []
+        optimizers = [compat.unwrap_optimizer(o) for o in self.optimizers] if fitting else []
         path = self.broadcast(str(checkpoint_path))
         return self._engine.load(path, module, optimizers, module.strict_loading, for_trainer=True)
 

@@ -13,8 +13,8 @@ Communication is counted from the collectives this rank actually issues (through
 * **cross-replica** -- the rank's replication group (the boundary gradient all-reduce),
 * **other** -- anything else (e.g. world-wide metric syncs).
 
-:func:`analytic_comm_bytes` gives the same numbers from parameter shapes alone, which is how the
-tests check the accounting and how one predicts the traffic of a layout before running it.
+:func:`lightning_mics.accounting.analytic_comm_bytes` gives the same numbers from parameter shapes alone, which
+is how the tests check the accounting and how one predicts the traffic of a layout before running it.
 
 The recorder is on only for sampled steps (:class:`~lightning_mics.comm_sampling.CommSampler`: the first two,
 every ``sample_every``-th, and the ones that differ from the pattern); the others report the bytes of the
@@ -27,9 +27,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
@@ -37,16 +36,22 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
+from torch import Tensor
 
-from lightning_mics._compat import logging_step
-from lightning_mics.accumulation import GradAccumulation
-from lightning_mics.collective_recorder import CollectiveCall, CollectiveRecorder
+from lightning_mics import _compat as compat
+from lightning_mics.accounting import (
+    CROSS_REPLICA,
+    INTRA_PARTITION,
+    OTHER,
+    CommBytes,
+    classify_calls,
+    model_state_bytes,
+    unique_parameters,
+)
+from lightning_mics.collective_recorder import CollectiveRecorder
 from lightning_mics.comm_sampling import DEFAULT_SAMPLE_EVERY, CommSampler
-from lightning_mics.front_end import MiCSFrontEnd
-from lightning_mics.grad_sync import local_shard
-from lightning_mics.schedule import PARTITION_ROLES, StepLayout, UnitSize, step_schedule
+from lightning_mics.engine import MiCSEngine
+from lightning_mics.shards import local_shard
 from lightning_mics.topology import MiCSTopology
 
 log = logging.getLogger(__name__)
@@ -80,228 +85,13 @@ def compute_dtype(precision: str) -> Optional[torch.dtype]:
     return None
 
 
-INTRA_PARTITION, CROSS_REPLICA, OTHER = "intra_partition", "cross_replica", "other"
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-
-# ---------------------------------------------------------------------------------- byte accounting
-@dataclass(frozen=True)
-class CommBytes:
-    """Bytes of collective payload in one optimizer step, by kind and by the group they ran on.
-
-    ``by_group`` is empty when the strategy has no MiCS topology to classify against.
-    """
-
-    by_kind: Mapping[str, int]
-    by_group: Mapping[str, int] = field(default_factory=dict)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_kind.values())
-
-    @property
-    def intra_partition(self) -> Optional[int]:
-        return self.by_group.get(INTRA_PARTITION) if self.by_group else None
-
-    @property
-    def cross_replica(self) -> Optional[int]:
-        return self.by_group.get(CROSS_REPLICA) if self.by_group else None
-
-
-def classify_calls(calls: Iterable[CollectiveCall], topology: Optional[MiCSTopology], rank: int) -> CommBytes:
-    """Sum the payload of ``calls`` by kind and, with a topology, by group (see module docstring).
-
-    Sub-groups count with their group: a partition spanning nodes runs hierarchical all-gathers on
-    its intra- and inter-node sub-groups, which are intra-partition traffic (the analytic formula
-    below assumes flat collectives and does not model those two stages).
-    A group that is both the partition and the replication group (a single rank) counts as
-    intra-partition; with ZeRO-3 the partition group is the world, so world-wide calls are intra.
-    A call on a group outside this world (torchft's, with ``fault_tolerance``) is hop 2 across replica
-    groups: cross-replica. Broadcasts are never model-state traffic (Lightning broadcasts a SIGTERM flag
-    every batch) and always count as other.
-    """
-    by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
-    by_group: Counter[str] = Counter()
-    partition = set(topology.partition_group_of(rank)) if topology else set()
-    replication = set(topology.replication_group_of(rank)) if topology else set()
-    if topology:
-        by_group.update({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})
-    for call in calls:
-        by_kind[call.kind] += call.bytes
-        if topology is None:
-            continue
-        ranks = set(call.ranks)
-        if call.kind == "broadcast":
-            by_group[OTHER] += call.bytes  # control traffic (e.g. Lightning's per-batch SIGTERM flag)
-        elif not ranks:  # a group outside this world: hop 2 across fault-tolerant replica groups
-            by_group[CROSS_REPLICA] += call.bytes
-        elif ranks <= partition:  # the partition group, or its intra-/inter-node sub-groups
-            by_group[INTRA_PARTITION] += call.bytes
-        elif ranks <= replication:
-            by_group[CROSS_REPLICA] += call.bytes
-        else:
-            by_group[OTHER] += call.bytes
-    return CommBytes(dict(by_kind), dict(by_group))
-
-
-@dataclass(frozen=True)
-class UnitShapes:
-    """The parameters one FSDP unit owns (not those of units nested inside it)."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    trainable: tuple[bool, ...]
-    #: Whether the unit frees its gathered parameters after forward (then it all-gathers again in backward).
-    reshard_after_forward: bool
-
-
-def fsdp_unit_shapes(units: Sequence[nn.Module], reshard_after_forward: bool = True) -> list[UnitShapes]:
-    """Describe each FSDP unit by the global shapes of the parameters it owns.
-
-    The outermost unit (the root) is taken never to reshard after forward -- FSDP2's and
-    :func:`~lightning_mics.wrapping.shard_model`'s rule -- the others follow ``reshard_after_forward``.
-    """
-    unit_ids = {id(u) for u in units}
-    nested_in_other: set[int] = set()
-    for unit in units:
-        for sub in unit.modules():
-            if sub is not unit and id(sub) in unit_ids:
-                nested_in_other.add(id(sub))
-    specs = []
-    for unit in units:
-        owned: dict[int, nn.Parameter] = {}
-        skip: set[int] = set()
-        for sub in unit.modules():
-            if sub is not unit and isinstance(sub, FSDPModule):
-                skip.update(id(p) for p in sub.parameters())
-        for param in unit.parameters():
-            if id(param) not in skip:
-                owned[id(param)] = param
-        is_root = id(unit) not in nested_in_other
-        specs.append(
-            UnitShapes(
-                shapes=tuple(tuple(p.shape) for p in owned.values()),
-                trainable=tuple(p.requires_grad for p in owned.values()),
-                reshard_after_forward=bool(reshard_after_forward) and not is_root,
-            )
-        )
-    return specs
-
-
-def padded_numel(shape: Sequence[int], shard_size: int) -> int:
-    """Elements of a parameter once FSDP pads its dim 0 to a multiple of ``shard_size``."""
-    if not shape:
-        shape = (1,)
-    rows = math.ceil(shape[0] / shard_size) * shard_size
-    return rows * math.prod(shape[1:])
-
-
-def unit_sizes(units: Sequence[UnitShapes], partition_size: int) -> list[UnitSize]:
-    """What each unit moves under FSDP2 on a partition of ``partition_size``: every parameter padded
-    to a multiple of it in dim 0 (all are gathered, only trainable ones reduced)."""
-    sizes = []
-    for unit in units:
-        padded = [padded_numel(s, partition_size) for s in unit.shapes]
-        trainable = sum(n for n, t in zip(padded, unit.trainable) if t)
-        sizes.append(UnitSize(sum(padded), trainable, unit.reshard_after_forward))
-    return sizes
-
-
-def analytic_comm_bytes(
-    units: Sequence[UnitShapes],
-    partition_size: int,
-    replication_degree: int,
-    accumulate_grad_batches: int = 1,
-    param_bytes: int = 4,
-    reduce_bytes: int = 4,
-    hierarchical_ranks_per_node: Optional[int] = None,
-    grad_accumulation: GradAccumulation = "sharded",
-    cross_replica_bytes: Optional[float] = None,
-    cross_replica_block: int = 1,
-    cross_replica_per_unit: bool = True,
-    sync_every: Optional[int] = None,
-) -> CommBytes:
-    """Bytes each rank's collectives carry in one optimizer step under MiCS on FSDP2: the sum of
-    :func:`lightning_mics.schedule.step_schedule` for these units (its docstring derives it).
-
-    With ``p`` the partition size, ``R`` the replication degree, ``A`` the micro-steps per optimizer
-    step, and for each unit ``u`` its padded size ``S_u = sum over its params of ceil(dim0 / p) * p *
-    rest`` (``S'_u``: trainable params only)::
-
-        all_gather     = A * sum_u g_u * S_u * param_bytes      g_u = 2 if u reshards after forward
-                                                                  (gathered again for backward), else 1
-        reduce_scatter = A' * sum_u S'_u * reduce_bytes          A' = A (sharded accumulation) or 1 (unsharded)
-        all_reduce     = [R > 1] * sum_u S'_u / p * reduce_bytes once, at the boundary, across replicas
-
-    With ``p = 1`` (pure replication) FSDP2 skips the all-gather and reduce-scatter altogether. A
-    partition spanning nodes of ``m`` ranks uses two-stage collectives by default; pass
-    ``hierarchical_ranks_per_node=m`` then: each all-gather and reduce-scatter adds a stage on
-    ``1/m`` of its buffer, all of it inside the partition.
-
-    Also observed but not modelled: after a validation pass the root unit stays gathered, so the next
-    step skips the root's first all-gather. ``param_bytes`` is the all-gather dtype (2 for bf16 mixed
-    precision), ``reduce_bytes`` the gradient-reduction dtype (4 for the mixed modes). Not included:
-    the scalar all-reduce of gradient clipping by norm (4 bytes per step when clipping) and metric syncs.
-    ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (2 for
-    ``cross_replica_dtype="bf16"``, ``1 + 4 / 256`` for ``"int8"``), which turns the all-reduces
-    into reduce-scatters and all-gathers across replicas; ``cross_replica_block``: its
-    elements per scale (256 for int8), to which each rank's piece is padded; ``cross_replica_per_unit``:
-    one such message per unit (``cross_replica_overlap``, the default) or one for all units.
-    :meth:`WireFormat.byte_model <lightning_mics.wire.WireFormat.byte_model>` gives the first two.
-    ``sync_every``: semi-synchronous replica groups (``cross_replica_sync="diloco"``, DiLoCo's H): no all-reduce
-    at the boundary; one message of every unit's ``S'_u / p`` parameter delta (``param_bytes`` per element, or
-    the compressed pair) every H steps, counted here as ``1 / H`` of it per step.
-    """
-    if partition_size < 1 or replication_degree < 1 or accumulate_grad_batches < 1:
-        raise ValueError("partition_size, replication_degree and accumulate_grad_batches must be positive.")
-    layout = StepLayout(
-        partition_size=partition_size,
-        world_size=partition_size * replication_degree,
-        accumulation=accumulate_grad_batches,
-        grad_accumulation=grad_accumulation,
-        hierarchical_ranks_per_node=hierarchical_ranks_per_node,
-        gather_bytes=param_bytes,
-        reduce_bytes=reduce_bytes,
-        cross_replica_bytes=cross_replica_bytes,
-        cross_replica_block=cross_replica_block,
-        cross_replica_per_unit=cross_replica_per_unit,
-        sync_every=sync_every,
-    )
-    by_kind: Counter[str] = Counter({kind: 0 for kind in COLLECTIVE_KINDS})
-    by_group: Counter[str] = Counter({INTRA_PARTITION: 0, CROSS_REPLICA: 0, OTHER: 0})
-    for entry in step_schedule(unit_sizes(units, partition_size), layout):
-        moved = int(entry.bytes_per_step(accumulate_grad_batches))
-        by_kind[entry.kind] += moved
-        by_group[INTRA_PARTITION if entry.group in PARTITION_ROLES else CROSS_REPLICA] += moved
-    return CommBytes(dict(by_kind), dict(by_group))
-
-
-# ---------------------------------------------------------------------------------- memory
-def _nbytes(t: Tensor) -> int:
+# ---------------------------------------------------------------------------------- the callback
+def _held_bytes(t: Tensor) -> int:
+    """Bytes of this rank's shard of ``t`` (every optimizer step, so through the shard itself, not ``to_local()``)."""
     local = local_shard(t)
     return local.numel() * local.element_size()
 
 
-def _unique_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list({id(p): p for p in module.parameters()}.values())
-
-
-def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
-    """Bytes this rank holds of parameters, gradients and optimizer states (its shards, under MiCS)."""
-    params = _unique_parameters(module)
-    state = {
-        "params": sum(_nbytes(p) for p in params),
-        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": 0,
-    }
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's wrapper
-        for per_param in optimizer.state.values():
-            state["optimizer"] += sum(_nbytes(v) for v in per_param.values() if isinstance(v, Tensor) and v.dim() > 0)
-    state["total"] = state["params"] + state["grads"] + state["optimizer"]
-    return state
-
-
-# ---------------------------------------------------------------------------------- the callback
 @dataclass(frozen=True)
 class StepTelemetry:
     """Measurements of one optimizer step on this rank."""
@@ -371,22 +161,24 @@ def _window_may_be_short(trainer: pl.Trainer, batch_idx: int) -> bool:
     return batches - batch_idx < trainer.accumulate_grad_batches
 
 
+def _engine_of(strategy: Any) -> Optional[MiCSEngine]:
+    """The engine of a MiCS strategy (the Trainer's or Fabric's); ``None`` for any other strategy."""
+    engine = getattr(strategy, "engine", None)
+    return engine if isinstance(engine, MiCSEngine) else None
+
+
 def _outer_round_of(strategy: Any) -> Optional[tuple[int, bool]]:
     """DiLoCo on a MiCS strategy: (steps between two outer averages, whether the next step starts one)."""
-    if not isinstance(strategy, MiCSFrontEnd):
-        return None
-    return strategy.outer_round()
+    engine = _engine_of(strategy)
+    return None if engine is None else engine.outer_round()
 
 
 def _topology_of(strategy: Any) -> Optional[MiCSTopology]:
-    """The MiCS layout to classify traffic against: a set-up MiCS strategy's (Trainer or Fabric)
-    public ``topology``; ``None`` for any other strategy (traffic is then reported by kind only)."""
-    if not isinstance(strategy, MiCSFrontEnd):  # the Trainer's and Fabric's MiCS strategies
-        return None
-    try:
-        return strategy.topology
-    except RuntimeError:  # its processes are not set up yet: no layout to classify against
-        return None
+    """The MiCS layout to classify traffic against: a set-up MiCS strategy's (Trainer or Fabric); ``None`` for
+    any other strategy, or before its processes are set up (traffic is then reported by kind only)."""
+    engine = _engine_of(strategy)
+    layout = None if engine is None else engine.layout_or_none
+    return None if layout is None else layout.settings.topology
 
 
 class TrainingTelemetry(Callback):
@@ -480,12 +272,12 @@ class TrainingTelemetry(Callback):
     ) -> None:
         # Gradients exist from the backward to the optimizer step only (MiCSStrategy frees them right
         # after it): this is where they are counted.
-        grads = sum(_nbytes(p.grad) for p in _unique_parameters(pl_module) if p.grad is not None)
+        grads = sum(_held_bytes(p.grad) for p in unique_parameters(pl_module) if p.grad is not None)
         self._grad_bytes = max(self._grad_bytes, grads)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_recording()
-        local = model_state_bytes(pl_module, trainer.optimizers)
+        local = model_state_bytes(pl_module, [compat.unwrap_optimizer(o) for o in trainer.optimizers])
         if self._grad_bytes > local["grads"]:
             local["total"] += self._grad_bytes - local["grads"]
             local["grads"] = self._grad_bytes
@@ -603,7 +395,7 @@ class TrainingTelemetry(Callback):
         Why not ``self.log`` for everything: at ~0.6 ms a call, 14 calls a step cost 4 % of a 240 ms step."""
         every: int = getattr(trainer, "log_every_n_steps", 50)  # set by the Trainer at run time, not declared
         if trainer.loggers and every > 0 and (record.step % every == 0 or trainer.should_stop):
-            step = logging_step(trainer)
+            step = compat.logging_step(trainer)
             metrics = _metrics(record)
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

@@ -107,7 +107,7 @@ def resolve_wire_format(value: object) -> Optional[WireFormat]:
 
 
 # ------------------------------------------------------------------------------------ int8 codec
-def padded_numel(numel: int, block: int = INT8_BLOCK) -> int:
+def round_up_to_blocks(numel: int, block: int = INT8_BLOCK) -> int:
     """``numel`` rounded up to whole blocks."""
     return -(-numel // block) * block
 
@@ -123,7 +123,7 @@ def quantize_blocks(x: Tensor, block: int = INT8_BLOCK) -> tuple[Tensor, Tensor]
     hop-2 message): non-finite magnitudes are zeroed before the absmax, and an element that divides
     to a non-finite code is one that was not finite (a finite one divides to at most 127 in size)."""
     flat = x.reshape(-1).float()
-    padded = padded_numel(flat.numel(), block)
+    padded = round_up_to_blocks(flat.numel(), block)
     if padded != flat.numel():
         flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
     blocks = flat.view(-1, block)
@@ -144,7 +144,7 @@ def dequantize_blocks(values: Tensor, scales: Tensor) -> Tensor:
 
 def message_bytes(numel: int, block: int = INT8_BLOCK) -> int:
     """Bytes of one packed message of ``numel`` elements: 1 per (padded) element + 4 per block."""
-    padded = padded_numel(numel, block)
+    padded = round_up_to_blocks(numel, block)
     return padded + padded // block * _SCALE_BYTES
 
 
@@ -155,7 +155,7 @@ def pack(values: Tensor, scales: Tensor) -> Tensor:
 
 def unpack(message: Tensor, numel: int, block: int = INT8_BLOCK) -> tuple[Tensor, Tensor]:
     """Split a :func:`pack` message of ``numel`` (padded) elements back into values and scales."""
-    padded = padded_numel(numel, block)
+    padded = round_up_to_blocks(numel, block)
     if message.numel() != message_bytes(padded, block):
         raise ValueError(f"int8 message has {message.numel()} bytes, expected {message_bytes(padded, block)}")
     values = message[:padded].view(torch.int8).view(-1, block)

@@ -48,7 +48,7 @@ def _reference(ranks: tuple[int, ...], case: str, fmt: WireFormat) -> torch.Tens
     """What the all-reduce must return: each rank's input rounded to the wire (per piece, with the
     codec's plain per-message functions), added in fp32 in group-rank order, the sum rounded once."""
     n = len(ranks)
-    piece = wire.padded_numel(-(-NUMEL // n), fmt.block)
+    piece = wire.round_up_to_blocks(-(-NUMEL // n), fmt.block)
 
     def rounded(x: torch.Tensor) -> torch.Tensor:
         if fmt.dtype is not None:
@@ -134,7 +134,7 @@ def test_sums_are_fp32_sums_of_wire_rounded_messages_bit_for_bit(runs, group, fm
 def test_bytes_are_a_packed_reduce_scatter_and_all_gather(runs, group, fmt) -> None:
     """What the byte model charges: one reduce-scatter and one all-gather of ``n`` messages."""
     n, spec = len(GROUPS[group]), WIRE_FORMATS[fmt]
-    piece = wire.padded_numel(-(-NUMEL // n), spec.block)
+    piece = wire.round_up_to_blocks(-(-NUMEL // n), spec.block)
     message = wire.row_message_numel(piece, spec) * (2 if spec.dtype is not None else 1)
     for rank in GROUPS[group]:
         for backend in BACKENDS:

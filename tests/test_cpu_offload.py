@@ -25,6 +25,7 @@ from toy import RunConfig, ToyModule, assert_matches_reference, full_parameters,
 
 from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec, post_forward_mesh, wrapping
 from lightning_mics import offload as off
+from lightning_mics import offload_option
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.layout import MiCSLayout, layout_planner, resolve_layout
 from lightning_mics.options import MiCSOptions
@@ -87,9 +88,9 @@ def test_optimizer_degrees_by_name_are_checked_once_the_world_is_known() -> None
     spec = ShardingSpec(params="node", grads="node", optim="world")
     MiCSOptions(cpu_offload=True, sharding=spec)  # "world" vs "node" is unknown until launch
     with pytest.raises(ValueError, match="optim=16 > grads=8"):
-        off.check_offload_before_launch(True, "cuda", world_size=16, ranks_per_node=8, sharding=spec)
-    off.check_offload_before_launch(True, "cuda", world_size=8, ranks_per_node=8, sharding=spec)  # one node: equal
-    off.check_offload_before_launch(False, "cpu", world_size=16, ranks_per_node=8, sharding=spec)  # offload off
+        offload_option.check_offload_before_launch(True, "cuda", world_size=16, ranks_per_node=8, sharding=spec)
+    offload_option.check_offload_before_launch(True, "cuda", world_size=8, ranks_per_node=8, sharding=spec)  # one node: equal
+    offload_option.check_offload_before_launch(False, "cpu", world_size=16, ranks_per_node=8, sharding=spec)  # offload off
 
 
 # ---------------------------------------------------------------------------------------------- CPU ranks

@@ -14,7 +14,9 @@ import torch
 from distributed import run_ranks
 from lightning_mics import MiCSStrategy, ShardingSpec
 from lightning_mics.planner import ClusterSpec, plan_layout_for
-from lightning_mics.telemetry import TrainingTelemetry, analytic_comm_bytes, fsdp_unit_shapes
+from lightning_mics.accounting import analytic_comm_bytes
+from lightning_mics.shards import fsdp_unit_shapes
+from lightning_mics.telemetry import TrainingTelemetry
 from lightning_mics.wire import INT8, INT8_BLOCK
 from toy import (
     INT8_RTOL,

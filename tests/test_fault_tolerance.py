@@ -129,8 +129,9 @@ def _fit_with_wire(group: int, address: str, wire: Any) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_mics import _compat as compat
-    from lightning_mics.hop2.pipeline import padded_shard_numel
-    from lightning_mics.telemetry import CROSS_REPLICA, TrainingTelemetry
+    from lightning_mics.accounting import CROSS_REPLICA
+    from lightning_mics.shards import padded_shard_numel
+    from lightning_mics.telemetry import TrainingTelemetry
 
     ft = FaultTolerance(address, group, 2, min_replica_groups=2, timeout=20, quorum_timeout=60, **AS_WRITTEN)
     module = ValidatedToyModule(EQUIVALENCE)
@@ -219,7 +220,7 @@ def test_a_compressed_hop_2_between_groups_cuts_its_bytes_and_keeps_the_groups_i
 
 def test_collectives_outside_this_world_are_cross_replica_traffic() -> None:
     from lightning_mics.collective_recorder import CollectiveCall
-    from lightning_mics.telemetry import CROSS_REPLICA, INTRA_PARTITION, OTHER, classify_calls
+    from lightning_mics.accounting import CROSS_REPLICA, INTRA_PARTITION, OTHER, classify_calls
     from lightning_mics.topology import MiCSTopology
 
     topology = MiCSTopology.create(world_size=2, ranks_per_node=2, partition_size=2)

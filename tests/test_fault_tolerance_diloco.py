@@ -36,7 +36,7 @@ from toy import (
 )
 
 from lightning_mics import FaultTolerance, MiCSStrategy
-from lightning_mics.semi_sync import default_outer_optimizer
+from lightning_mics.hop2.diloco import default_outer_optimizer
 
 pytest.importorskip("torchft")
 
@@ -274,7 +274,7 @@ def test_a_round_that_does_not_commit_is_dropped_back_to_the_last_synchronised_p
     """A round whose average failed (no commit) or counted no contributing group is dropped: the parameters go
     back to the last-synchronised copy, which, like the outer optimizer's state, is left as it was; a committed
     round steps the outer optimizer on the pseudo-gradient."""
-    from lightning_mics.semi_sync import OuterSync
+    from lightning_mics.hop2.diloco import OuterSync
 
     param = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
     counter = _RoundTransport(commits)

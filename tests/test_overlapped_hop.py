@@ -42,7 +42,7 @@ def _launch(**options: Any) -> Fabric:
 
 
 def _hop(fabric: Fabric) -> Any:
-    syncs = list(fabric.strategy._engine._model_syncs.values())
+    syncs = fabric.strategy.engine.pipelines()
     return syncs[0] if syncs else None
 
 

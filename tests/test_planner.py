@@ -31,7 +31,7 @@ from lightning_mics.planner import (
     plan,
 )
 from lightning_mics.sharding_spec import ShardingSpec, all_sharding_degrees
-from lightning_mics.telemetry import UnitShapes, analytic_comm_bytes
+from lightning_mics.accounting import UnitShapes, analytic_comm_bytes
 from lightning_mics.topology import valid_partition_sizes
 
 CLUSTER = ClusterSpec(

@@ -23,8 +23,10 @@ from torch.utils.data import DataLoader, Subset
 from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
 from lightning_mics.layout import resolve_layout
-from lightning_mics.semi_sync import default_outer_optimizer, fragment_bounds
-from lightning_mics.telemetry import CROSS_REPLICA, INTRA_PARTITION, TrainingTelemetry, analytic_comm_bytes, fsdp_unit_shapes
+from lightning_mics.hop2.diloco import default_outer_optimizer, fragment_bounds
+from lightning_mics.accounting import CROSS_REPLICA, INTRA_PARTITION, analytic_comm_bytes
+from lightning_mics.shards import fsdp_unit_shapes
+from lightning_mics.telemetry import TrainingTelemetry
 
 WORLD, RANKS_PER_NODE = 4, 2  # partition 2 (one emulated node), 2 replica groups
 REPLICAS, PARTITION = WORLD // RANKS_PER_NODE, RANKS_PER_NODE

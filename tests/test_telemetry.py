@@ -15,21 +15,18 @@ from lm_jobs import MICRO_BATCH, SMALL_GPT, fit_small_gpt, quick_trainer
 
 from lightning_mics import MiCSStrategy, MiCSTopology
 from lightning_mics.collective_recorder import CollectiveCall
-from lightning_mics.telemetry import (
+from lightning_mics.accounting import (
     CROSS_REPLICA,
     INTRA_PARTITION,
     OTHER,
     CommBytes,
-    StepTelemetry,
-    TrainingTelemetry,
     UnitShapes,
     analytic_comm_bytes,
     classify_calls,
-    compute_dtype,
-    dense_peak_flops,
-    fsdp_unit_shapes,
     padded_numel,
 )
+from lightning_mics.shards import fsdp_unit_shapes
+from lightning_mics.telemetry import StepTelemetry, TrainingTelemetry, compute_dtype, dense_peak_flops
 from lightning_mics.wire import INT8
 
 WORLD, RANKS_PER_NODE, ACCUMULATE, STEPS = 4, 2, 2, 3

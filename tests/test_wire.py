@@ -16,7 +16,7 @@ B = INT8_BLOCK
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1).float()
-    return torch.cat([flat, flat.new_zeros(wire.padded_numel(flat.numel()) - flat.numel())]).view(-1, B)
+    return torch.cat([flat, flat.new_zeros(wire.round_up_to_blocks(flat.numel()) - flat.numel())]).view(-1, B)
 
 
 def test_formats_and_their_bytes_per_element() -> None:
@@ -26,7 +26,7 @@ def test_formats_and_their_bytes_per_element() -> None:
     assert INT8.byte_model() == {"cross_replica_bytes": 1 + 4 / B, "cross_replica_block": B}
     # a message's bytes are exactly what the byte model charges for whole blocks
     for numel in (1, B, 3 * B + 5):
-        assert wire.message_bytes(numel) == wire.padded_numel(numel) * INT8.element_bytes
+        assert wire.message_bytes(numel) == wire.round_up_to_blocks(numel) * INT8.element_bytes
 
 
 @pytest.mark.parametrize(

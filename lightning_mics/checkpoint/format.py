@@ -38,7 +38,7 @@ FULL_META_KEY = "mics"
 #: Keys of the DCP payload.
 MODEL_KEY, OPTIMIZERS_KEY = "model", "optimizers"
 #: Key (in Lightning's checkpoint dict and in the DCP payload) of sharded states beyond the model and the
-#: optimizers -- DiLoCo's outer state and each replica group's own parameters (:mod:`lightning_mics.semi_sync`):
+#: optimizers -- DiLoCo's outer state and each replica group's own parameters (:mod:`lightning_mics.hop2.diloco`):
 #: saved with the shards, never in rank 0's trainer state.
 SHARDED_EXTRAS_KEY = "mics_sharded_extras"
 

@@ -13,7 +13,7 @@ import logging
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Optional
 
 from lightning_mics.checkpoint import coordination
 from lightning_mics.checkpoint.format import (
@@ -23,13 +23,10 @@ from lightning_mics.checkpoint.format import (
     CheckpointError,
     FileDigest,
 )
+from lightning_mics.options import VERIFY_MODES, VerifyMode
 
 log = logging.getLogger(__name__)
 
-#: ``"checksum"``: sizes and CRC-32 of every file (default); ``"size"``: sizes only (no reading,
-#: for very large checkpoints on slow storage); ``"none"``: no verification.
-VerifyMode = Literal["checksum", "size", "none"]
-VERIFY_MODES: tuple[str, ...] = ("checksum", "size", "none")
 _CHUNK = 16 << 20
 
 

@@ -197,7 +197,7 @@ def _flat_optimizer_shapes(state: Mapping[str, Any]) -> Shapes:
     }
 
 
-def _saved_shapes(metadata: Metadata) -> dict[tuple[str, ...], Optional[tuple[int, ...]]]:
+def saved_shapes(metadata: Metadata) -> dict[tuple[str, ...], Optional[tuple[int, ...]]]:
     """Every entry of a DCP checkpoint by its path in the saved (nested) payload, with global shapes."""
     planner_data = metadata.planner_data or {}
     return {
@@ -380,7 +380,7 @@ def _load_sharded(
     info: CheckpointInfo, module: nn.Module, optimizers: Sequence[Optimizer], strict: bool, fresh_buffers: bool
 ) -> None:
     assert info.data_dir is not None
-    saved = _saved_shapes(read_metadata(info.data_dir / METADATA_FILE))
+    saved = saved_shapes(read_metadata(info.data_dir / METADATA_FILE))
     template: dict[str, Any] = {MODEL_KEY: model_state_dict(module)}
     saved_model = {".".join(key[1:]): shape for key, shape in saved.items() if key[0] == MODEL_KEY}
     keep = _check_match("model", info.path, _shapes(template[MODEL_KEY]), saved_model, strict)
@@ -394,22 +394,22 @@ def _load_sharded(
             _check_match(f"optimizer (#{index})", info.path, _flat_optimizer_shapes(state), saved_state, True)
             template[OPTIMIZERS_KEY][str(index)] = state
     if fresh_buffers:
-        template = _fresh_like(template)
+        template = fresh_like(template)
     read_dcp(info.data_dir, template, SafeLoadPlanner())
     set_model_state_dict(module, template[MODEL_KEY], options=StateDictOptions(strict=strict))
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, template[OPTIMIZERS_KEY][str(index)])
 
 
-def _fresh_like(tree: Any) -> Any:
+def fresh_like(tree: Any) -> Any:
     """``tree`` with every tensor replaced by an uninitialised one of the same kind (a DTensor keeps
     its mesh and placements), so a read that fails midway leaves the live tensors untouched."""
     if isinstance(tree, Tensor):
         return torch.empty_like(tree)
     if isinstance(tree, dict):
-        return {key: _fresh_like(value) for key, value in tree.items()}
+        return {key: fresh_like(value) for key, value in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_fresh_like(value) for value in tree)
+        return type(tree)(fresh_like(value) for value in tree)
     return tree
 
 

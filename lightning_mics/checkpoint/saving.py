@@ -27,12 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed._state_dict_utils import (
-    _check_state_dict_similarity,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
 
+from lightning_mics import _compat as compat
 from lightning_mics.checkpoint import atomic, coordination, gloo_reach, integrity, rng
 from lightning_mics.checkpoint.coordination import Group
 from lightning_mics.checkpoint.format import (
@@ -89,9 +85,9 @@ class AsyncCheckpointSaver:
         """``payload`` copied to host memory, into the buffers of the last save when they fit: a save then
         stalls training for the copy only (building host tensors afresh deep-copies every DTensor's metadata,
         several times the copy for a small model). Call after :meth:`wait` (the last save is written)."""
-        if self._staged is None or not _check_state_dict_similarity(payload, self._staged):
-            self._staged = _create_cpu_state_dict(payload, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(payload, self._staged)
+        if self._staged is None or not compat.state_dict_similar(payload, self._staged):
+            self._staged = compat.create_cpu_state_dict(payload, pin_memory=torch.cuda.is_available())
+        return compat.copy_state_dict(payload, self._staged)
 
     def submit(self, target: Path, work: Callable[[], None]) -> None:
         self.wait()

@@ -23,38 +23,86 @@ One module per idea:
 * :mod:`~.counters` -- the Trainer's step counters kept to committed steps;
 * :mod:`~.errors` -- how a group ends when it cannot go on.
 
-``torchft`` itself is imported only when a :class:`ReplicaGroup` is created.
+``torchft`` itself is imported only when a :class:`ReplicaGroup` is created, and the names below load their module
+on first access (PEP 562): :mod:`~.config` (what :mod:`lightning_mics.options` declares ``fault_tolerance`` with)
+is read without the runtime that runs a group.
 """
 
-from lightning_mics.fault_tolerance.agreement import (
-    GroupConfiguration,
-    agreement_message,
-    agreement_verdict,
-    check_healed_whole,
-    model_signature,
-    run_configuration,
-)
-from lightning_mics.fault_tolerance.config import (
-    AGREEMENT_BYTES,
-    DIGEST_CHUNKS,
-    LIGHTHOUSE_ENV,
-    MAX_REPLICA_GROUPS,
-    NUM_REPLICA_GROUPS_ENV,
-    REPLICA_GROUP_ENV,
-    FaultTolerance,
-    check_catch_up_heal,
-    check_exact_trajectory,
-    check_fault_tolerant_layout,
-)
-from lightning_mics.fault_tolerance.counters import CommittedStepCounters, DataEpochs, trainer_state_hooks
-from lightning_mics.fault_tolerance.errors import LighthouseUnavailable, ReplicaGroupRefused
-from lightning_mics.fault_tolerance.group import ReplicaGroup, Watchdog
-from lightning_mics.fault_tolerance.heal_state import (
-    load_training_state,
-    local_state,
-    state_hooks,
-    training_state,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name -> the module that defines it (imported on first access)
+_PUBLIC: dict[str, str] = {
+    "AGREEMENT_BYTES": "lightning_mics.fault_tolerance.config",
+    "CommittedStepCounters": "lightning_mics.fault_tolerance.counters",
+    "DIGEST_CHUNKS": "lightning_mics.fault_tolerance.config",
+    "DataEpochs": "lightning_mics.fault_tolerance.counters",
+    "FaultTolerance": "lightning_mics.fault_tolerance.config",
+    "GroupConfiguration": "lightning_mics.fault_tolerance.agreement",
+    "LIGHTHOUSE_ENV": "lightning_mics.fault_tolerance.config",
+    "LighthouseUnavailable": "lightning_mics.fault_tolerance.errors",
+    "MAX_REPLICA_GROUPS": "lightning_mics.fault_tolerance.config",
+    "NUM_REPLICA_GROUPS_ENV": "lightning_mics.fault_tolerance.config",
+    "REPLICA_GROUP_ENV": "lightning_mics.fault_tolerance.config",
+    "ReplicaGroup": "lightning_mics.fault_tolerance.group",
+    "ReplicaGroupRefused": "lightning_mics.fault_tolerance.errors",
+    "Watchdog": "lightning_mics.fault_tolerance.group",
+    "agreement_message": "lightning_mics.fault_tolerance.agreement",
+    "agreement_verdict": "lightning_mics.fault_tolerance.agreement",
+    "check_catch_up_heal": "lightning_mics.fault_tolerance.config",
+    "check_exact_trajectory": "lightning_mics.fault_tolerance.config",
+    "check_fault_tolerant_layout": "lightning_mics.fault_tolerance.config",
+    "check_healed_whole": "lightning_mics.fault_tolerance.agreement",
+    "load_training_state": "lightning_mics.fault_tolerance.heal_state",
+    "local_state": "lightning_mics.fault_tolerance.heal_state",
+    "model_signature": "lightning_mics.fault_tolerance.agreement",
+    "run_configuration": "lightning_mics.fault_tolerance.agreement",
+    "state_hooks": "lightning_mics.fault_tolerance.heal_state",
+    "trainer_state_hooks": "lightning_mics.fault_tolerance.counters",
+    "training_state": "lightning_mics.fault_tolerance.heal_state",
+}
+
+if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.agreement import (
+        GroupConfiguration,
+        agreement_message,
+        agreement_verdict,
+        check_healed_whole,
+        model_signature,
+        run_configuration,
+    )
+    from lightning_mics.fault_tolerance.config import (
+        AGREEMENT_BYTES,
+        DIGEST_CHUNKS,
+        FaultTolerance,
+        LIGHTHOUSE_ENV,
+        MAX_REPLICA_GROUPS,
+        NUM_REPLICA_GROUPS_ENV,
+        REPLICA_GROUP_ENV,
+        check_catch_up_heal,
+        check_exact_trajectory,
+        check_fault_tolerant_layout,
+    )
+    from lightning_mics.fault_tolerance.counters import CommittedStepCounters, DataEpochs, trainer_state_hooks
+    from lightning_mics.fault_tolerance.errors import LighthouseUnavailable, ReplicaGroupRefused
+    from lightning_mics.fault_tolerance.group import ReplicaGroup, Watchdog
+    from lightning_mics.fault_tolerance.heal_state import load_training_state, local_state, state_hooks, training_state
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:  # an AttributeError lets ``from lightning_mics.fault_tolerance import <submodule>`` import it
+        raise AttributeError(f"module 'lightning_mics.fault_tolerance' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __all__ = [
     "AGREEMENT_BYTES",

@@ -194,7 +194,7 @@ def parameter_digest_chunks(modules: Sequence[nn.Module]) -> list[int]:
     sharded parameters, never from what the module holds at the moment (an evaluation leaves the root unit's
     parameters gathered in the groups that ran it, not in one that just joined)."""
     from lightning_mics import _compat as compat
-    from lightning_mics.grad_sync import fsdp_units
+    from lightning_mics.shards import fsdp_units
 
     return tensor_digest_chunks(
         [p for module in modules for unit in fsdp_units(module) for p in compat.fsdp_unit_parameters(unit)]
@@ -204,7 +204,7 @@ def parameter_digest_chunks(modules: Sequence[nn.Module]) -> list[int]:
 def tensor_digest_chunks(shards: Sequence[Tensor]) -> list[int]:
     """:func:`parameter_digest_chunks` of given tensors (this rank's shards of DTensors): with DiLoCo, the
     last-synchronised copy, the state that must be bit-identical across groups."""
-    from lightning_mics.grad_sync import local_shard
+    from lightning_mics.shards import local_shard
 
     integer = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
                torch.float16: torch.int16}

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.fault_tolerance.heal_state import hyper_parameters, set_hyper_parameters
+from lightning_mics.shards import laid_out_like
 
 log = logging.getLogger("lightning_mics.fault_tolerance")
 
@@ -540,7 +541,7 @@ class CatchUp:
             optimizer = kept.optimizer
             params = [p for group in optimizer.param_groups for p in group["params"]]
             for param, gradient in zip(params, kept.gradients):
-                param.grad = None if gradient is None else _like(param, gradient)
+                param.grad = None if gradient is None else laid_out_like(gradient.to(param.device), param)
             set_hyper_parameters(optimizer, kept.hyper_parameters)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -548,13 +549,3 @@ class CatchUp:
             set_hyper_parameters(kept.optimizer, current[id(kept.optimizer)])
         replayed, self.kept = len(self.kept), []
         return replayed
-
-
-def _like(param: Tensor, local: Tensor) -> Tensor:
-    """A kept gradient shard as ``param``'s gradient: on its device, and a DTensor on its mesh if it is one."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
-            local.to(param.device), param.device_mesh, param.placements, run_check=False, shape=param.shape,
-            stride=param.stride(),
-        )
-    return local.to(param.device)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_mics import _compat as compat
 from lightning_mics.fault_tolerance.agreement import (
     GroupConfiguration,
     agreement_message,
@@ -236,7 +237,7 @@ class ReplicaGroup:
         were checked alike when it formed, and the agreement's round trip is skipped (it still runs on
         parameter-check steps). The Lighthouse numbers every new membership; every member of a quorum saw
         the same earlier ones, so all groups decide alike. Without torchft's quorum number: never."""
-        quorum_id = getattr(self.manager, "_quorum_id", None)
+        quorum_id = compat.quorum_id(self.manager)
         last, self._last_quorum = self._last_quorum, (quorum_id, step)
         return (
             quorum_id is not None
@@ -499,7 +500,7 @@ class ReplicaGroup:
 
         gloo = self._gloo_process_group()
         if gloo is not None:  # gloo's flat all-gather: a third less CPU per message than its coalesced one
-            started = self._start(lambda: gloo._allgather_base(output, message, AllgatherOptions()))
+            started = self._start(lambda: compat.gloo_all_gather_flat(gloo, output, message))
         else:
             started = self._start(
                 lambda: self.pg.allgather_into_tensor_coalesced([output], [message], AllgatherOptions())
@@ -513,7 +514,7 @@ class ReplicaGroup:
         and copies them out -- 1.02 ms of CPU per hop-2 message where the flat one takes 0.69 ms (3 gloo ranks,
         98,304 fp32), and on a host whose cores the ranks share, CPU is step time. The wrapper adds nothing else
         to a gloo collective (no work wrapping, no context)."""
-        return getattr(self.pg, "_pg", None) if self._pg_is_gloo else None
+        return compat.wrapped_process_group(self.pg) if self._pg_is_gloo else None
 
     def start_all_reduce_sum(self, message: Tensor) -> Optional[_RecordedOnFailure]:
         """Start summing ``message`` in place over the quorum's groups, or ``None`` as :meth:`_start`. The caller

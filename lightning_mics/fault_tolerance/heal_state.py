@@ -95,7 +95,7 @@ def snapshot_bytes_bound(shards: Any) -> int:
     while stack:
         tree = stack.pop()
         if isinstance(tree, DTensor):
-            tree = tree._local_tensor
+            tree = compat.local_tensor(tree)
         if isinstance(tree, Tensor):
             total += tree.numel() * tree.element_size() + SNAPSHOT_BYTES_PER_TENSOR
         elif isinstance(tree, dict):

@@ -10,7 +10,8 @@ The schedules:
 
 * ``"none"`` -- one replica: nothing crosses.
 * ``"fsdp"`` -- FSDP2 runs it on its 2-D (replicate, shard) mesh, in the gradients' dtype, inside each
-  unit's post-backward (blocking on CPU ranks).
+  unit's post-backward (blocking on CPU ranks); the engine only says on which backward
+  (:mod:`lightning_mics.hop2.fsdp`).
 * ``"behind_backward"`` -- the engine starts each FSDP unit's sum as soon as its gradient shards are final,
   while backward computes the units before it, and finishes every sum before clipping and the step
   (:class:`lightning_mics.hop2.pipeline.CrossReplicaPipeline`, overlapped).
@@ -18,10 +19,11 @@ The schedules:
   (the same pipeline, not overlapped): a compressed wire with ``cross_replica_overlap=False``, or the
   fault-tolerant hop without overlap.
 * ``"optimizer_states"`` -- AMSP ``optim > grads``: the gradient shards are reduce-scattered into the
-  optimizer-state slices across replicas (:class:`lightning_mics.optim_sharding.ReplicaShardedOptimizerStates`).
+  optimizer-state slices across replicas
+  (:class:`lightning_mics.hop2.optimizer_states.ReplicaShardedOptimizerStates`).
 * ``"diloco"`` -- semi-synchronous replica groups (``cross_replica_sync="diloco"``): no hop 2 on any step;
   every :attr:`Hop2.every` optimizer steps the replicas average their parameter deltas and an outer optimizer
-  applies them (:mod:`lightning_mics.semi_sync`). FSDP2 shards on the partition alone, as for the engine's
+  applies them (:mod:`lightning_mics.hop2.diloco`). FSDP2 shards on the partition alone, as for the engine's
   schedules. ``managed``: the average goes through torchft, and the quorum, heal and commit run once per round
   at that synchronisation, not at every step.
 

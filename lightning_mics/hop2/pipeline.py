@@ -31,47 +31,27 @@ the sum).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_mics import _compat as compat
-from lightning_mics.grad_sync import fsdp_units, local_shard
+from lightning_mics.shards import fsdp_units, local_shard, padded_shard_numel
 from lightning_mics.hop2.shares import ShareGradients
-from lightning_mics.hop2.transport import InFlight, Transport
+from lightning_mics.hop2.transport import InFlight, ManagedTransport, ProcessGroupTransport, Transport
 
-
-class StepHook(Protocol):
-    """What the engine calls around an optimizer step: hop 2 (:class:`CrossReplicaPipeline`, or several
-    models' in :class:`EachModel`) or AMSP's optimizer states sharded across replicas
-    (:class:`~lightning_mics.optim_sharding.ReplicaShardedOptimizerStates`)."""
-
-    def before_step(self) -> None:
-        """Once per step, after the boundary backward and before clipping and the step."""
-
-    def after_step(self) -> None:
-        """After the optimizer step."""
+if TYPE_CHECKING:
+    from lightning_mics.fault_tolerance.group import ReplicaGroup
+    from lightning_mics.layout import MiCSLayout
 
 
 # --------------------------------------------------------------------------------------------- packing
-def padded_shard_numel(param: Tensor) -> int:
-    """Elements one rank packs for ``param``: its gradient shard padded as FSDP2 pads dim 0, so that every
-    rank of a replication group packs alike (the same offsets for the same parameters)."""
-    if not isinstance(param, DTensor):
-        return param.numel()
-    shards = math.prod(param.device_mesh.size(d) for d, pl in enumerate(param.placements) if isinstance(pl, Shard))
-    shape = tuple(param.shape) or (1,)
-    rows = -(-shape[0] // shards)
-    return rows * math.prod(shape[1:])
-
-
 def pack_gradient_shards(params: Sequence[Tensor]) -> Tensor:
     """This rank's gradient shards of ``params`` in one flat buffer (each at its padded size, zeros in the
     padding): one message for the cross-replica hop instead of one per parameter."""
@@ -250,3 +230,50 @@ class EachModel:
     def after_step(self) -> None:
         for pipeline in self.pipelines:
             pipeline.after_step()
+
+
+# --------------------------------------------------------------------------------------------- attaching
+def attach(
+    optimizers: Sequence[Optimizer],
+    modules: Sequence[nn.Module],
+    layout: MiCSLayout,
+    attached: Mapping[int, object],
+    replica_group: Optional[ReplicaGroup],
+) -> dict[int, CrossReplicaPipeline | EachModel]:
+    """The step hook of each optimizer (by ``id``): the pipeline of the one model it steps, or of each of its
+    models (:class:`EachModel`). A model keeps the pipeline it already has among ``attached`` (Fabric sets up
+    several optimizers for one model: its gradients cross replicas once)."""
+    existing = {id(pipeline.module): pipeline for pipeline in pipelines_in(attached.values())}
+    pipelines = [existing.get(id(module)) or _pipeline(module, layout, replica_group) for module in modules]
+    if not pipelines:
+        return {}
+    hook = pipelines[0] if len(pipelines) == 1 else EachModel(pipelines)
+    return {id(optimizer): hook for optimizer in optimizers}
+
+
+def _pipeline(module: nn.Module, layout: MiCSLayout, replica_group: Optional[ReplicaGroup]) -> CrossReplicaPipeline:
+    """Hop 2 of ``module`` over the transport the layout names (:class:`~lightning_mics.hop2.Hop2`): torchft's
+    Manager (``managed``; with ``exact_trajectory`` the data shares' gradients kept apart) or the replication group."""
+    hop2 = layout.settings.hop2
+    transport: Transport
+    shares: Optional[ShareGradients] = None
+    if hop2.managed:
+        assert replica_group is not None, "join_fault_domain() runs before the optimizers are attached"
+        exact = replica_group.options.exact_trajectory
+        transport = ManagedTransport(replica_group, layout.settings.cross_replica_wire, in_share_order=exact)
+        if exact:
+            shares = ShareGradients(module)
+    else:
+        transport = ProcessGroupTransport(layout.device_mesh.get_group(0), layout.settings.cross_replica_wire)
+    return CrossReplicaPipeline(module, transport, overlapped=hop2.overlapped, shares=shares)
+
+
+def pipelines_in(hooks: Iterable[object]) -> list[CrossReplicaPipeline]:
+    """The pipelines among step hooks, each once, in the order the hooks hold them (the same on every rank)."""
+    found: dict[int, CrossReplicaPipeline] = {}
+    for hook in hooks:
+        members = hook.pipelines if isinstance(hook, EachModel) else [hook]
+        for pipeline in members:
+            if isinstance(pipeline, CrossReplicaPipeline):
+                found.setdefault(id(pipeline), pipeline)
+    return list(found.values())

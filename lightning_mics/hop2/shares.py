@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mics.grad_sync import fsdp_units, local_shard
+from lightning_mics.shards import fsdp_units, local_shard
 
 
 class ShareGradients:
@@ -58,17 +58,17 @@ class ShareGradients:
         """Shares set aside (0 with every group live)."""
         return len(self._aside)
 
-    def pack(self, params: Sequence[Tensor], padded_numel: Sequence[int]) -> Tensor:
+    def pack(self, params: Sequence[Tensor], padded_numels: Sequence[int]) -> Tensor:
         """``params``' gradient shards of each share this group read in the step, one row per share in ascending
         share order (the order the shares are dealt to a group in), each at the padded offsets of
         :func:`~lightning_mics.hop2.pipeline.pack_gradient_shards` (zeros in the padding)."""
         index = {id(p): i for i, p in enumerate(self.params)}
         first = local_shard(params[0])  # FSDP2 keeps a sharded gradient in its sharded parameter's dtype
         used = sorted([*([] if self.current is None else [self.current]), *self._aside]) or [None]  # None: .grad
-        rows = torch.zeros(len(used), sum(padded_numel), dtype=first.dtype, device=first.device)
+        rows = torch.zeros(len(used), sum(padded_numels), dtype=first.dtype, device=first.device)
         for row, share in enumerate(used):
             offset = 0
-            for param, numel in zip(params, padded_numel):
+            for param, numel in zip(params, padded_numels):
                 grad = param.grad if share == self.current else self._aside[share][index[id(param)]]
                 if grad is not None:
                     shard = local_shard(grad).reshape(-1)

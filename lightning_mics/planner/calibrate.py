@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, Optional
 
-from lightning_mics.planner.cost_model import _RING_PASSES, CollectiveKind
+from lightning_mics.planner.cost_model import RING_PASSES, CollectiveKind
 from lightning_mics.planner.specs import ClusterSpec
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -76,8 +76,8 @@ def fit_alpha_beta(
     """
     rows = [
         (
-            _RING_PASSES[t.kind] * (t.group_size - 1),
-            _RING_PASSES[t.kind] * (t.group_size - 1) / t.group_size * t.payload_bytes * ring_edges_per_node,
+            RING_PASSES[t.kind] * (t.group_size - 1),
+            RING_PASSES[t.kind] * (t.group_size - 1) / t.group_size * t.payload_bytes * ring_edges_per_node,
             t.seconds,
         )
         for t in timings

@@ -114,7 +114,7 @@ from lightning_mics.sharding_spec import ShardingDegrees, ShardingSpec
 
 # ---------------------------------------------------------------------------------------------- collectives
 
-_RING_PASSES: dict[str, int] = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+RING_PASSES: dict[str, int] = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def collective_cost(
     output of an all-gather, the pre-scatter input of a reduce-scatter, the buffer of an all-reduce.
     """
     passes = (
-        2 if (kind == "reduce_scatter" and cluster.reduce_scatter_algorithm == "all_reduce") else _RING_PASSES[kind]
+        2 if (kind == "reduce_scatter" and cluster.reduce_scatter_algorithm == "all_reduce") else RING_PASSES[kind]
     )
     n, m, k = group.size, group.per_node, group.nodes
     if n <= 1:

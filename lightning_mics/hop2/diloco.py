@@ -28,25 +28,19 @@ replication process group; with it (replica groups as separate worlds), through 
 quorum, heal and commit per outer round (:class:`OuterSync`): a lost group misses rounds, a joining group heals
 the last-synchronised copy and the outer optimizer's state too.
 
-Checkpoints (:meth:`SemiSync.checkpoint_entries`, :meth:`SemiSync.after_load`): between two synchronisations the
-replicas differ -- their parameters and their inner optimizer states -- so a checkpoint's usual entries, which
-DCP writes once per shard from whichever replica it picks, would mix them. Instead the model entry holds the
-last-synchronised parameters (the global model: what evaluation, export and any other layout load), the
-optimizer entries the inner states averaged over the replicas, and the sharded extras (saved with the shards
-under :data:`~lightning_mics.checkpoint.format.SHARDED_EXTRAS_KEY`) the outer optimizer's state, the inner-step
-count and each replica group's own parameters and inner optimizer states under its index. Resuming with the
-same layout restores all of it, so the run goes on exactly as if uninterrupted; another layout resumes from the
-global model with averaged inner states.
+Checkpoints: between two synchronisations the replicas differ, so a checkpoint keeps the global model, the
+replica-averaged inner optimizer states (:meth:`SemiSync.global_model_state`, :meth:`SemiSync.replica_averaged`)
+and, beside the shards, the outer state and each replica group's own (:mod:`lightning_mics.checkpoint.diloco`,
+which writes and reads them).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,101 +48,18 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_mics.fault_tolerance.config import check_exact_trajectory
-from lightning_mics.schedule import check_streaming_options
+from lightning_mics.hop2.diloco_options import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizerFactory
+from lightning_mics.shards import laid_out_like
 
 if TYPE_CHECKING:
     from lightning_mics.fault_tolerance.group import ReplicaGroup
     from lightning_mics.layout import MiCSLayout
-    from lightning_mics.options import MiCSOptions
 
 log = logging.getLogger("lightning_mics")
-
-#: ``cross_replica_sync``: a hop 2 at every optimizer step, or DiLoCo's outer synchronisation every ``sync_every``.
-CrossReplicaSync = Literal["every_step", "diloco"]
-CROSS_REPLICA_SYNC_MODES: tuple[str, ...] = ("every_step", "diloco")
-
-#: ``outer_optimizer``: builds the outer optimizer from the last-synchronised parameter shards.
-OuterOptimizerFactory = Callable[[list[Tensor]], Optimizer]
-
-#: DiLoCo's outer optimizer (Douillard et al., 2023, and torchft's examples): Nesterov SGD.
-DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9
-
-#: The extras' entry this module owns (under ``SHARDED_EXTRAS_KEY``).
-EXTRAS_ENTRY = "diloco"
-
 
 def default_outer_optimizer(params: list[Tensor]) -> Optimizer:
     """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
     return torch.optim.SGD(params, lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
-
-
-def check_semi_sync_options(options: MiCSOptions) -> None:
-    """One clear error per option that does not fit ``cross_replica_sync`` (called when the options are made)."""
-    mode = options.cross_replica_sync
-    if mode not in CROSS_REPLICA_SYNC_MODES:
-        raise ValueError(
-            f"cross_replica_sync={mode!r} is not one of {list(CROSS_REPLICA_SYNC_MODES)}: 'every_step' (hop 2 every "
-            "optimizer step, synchronous) or 'diloco' (replica groups synchronise every sync_every steps)."
-        )
-    streaming = [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
-    if mode != "diloco":
-        given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None] + streaming
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica "
-                "groups: add cross_replica_sync='diloco', or drop them."
-            )
-        return
-    every = options.sync_every
-    if every is None:
-        raise ValueError(
-            "cross_replica_sync='diloco' needs sync_every=H, the optimizer steps each replica group takes on its own "
-            "between outer synchronisations (DiLoCo used 500; at 1 it is synchronous training with an outer step)."
-        )
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"sync_every must be a positive int (optimizer steps between outer syncs), got {every!r}.")
-    if options.outer_optimizer is not None and not callable(options.outer_optimizer):
-        raise TypeError(
-            "outer_optimizer must be a callable that builds an optimizer from a list of tensors, e.g. "
-            f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {options.outer_optimizer!r}."
-        )
-    check_streaming_options(every, options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
-    ft = options.fault_tolerance
-    if ft is not None and streaming:
-        raise ValueError(
-            f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, "
-            "or synchronise the whole model at once (leave them at their defaults)."
-        )
-    if ft is not None:
-        check_exact_trajectory(ft, "diloco")
-        if ft.keep_trajectory:
-            raise ValueError(
-                "FaultTolerance(keep_trajectory=True) cannot be combined with cross_replica_sync='diloco': each "
-                "replica group takes its inner steps on its own share of the data, and a lost group misses outer "
-                "rounds rather than having its share read by the others. Leave keep_trajectory unset (or False)."
-            )
-        # unset: fixed shares, the only data assignment DiLoCo has (resolved here, once, for every reader)
-        object.__setattr__(options, "fault_tolerance", replace(ft, keep_trajectory=False))
-    refused = {
-        "sharding='auto'": (
-            options.sharding == "auto",
-            "the planner may shard optimizer states across replicas, which DiLoCo cannot (each group steps its own "
-            "inner optimizer); use partition_size='auto' or an explicit ShardingSpec with optim <= grads",
-        ),
-        "cpu_offload": (options.cpu_offload not in (False, None), "offloaded shards are not built for DiLoCo yet"),
-        "save_full_state_dict=True": (
-            options.save_full_state_dict,
-            "the replicas' own parameters and inner optimizer states are kept in sharded checkpoints only",
-        ),
-    }
-    for name, (applies, why) in refused.items():
-        if applies:
-            raise ValueError(f"cross_replica_sync='diloco' cannot be combined with {name}: {why}. Drop one of the two.")
-
-
-#: Streaming DiLoCo's options and the values that mean "plain DiLoCo" (the whole model synchronised at once).
-STREAMING_DEFAULTS: dict[str, Any] = {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
 
 
 def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
@@ -176,15 +87,6 @@ def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, in
 def _local(t: Tensor) -> Tensor:
     """This rank's elements of ``t`` (a DTensor's local shard, sharing its storage), or ``t``."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _like(local: Tensor, like: Tensor) -> Tensor:
-    """``local`` as a tensor laid out like ``like`` (a DTensor with its mesh and placements, or plain)."""
-    if not isinstance(like, DTensor):
-        return local
-    return DTensor.from_local(
-        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-    )
 
 
 @dataclass
@@ -263,6 +165,8 @@ class OuterSync:
         self.outer_steps = 0
         #: fault tolerance: rounds dropped because a group failed during their average
         self.dropped_rounds = 0
+        #: the run this optimizer's sync belongs to (:meth:`SemiSync.attach` sets it): the one model's DiLoCo state
+        self.run: Optional[SemiSync] = None
 
     def before_step(self) -> None:
         """Nothing crosses replicas before an inner step."""
@@ -281,7 +185,8 @@ class OuterSync:
         if self.inner_steps >= self.cadence:
             self.finish_fragment()
 
-    def _members(self, fragment: Optional[int]) -> range:
+    def members(self, fragment: Optional[int]) -> range:
+        """The indices of ``fragment``'s parameters (``None``: all of them)."""
         start, stop = (0, len(self.params)) if fragment is None else self.fragments[fragment]
         return range(start, stop)
 
@@ -289,7 +194,7 @@ class OuterSync:
     def pseudo_gradient(self, fragment: Optional[int] = None) -> Tensor:
         """This rank's ``last synchronised - current`` over its shards (of ``fragment``; ``None``: all), as one flat
         message (the same offsets on every replica of these shards: they hold equal shapes)."""
-        pieces = [(_local(self.anchors[i]) - _local(self.params[i])).reshape(-1) for i in self._members(fragment)]
+        pieces = [(_local(self.anchors[i]) - _local(self.params[i])).reshape(-1) for i in self.members(fragment)]
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     @torch.no_grad()
@@ -337,13 +242,13 @@ class OuterSync:
         ``flat`` as its gradient (the others get none, so an element-wise optimizer leaves them and their state
         alone); the result becomes the new last-synchronised copy and, mixed with the local values by ``alpha``,
         the parameters."""
-        members = self._members(fragment)
+        members = self.members(fragment)
         offset = 0
         for i in members:
             anchor = self.anchors[i]
             local = _local(anchor)
             piece = flat[offset : offset + local.numel()].view(local.shape)
-            anchor.grad = _like(piece.to(local.dtype), anchor)
+            anchor.grad = laid_out_like(piece.to(local.dtype), anchor)
             offset += local.numel()
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
@@ -360,7 +265,7 @@ class OuterSync:
     def restart_from_anchors(self, fragment: Optional[int] = None) -> None:
         """A dropped round: the parameters (of ``fragment``; ``None``: all) go back to the last-synchronised copy; a
         new round starts."""
-        for i in self._members(fragment):
+        for i in self.members(fragment):
             _local(self.params[i]).copy_(_local(self.anchors[i]))
         self.inner_steps = 0
 
@@ -388,14 +293,20 @@ class OuterSync:
         for index, slots in state["outer"]["state"].items():
             anchor = params[int(index)]
             local = _local(anchor)
-            self.outer.state[anchor] = {
-                key: (_like(value.to(local.device).clone(), anchor) if value.shape == local.shape else value.clone())
-                if isinstance(value, Tensor) else value
-                for key, value in slots.items()
-            }
+            self.outer.state[anchor] = {key: self._received(value, anchor, local) for key, value in slots.items()}
         for group, peer in zip(self.outer.param_groups, state["outer"]["param_groups"]):
             group.update({key: value for key, value in peer.items() if key != "params"})
         self.inner_steps = int(state["inner_steps"])
+
+    @staticmethod
+    def _received(value: Any, anchor: Tensor, local: Tensor) -> Any:
+        """A peer's outer-state entry, here: a tensor of the anchor's local shape laid out like the anchor (on its
+        device), any other tensor copied, anything else as it is."""
+        if not isinstance(value, Tensor):
+            return value
+        if value.shape == local.shape:
+            return laid_out_like(value.to(local.device).clone(), anchor)
+        return value.clone()
 
     @torch.no_grad()
     def restart_from_parameters(self) -> None:
@@ -411,10 +322,10 @@ class OuterSync:
         if self.pending is None:
             return {}
         pieces, offset = {}, 0
-        for i in self._members(self.pending.fragment):
+        for i in self.members(self.pending.fragment):
             local = _local(self.params[i])
             piece = self.pending.sent[offset : offset + local.numel()].view(local.shape)
-            pieces[self.names[i]] = _like(piece.clone(), self.params[i])
+            pieces[self.names[i]] = laid_out_like(piece.clone(), self.params[i])
             offset += local.numel()
         return pieces
 
@@ -429,7 +340,7 @@ class OuterSync:
         average is the one the interrupted run would have applied)."""
         fragment = self.pending_after_load()
         assert fragment is not None
-        flat = torch.cat([_local(pieces[self.names[i]]).reshape(-1) for i in self._members(fragment)])
+        flat = torch.cat([_local(pieces[self.names[i]]).reshape(-1) for i in self.members(fragment)])
         self.start_fragment(fragment, sent=flat)
 
     def outer_state(self) -> dict[str, dict[str, Tensor]]:
@@ -450,11 +361,11 @@ class SemiSync:
     def __init__(self) -> None:
         #: in the order the optimizers were attached (the same on every rank and in a resumed run)
         self.syncs: list[OuterSync] = []
-        self._optimizers: list[Optimizer] = []
-        self._module: Optional[nn.Module] = None
-        self._replica = 0
-        self._layout_key = (1, 1)
-        self._group: Optional[dist.ProcessGroup] = None
+        self.optimizers: list[Optimizer] = []
+        self.module: Optional[nn.Module] = None
+        self.replica = 0
+        self.layout_key = (1, 1)
+        self.group: Optional[dist.ProcessGroup] = None
         #: fault tolerance: this group healed from a live one at the current round's quorum
         self._healed_this_round = False
         #: fault tolerance: heals from a live group so far (for tests and logs)
@@ -496,19 +407,19 @@ class SemiSync:
         (module,) = modules
         if isinstance(module, RootUnit):  # the Trainer's wrapper: names as the LightningModule's checkpoints have them
             module = module.module
-        if self._module is not None and module is not self._module:
+        if self.module is not None and module is not self.module:
             raise ValueError(
                 "cross_replica_sync='diloco' checkpoints one model's replicas: set up one model with this strategy."
             )
-        self._module = module
+        self.module = module
         settings = layout.settings
         mesh = layout.device_mesh
         transport = None
         if mesh.ndim == 2:
-            self._group = mesh.get_group(0)
-            self._replica = mesh.get_local_rank(0)
-            transport = ProcessGroupTransport(self._group, settings.cross_replica_wire)
-        self._layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
+            self.group = mesh.get_group(0)
+            self.replica = mesh.get_local_rank(0)
+            transport = ProcessGroupTransport(self.group, settings.cross_replica_wire)
+        self.layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
         round_quorum: Optional[Callable[[], bool]] = None
         counter = None
         if settings.hop2.managed:
@@ -537,8 +448,9 @@ class SemiSync:
                 [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum,
                 counter, *streaming,
             )
+            sync.run = self
             self.syncs.append(sync)
-            self._optimizers.append(optimizer)
+            self.optimizers.append(optimizer)
             hooks[id(optimizer)] = sync
         return hooks
 
@@ -569,11 +481,6 @@ class SemiSync:
         tolerance's parameter check compares; the current parameters differ between rounds)."""
         return [a for sync in self.syncs for a in sync.anchors]
 
-    def detach(self) -> None:
-        self.syncs.clear()
-        self._optimizers.clear()
-        self._module = None
-
     # ------------------------------------------------------------------ checkpoints
     def global_model_state(self, module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         """``module``'s checkpoint state with the last-synchronised parameters in place of the replica's current
@@ -589,9 +496,9 @@ class SemiSync:
     def replica_averaged(self, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Inner optimizer states (name-keyed) with every floating-point tensor averaged over the replicas (one
         message per optimizer), so that the checkpoint's optimizer entry is one state, not DCP's per-shard mix."""
-        if self._group is None:
+        if self.group is None:
             return states
-        replicas = self._group.size()
+        replicas = self.group.size()
         out = []
         for state in states:
             per_param = state.get("state", {})
@@ -605,170 +512,47 @@ class SemiSync:
                 out.append(state)
                 continue
             flat = torch.cat([_local(value).detach().reshape(-1).float() for _, _, value in slots])
-            dist.all_reduce(flat, group=self._group)
+            dist.all_reduce(flat, group=self.group)
             flat.div_(replicas)
             averaged = {name: dict(entries) for name, entries in per_param.items()}
             offset = 0
             for name, key, value in slots:
                 local = _local(value)
                 piece = flat[offset : offset + local.numel()].view(local.shape).to(local.dtype)
-                averaged[name][key] = _like(piece, value)
+                averaged[name][key] = laid_out_like(piece, value)
                 offset += local.numel()
             out.append({**state, "state": averaged})
         return out
 
-    def checkpoint_entries(self) -> dict[str, Any]:
-        """What a sharded checkpoint keeps beside the global model (module docstring)."""
-        from lightning_mics.checkpoint import optimizer_state_dict
 
-        assert self._module is not None
-        replicas, partition = self._layout_key
-        own: dict[str, Any] = {
-            "params": {name: p.detach() for sync in self.syncs for name, p in zip(sync.names, sync.params)},
-            "optimizers": {
-                str(i): optimizer_state_dict(self._module, optimizer) for i, optimizer in enumerate(self._optimizers)
-            },
-        }
-        pending = {name: piece for sync in self.syncs for name, piece in sync.pending_pieces().items()}
-        if pending:  # streaming: a fragment's average in flight, as this replica sent it
-            own["pending"] = pending
-        return {EXTRAS_ENTRY: {
-            "layout": torch.tensor([replicas, partition]),
-            "inner_steps": torch.tensor([sync.inner_steps for sync in self.syncs]),
-            "outer_steps": torch.tensor([sync.outer_steps for sync in self.syncs]),
-            "outer": {str(i): sync.outer_state() for i, sync in enumerate(self.syncs)},
-            "replica": {str(self._replica): own},
-        }}
-
-    @torch.no_grad()
-    def after_load(self, path: str) -> None:
-        """After the checkpoint's model (the global one) and averaged inner states were loaded: those parameters are
-        the last-synchronised copy; then the outer state and step count, and -- same layout -- this replica group's
-        own parameters and inner optimizer states (module docstring). A collective."""
-        from lightning_mics.checkpoint.format import METADATA_FILE, SHARDED_EXTRAS_KEY
-        from lightning_mics.checkpoint.loading import _saved_shapes, open_checkpoint, read_dcp
-        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner, read_metadata
-
-        for sync in self.syncs:
-            sync.restart_from_parameters()
-        info, _ = open_checkpoint(Path(path))
-        if info.kind != "sharded" or info.data_dir is None:
-            return  # a full file: a new round from its parameters
-        saved = _saved_shapes(read_metadata(info.data_dir / METADATA_FILE))
-        root = (SHARDED_EXTRAS_KEY, EXTRAS_ENTRY)
-        if (*root, "inner_steps") not in saved:
-            return  # a synchronous run's checkpoint: a new round from its parameters
-        template: dict[str, Any] = {
-            "layout": torch.zeros(2, dtype=torch.int64),
-            "inner_steps": torch.zeros(len(self.syncs), dtype=torch.int64),
-        }
-        if saved[(*root, "inner_steps")] != (len(self.syncs),):
-            raise ValueError(
-                f"{path} holds DiLoCo state for {saved[(*root, 'inner_steps')]} optimizer(s), this run has "
-                f"{len(self.syncs)}: it was saved with another `configure_optimizers`."
-            )
-        template["outer"] = {str(i): self._outer_template(i, sync, saved, root) for i, sync in enumerate(self.syncs)}
-        if (*root, "outer_steps") in saved:  # which fragment is next (streaming); older checkpoints: the first
-            template["outer_steps"] = torch.zeros(len(self.syncs), dtype=torch.int64)
-        read_dcp(info.data_dir, {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: template}}, SafeLoadPlanner())
-        outer_steps = template.get("outer_steps", torch.zeros(len(self.syncs), dtype=torch.int64)).tolist()
-        for sync, steps, done in zip(self.syncs, template["inner_steps"].tolist(), outer_steps):
-            sync.inner_steps, sync.outer_steps = int(steps), int(done)
-        for sync, outer in zip(self.syncs, template["outer"].values()):
-            anchor_of = dict(zip(sync.names, sync.anchors))
-            for name, state in outer.items():
-                sync.outer.state[anchor_of[name]] = state
-        if tuple(template["layout"].tolist()) != self._layout_key:
-            log.info(
-                "DiLoCo: %s was saved by %s replica(s) of partition %s, this run has %s of %s: every replica group "
-                "resumes from the last-synchronised model and the replica-averaged inner optimizer states%s",
-                path, *template["layout"].tolist(), *self._layout_key,
-                "; the fragment average in flight starts again from them" if any(
-                    sync.pending_after_load() is not None for sync in self.syncs) else "",
-            )
-            for sync in self.syncs:
-                fragment = sync.pending_after_load()
-                if fragment is not None:
-                    sync.start_fragment(fragment)
-            return
-        self._load_own_replica(info.data_dir, root)
-
-    def _outer_template(
-        self, index: int, sync: OuterSync, saved: Mapping[tuple[str, ...], Any], root: tuple[str, ...]
-    ) -> dict[str, dict[str, Tensor]]:
-        """Tensors to read the saved outer state into: placed like the anchors where the saved entry has the
-        parameter's shape, plain otherwise (a step count). Built from the checkpoint's metadata, since an outer
-        optimizer that has not stepped yet has no state to copy the layout from."""
-        prefix = (*root, "outer", str(index))
-        anchor_of = dict(zip(sync.names, sync.anchors))
-        template: dict[str, dict[str, Tensor]] = {}
-        for key, shape in saved.items():
-            if key[: len(prefix)] != prefix or len(key) != len(prefix) + 2 or shape is None:
-                continue
-            name, slot = key[len(prefix)], key[len(prefix) + 1]
-            anchor = anchor_of.get(name)
-            if anchor is None:
-                raise ValueError(
-                    f"The checkpoint's outer optimizer state names {name!r}, which this model does not train."
-                )
-            if shape == tuple(anchor.shape):
-                value = torch.empty_like(anchor)
-            else:
-                value = torch.zeros(shape, device=_local(anchor).device if shape else "cpu")
-            template.setdefault(name, {})[slot] = value
-        return template
-
-    def _load_own_replica(self, data_dir: Path, root: tuple[str, ...]) -> None:
-        """This replica group's own parameters and inner optimizer states (saved under its index)."""
-        from lightning_mics.checkpoint import optimizer_state_dict
-        from lightning_mics.checkpoint.format import SHARDED_EXTRAS_KEY
-        from lightning_mics.checkpoint.loading import _fresh_like, read_dcp
-        from lightning_mics.checkpoint.safe_load import SafeLoadPlanner
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        assert self._module is not None
-        params = {name: p for sync in self.syncs for name, p in zip(sync.names, sync.params)}
-        own: dict[str, Any] = {
-            "params": {name: torch.empty_like(p.detach()) for name, p in params.items()},
-            "optimizers": {
-                str(i): _fresh_like(optimizer_state_dict(self._module, optimizer))
-                for i, optimizer in enumerate(self._optimizers)
-            },
-        }
-        in_flight = [sync for sync in self.syncs if sync.pending_after_load() is not None]
-        if in_flight:  # streaming: the fragment average the checkpoint had in flight, as this replica sent it
-            own["pending"] = {
-                sync.names[i]: torch.empty_like(sync.params[i].detach())
-                for sync in in_flight
-                for i in sync._members(sync.pending_after_load())
-            }
-        template = {SHARDED_EXTRAS_KEY: {EXTRAS_ENTRY: {"replica": {str(self._replica): own}}}}
-        read_dcp(data_dir, template, SafeLoadPlanner())
-        for name, value in own["params"].items():
-            _local(params[name]).copy_(_local(value))
-        for sync in in_flight:
-            sync.resume_pending(own["pending"])
-        for i, optimizer in enumerate(self._optimizers):
-            set_optimizer_state_dict(self._module, optimizer, own["optimizers"][str(i)])
+def attach(
+    optimizers: Sequence[Optimizer],
+    modules: Sequence[nn.Module],
+    layout: MiCSLayout,
+    attached: Mapping[int, object],
+    factory: Optional[OuterOptimizerFactory],
+    replica_group: Optional[ReplicaGroup] = None,
+    quorum: Optional[Callable[[], None]] = None,
+    streaming: tuple[int, int, float] = (1, 0, 0.0),
+) -> dict[int, OuterSync]:
+    """The step hooks of ``optimizers``: :meth:`SemiSync.attach` on the run the hooks already ``attached`` belong
+    to (one per engine: its one model), or on a new one."""
+    run = run_of(attached.values()) or SemiSync()
+    return run.attach(optimizers, modules, layout, factory, replica_group, quorum, streaming)
 
 
-def describe_outer_optimizer(factory: Optional[OuterOptimizerFactory]) -> str:
-    """For logs: DiLoCo's default or the callable given."""
-    if factory is None:
-        return f"SGD(lr={DILOCO_OUTER_LR}, momentum={DILOCO_OUTER_MOMENTUM}, nesterov=True) (DiLoCo's)"
-    if isinstance(factory, partial):
-        arguments = ", ".join(f"{k}={v!r}" for k, v in factory.keywords.items())
-        return f"{getattr(factory.func, '__name__', factory.func)}({arguments})"
-    return getattr(factory, "__name__", repr(factory))
+def run_of(hooks: Iterable[object]) -> Optional[SemiSync]:
+    """The DiLoCo run step hooks belong to, or ``None`` where none of them is an :class:`OuterSync`."""
+    for hook in hooks:
+        if isinstance(hook, OuterSync) and hook.run is not None:
+            return hook.run
+    return None
 
 
 __all__ = [
-    "CROSS_REPLICA_SYNC_MODES",
-    "CrossReplicaSync",
-    "OuterOptimizerFactory",
     "OuterSync",
     "SemiSync",
-    "check_semi_sync_options",
+    "attach",
     "default_outer_optimizer",
-    "describe_outer_optimizer",
+    "run_of",
 ]

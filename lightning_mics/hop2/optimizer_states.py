@@ -29,19 +29,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.collectives import all_gather_flat, reduce_scatter_flat
-from lightning_mics.grad_sync import local_shard as _local
+from lightning_mics.shards import laid_out_like
+from lightning_mics.shards import local_shard as _local
+
+if TYPE_CHECKING:
+    from lightning_mics.layout import MiCSLayout
 
 
 @dataclass
@@ -221,7 +224,7 @@ class ReplicaShardedOptimizerStates:
                 local = _local(p)
                 values = flat[offset : offset + local.numel()].view(local.shape).clone()
                 offset += local.numel()
-                gathered.setdefault(p, {})[key] = _like_param(values, p)
+                gathered.setdefault(p, {})[key] = laid_out_like(values, p)
         for index, values in per_param.items():
             p = self.params[index]
             restored = {k: v.to(device) if on_device else v for k, (v, on_device) in values.items()}
@@ -244,15 +247,53 @@ class ReplicaShardedOptimizerStates:
         return sliced
 
 
-def _like_param(local: Tensor, param: nn.Parameter) -> Tensor:
-    """``local`` (this rank's elements) as a tensor laid out like ``param``: a DTensor for FSDP params."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
 def _to_cpu(value: Any) -> Any:
     return value.detach().cpu().clone() if isinstance(value, Tensor) else value
 
+
+def attach(
+    optimizers: Iterable[Optimizer], layout: MiCSLayout, loss_scaling: bool
+) -> dict[int, ReplicaShardedOptimizerStates]:
+    """AMSP ``optim > grads``: each optimizer steps on this rank's slice of its partition shard;
+    returns the hook that brackets its steps, by ``id(optimizer)``. Empty in every other layout."""
+    if not layout.settings.shards_optimizer_beyond_partition:
+        return {}
+    if loss_scaling:
+        raise ValueError(
+            "Optimizer-state sharding across replicas does not support precision='16-mixed' (loss scaling); "
+            "use 'bf16-mixed' or keep the optimizer states at the partition degree."
+        )
+    assert layout.optim_groups is not None
+    shard_pg, replica_pg = layout.optim_groups
+    partition_pg = layout.fsdp_mesh.get_group()  # 1-D in this mode: the partition
+    return {
+        id(optimizer): ReplicaShardedOptimizerStates(
+            optimizer, shard_pg, replica_pg, partition_pg, grad_divisor=layout.settings.topology.replication_degree
+        )
+        for optimizer in optimizers
+    }
+
+
+@contextmanager
+def in_partition_form(
+    hooks: Mapping[int, object], optimizers: Iterable[Optimizer], write_back: bool
+) -> Generator[None, None, None]:
+    """With optimizer states sharded across replicas (AMSP ``optim > grads``), checkpoints see them at
+    the partition degree, as plain MiCS holds them: one checkpoint format for every layout."""
+    with ExitStack() as stack:
+        for optimizer in optimizers:
+            hook = hooks.get(id(optimizer))
+            if isinstance(hook, ReplicaShardedOptimizerStates):
+                stack.enter_context(hook.partition_form(write_back=write_back))
+        yield
+
+
+def disjoint_groups(hooks: Iterable[object]) -> dict[Tensor, Sequence[dist.ProcessGroup]]:
+    """For clipping: the groups over which the optimizer-state slices' gradients are disjoint, of every
+    :class:`ReplicaShardedOptimizerStates` among ``hooks``; empty without them."""
+    return {
+        param: groups
+        for hook in hooks
+        if isinstance(hook, ReplicaShardedOptimizerStates)
+        for param, groups in hook.disjoint_groups.items()
+    }
