@@ -245,3 +245,21 @@ def _signal_session(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:  # the session ended meanwhile
         pass
+
+
+def run_script(*args: str, timeout: float, cwd: Path) -> str:
+    """``python <args>`` from ``cwd``, in a session of its own; its output (stdout and stderr). On a timeout the
+    whole session goes (the script and every rank it started) and the test fails; a non-zero exit fails it too."""
+    import pytest
+
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        output = end_session(process)
+        pytest.fail(f"{' '.join(args)} ran past {timeout} s:\n{output[-3000:]}")
+    assert process.returncode == 0, f"{' '.join(args)} exited {process.returncode}:\n{output[-4000:]}"
+    return output

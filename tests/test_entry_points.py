@@ -11,7 +11,9 @@ Already run end to end elsewhere, so not repeated here:
 * ``examples/cli.py`` -- ``test_cli.py``; ``examples/minimal.py`` -- ``test_minimal_example.py``;
 * ``examples/hf_finetune.py`` -- ``test_hf_example.py``; ``examples/litgpt_fabric.py`` (the Fabric example) --
   ``test_litgpt_example.py`` (skipped without litgpt);
-* ``benchmarks/gpu_throughput.py`` on CPU (both loops) and ``multi_gpu_summary.py`` -- ``test_benchmark_gpu.py``.
+* ``benchmarks/gpu_throughput.py`` on CPU (both loops) and ``multi_gpu_summary.py`` -- ``test_benchmark_gpu.py``;
+* ``examples/fault_tolerance_demo.py --smoke`` -- ``test_fault_tolerance_demo.py`` (a file of its own, so that
+  ``pytest -n 2 --dist loadfile`` runs it beside this file's smokes).
 
 ``benchmarks/exact_sum_cpu.py`` runs here too (hop 2's fault-tolerant sums over torchft's gloo group).
 ``benchmarks/netprobe.py`` and ``gloo_probe.py`` are the emulated cluster's own probes, started by it in every
@@ -32,7 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import end_session, free_port
+from distributed import free_port, run_script
 from lm_jobs import REPO
 
 pytestmark = pytest.mark.entry_point
@@ -44,19 +46,8 @@ needs_root = pytest.mark.skipif(
 
 
 def _run(*args: str, timeout: float) -> str:
-    """``python <args>`` from the repository root, in a session of its own; its output (stdout and stderr).
-    On a timeout the whole session goes (the script and every rank it started), and the test fails."""
-    process = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        output = end_session(process)
-        pytest.fail(f"{' '.join(args)} ran past {timeout} s:\n{output[-3000:]}")
-    assert process.returncode == 0, f"{' '.join(args)} exited {process.returncode}:\n{output[-4000:]}"
-    return output
+    """``python <args>`` from the repository root (:func:`distributed.run_script`)."""
+    return run_script(*args, timeout=timeout, cwd=REPO)
 
 
 # ------------------------------------------------------------------------------------ emulated cluster
@@ -207,35 +198,6 @@ def test_profile_breakdown_reads_py_spy_profiles_from_the_command_line(tmp_path:
 
 
 # ------------------------------------------------------------------------------------ examples
-@pytest.mark.distributed
-@pytest.mark.timeout(240)
-def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
-    output = _run("examples/fault_tolerance_demo.py", "--smoke", "--port", str(free_port()), "--out",
-                  str(tmp_path), "--timeout", "180", timeout=220)
-    # everything it wrote is in its own folder
-    assert subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout == status
-    assert "killed group 1" in output and "restarted group 1" in output
-    healed = re.search(r"the restarted group's first step: (\d+) \(healed from a live group\)", output)
-    assert healed is not None, output[-2000:]
-    assert int(healed.group(1)) > 3  # it took the survivor's step, not a fresh start
-    assert re.search(r"group 0 trained alone for [1-9]\d* steps", output), output[-2000:]
-    assert (tmp_path / "summary.txt").read_text() in output
-    assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
-    # what each group's console shows of the failure after its start-up lines: a few lines, once per group --
-    # no torchft INFO, no traceback (the survivor: discarded, left, joined; the restarted group: joined, caught up)
-    logs = sorted(tmp_path.glob("group*-*.log"))
-    assert len(logs) == 3, logs
-    for log in logs:
-        lines = log.read_text().splitlines()
-        assert not [line for line in lines if "[INFO]" in line or "Traceback" in line], log
-        start_up_end = max(i for i, line in enumerate(lines) if "process groups created by this layout" in line)
-        after = [line for line in lines[start_up_end + 1:] if not line.startswith("`Trainer.fit` stopped")]
-        assert len(after) <= 10, (log, after)
-    survivor = next(log for log in logs if log.name.startswith("group0")).read_text()
-    assert survivor.count("replica group(s) left at step") == 1 and survivor.count("discarded (") <= 1
-
-
 @pytest.mark.timeout(120)
 def test_plots_script_draws_a_run_log(tmp_path: Path) -> None:
     """``python examples/plots.py metrics.csv``, as the main job's docs redraw a finished run's plot."""

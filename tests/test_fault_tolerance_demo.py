@@ -1,12 +1,14 @@
-"""The fault-tolerance demo's summary and output folder (``examples/fault_tolerance_demo.py``), on hand-made step
-logs: no process is started here (``test_entry_points.py`` runs the demo itself)."""
+"""The fault-tolerance demo (``examples/fault_tolerance_demo.py``): its summary and output folder on hand-made step
+logs, and its smoke run as a user starts it (a Lighthouse, two groups, one killed and restarted)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from distributed import free_port, run_script
 
 from examples.fault_tolerance_demo import committed, output_folder, outage
 
@@ -47,3 +49,33 @@ def test_each_run_writes_to_a_fresh_folder_and_never_over_kept_files(tmp_path: P
     assert default.parent == Path("outputs/fault_tolerance_demo") and default.is_dir()
     ignored = subprocess.run(["git", "check-ignore", "-q", str(default / "group0.jsonl")], cwd=REPO)
     assert ignored.returncode == 0
+
+
+@pytest.mark.entry_point
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+    output = run_script("examples/fault_tolerance_demo.py", "--smoke", "--port", str(free_port()), "--out",
+                  str(tmp_path), "--timeout", "180", timeout=220, cwd=REPO)
+    # everything it wrote is in its own folder
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout == status
+    assert "killed group 1" in output and "restarted group 1" in output
+    healed = re.search(r"the restarted group's first step: (\d+) \(healed from a live group\)", output)
+    assert healed is not None, output[-2000:]
+    assert int(healed.group(1)) > 3  # it took the survivor's step, not a fresh start
+    assert re.search(r"group 0 trained alone for [1-9]\d* steps", output), output[-2000:]
+    assert (tmp_path / "summary.txt").read_text() in output
+    assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
+    # what each group's console shows of the failure after its start-up lines: a few lines, once per group --
+    # no torchft INFO, no traceback (the survivor: discarded, left, joined; the restarted group: joined, caught up)
+    logs = sorted(tmp_path.glob("group*-*.log"))
+    assert len(logs) == 3, logs
+    for log in logs:
+        lines = log.read_text().splitlines()
+        assert not [line for line in lines if "[INFO]" in line or "Traceback" in line], log
+        start_up_end = max(i for i, line in enumerate(lines) if "process groups created by this layout" in line)
+        after = [line for line in lines[start_up_end + 1:] if not line.startswith("`Trainer.fit` stopped")]
+        assert len(after) <= 10, (log, after)
+    survivor = next(log for log in logs if log.name.startswith("group0")).read_text()
+    assert survivor.count("replica group(s) left at step") == 1 and survivor.count("discarded (") <= 1
