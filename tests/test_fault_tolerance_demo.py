@@ -78,4 +78,6 @@ def test_fault_tolerance_demo_kills_and_heals_a_group(tmp_path: Path) -> None:
         after = [line for line in lines[start_up_end + 1:] if not line.startswith("`Trainer.fit` stopped")]
         assert len(after) <= 10, (log, after)
     survivor = next(log for log in logs if log.name.startswith("group0")).read_text()
-    assert survivor.count("replica group(s) left at step") == 1 and survivor.count("discarded (") <= 1
+    # once per group: at most one line for the loss (none when the kill fell between the survivor's quorums and the
+    # restarted group was back by the next one) and one for the step it discarded
+    assert survivor.count("replica group(s) left at step") <= 1 and survivor.count("discarded (") <= 1
