@@ -64,6 +64,24 @@ def speed_ratios(results: dict[str, Any]) -> str:
     )
 
 
+def gpu_throughput_sentence(results: dict[str, Any]) -> str:
+    """The README's line on the one-GPU run: the strategy's throughput over the plain loop's, MFU, peak memory."""
+    by_mode = {r["mode"]: r for r in results["results"]}
+    ratios = results["ratios"]
+    compiled, plain = by_mode["strategy-compiled"], by_mode["plain-compiled"]
+    leaner = all(by_mode[f"strategy{c}"]["peak_memory_bytes"] <= by_mode[f"plain{c}"]["peak_memory_bytes"]
+                 for c in ("", "-compiled"))
+    model = results["model"]
+    return (
+        f"`benchmarks/gpu_throughput.py` on one {results['environment']['device_name']}, a "
+        f"{model['num_params'] / 1e9:.1f}B-parameter GPT in bf16 at micro-batch {results['config']['micro_batch']}: "
+        f"{ratios['strategy/plain']:.3f} (eager) and {ratios['strategy-compiled/plain-compiled']:.3f} (compiled "
+        f"blocks) of a plain PyTorch loop's throughput, {compiled['mfu'] * 100:.1f} % MFU compiled "
+        f"({plain['mfu'] * 100:.1f} % for the plain loop), peak memory "
+        + ("at or below the plain loop's" if leaner else "above the plain loop's") + ".\n"
+    )
+
+
 def fault_tolerance_table(results: dict[str, Any]) -> str:
     """docs/fault-tolerance.md's table of one ``benchmarks/fault_tolerance.py`` run."""
     n, f, r = results["no_failure"], results["failure"], results["rejoin"]
@@ -415,6 +433,7 @@ FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "emulated-cluster-profile": ("benchmarks/results/ratio24_overlap/profile/breakdown.md", verbatim),
     "scaling": ("benchmarks/results/scaling/scaling.json", scaling_table),
     "gpu-throughput": ("benchmarks/results/gpu_throughput.json", gpu_throughput_table),
+    "gpu-throughput-readme": ("benchmarks/results/gpu_throughput.json", gpu_throughput_sentence),
     "telemetry-cost": ("benchmarks/results/telemetry_cost/telemetry_cost.json", telemetry_cost_table),
 }
 #: Blocks whose measurement may not have run yet: without the results file their renderer gets ``None`` and says
