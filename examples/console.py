@@ -13,13 +13,15 @@ import os
 import statistics
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 import lightning_mics
 from lightning_mics.telemetry import TrainingTelemetry
+
+C = TypeVar("C", bound=Callback)
 
 #: loggers whose INFO lines repeat on every rank
 _CHATTY_LOGGERS = ("lightning.pytorch", "lightning.fabric", "lightning_mics")
@@ -65,7 +67,7 @@ class ValidationStep(Callback):
 def validate_at_the_end(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any) -> None:
     """Run a last validation pass if the last one was before the final step: a summary's validation
     loss is the trained model's, not that of some step before it."""
-    marker = next((cb for cb in trainer.callbacks if isinstance(cb, ValidationStep)), None)  # type: ignore[attr-defined]
+    marker = find_callback(trainer, ValidationStep)
     if marker is None or not trainer.limit_val_batches or marker.step == trainer.global_step:
         return
     trainer.validate(model, datamodule=datamodule, verbose=False)
@@ -98,8 +100,13 @@ def write_traceback_to_log_file(error: BaseException) -> Optional[str]:
     return None
 
 
+def find_callback(trainer: pl.Trainer, kind: type[C]) -> Optional[C]:
+    """The trainer's first callback of type ``kind``, or ``None``."""
+    return next((cb for cb in trainer.callbacks if isinstance(cb, kind)), None)  # type: ignore[attr-defined]
+
+
 def find_telemetry(trainer: pl.Trainer) -> Optional[TrainingTelemetry]:
-    return next((cb for cb in trainer.callbacks if isinstance(cb, TrainingTelemetry)), None)  # type: ignore[attr-defined]
+    return find_callback(trainer, TrainingTelemetry)
 
 
 def format_summary(trainer: pl.Trainer, model: pl.LightningModule, datamodule: Any, output_dir: Path) -> str:
@@ -127,7 +134,7 @@ def format_summary(trainer: pl.Trainer, model: pl.LightningModule, datamodule: A
         if losses:
             val = ""
             if "val/loss" in metrics:
-                marker = next((cb for cb in trainer.callbacks if isinstance(cb, ValidationStep)), None)  # type: ignore[attr-defined]
+                marker = find_callback(trainer, ValidationStep)
                 at = f" (step {marker.step})" if marker is not None and marker.step is not None else ""
                 val = (
                     f"; val loss {float(metrics['val/loss']):.3f}{at}, "

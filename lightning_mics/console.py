@@ -10,6 +10,8 @@ strategy is created, not at import, and never when the user configured logging (
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 
 from lightning_mics import _compat as compat
@@ -66,9 +68,6 @@ def quiet_torchft() -> None:
     import when the user set no ``RUST_LOG`` (the environment is left as it was). ``RUST_LOG=info`` brings the
     lines back; so does ``logging.getLogger("torchft").setLevel(logging.INFO)`` for its Python side, which is set
     to WARNING here only when nobody set its level. Idempotent."""
-    import os
-    import sys
-
     if compat.TORCHFT_EXTENSION not in sys.modules and "RUST_LOG" not in os.environ:
         os.environ["RUST_LOG"] = "warn"
         try:
