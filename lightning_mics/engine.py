@@ -56,12 +56,12 @@ from lightning_mics.fault_tolerance.agreement import parameter_digest_chunks, te
 from lightning_mics.fault_tolerance.trajectory import DataCursor, TrajectoryDataLoader, sample_order_of
 from lightning_mics.grad_sync import clip_grad_norm_
 from lightning_mics.hop2 import diloco, optimizer_states
-from lightning_mics.hop2.attach import StepHook, attach
+from lightning_mics.hop2.attach import InnerThenOuter, StepHook, attach, hook_parts
 from lightning_mics.hop2.diloco import SemiSync
 from lightning_mics.hop2.fsdp import cross_replica_sync_off
 from lightning_mics.hop2.pipeline import CrossReplicaPipeline, EachModel, pipelines_in
 from lightning_mics.hop2.shares import ShareGradients
-from lightning_mics.launch import check_layout, limit_intra_op_threads, resolve_ranks_per_node
+from lightning_mics.launch import check_diloco_workers, check_layout, limit_intra_op_threads, resolve_ranks_per_node
 from lightning_mics.layout import (
     LayoutSettings,
     MiCSLayout,
@@ -75,7 +75,7 @@ from lightning_mics.offload_option import check_offload_before_launch
 from lightning_mics.options import MiCSOptions
 from lightning_mics.precision import MiCSFabricPrecision, MiCSPrecision, precision_property
 from lightning_mics.shards import fsdp_units
-from lightning_mics.topology import MiCSTopology
+from lightning_mics.topology import MiCSTopology, detect_ranks_per_region
 from lightning_mics.wire import WireFormat, resolve_wire_format
 from lightning_mics.wrapping import RootUnit, ShardRegistry, WrapPlan, plan_wrapping
 
@@ -150,6 +150,9 @@ class MiCSEngine:
         world_size = num_processes * num_nodes
         ranks_per_node = o.ranks_per_node or num_processes
         check_layout(world_size, ranks_per_node, o.partition_size, o.sharding, o.reshard_after_forward)
+        if o.cross_replica_sync == "diloco" and o.partition_size != "auto":
+            check_diloco_workers(world_size, ranks_per_node, o.partition_size, o.sharding, o.diloco_worker_size,
+                                 o.ranks_per_region if o.ranks_per_region is not None else detect_ranks_per_region())
         limit_intra_op_threads(num_processes)
 
     def join_world(self, strategy: Any) -> None:
@@ -205,6 +208,8 @@ class MiCSEngine:
             managed=o.fault_tolerance is not None,
             sync_every=sync_every,
             replica_group=self._replica_group_of_job(),
+            diloco_worker_size=o.diloco_worker_size,
+            ranks_per_region=o.ranks_per_region if o.ranks_per_region is not None else detect_ranks_per_region(),
         )
         if o.fault_tolerance is not None:
             replicas = settings.topology.replication_degree
@@ -279,7 +284,7 @@ class MiCSEngine:
     def pipelines(self) -> list[CrossReplicaPipeline]:
         """The hop-2 pipelines of the models set up (schedules ``behind_backward``/``after_backward``), in the order
         their optimizers were attached."""
-        return pipelines_in(self._step_hooks.values())
+        return pipelines_in(hook_parts(self._step_hooks.values()))
 
     @property
     def semi_sync(self) -> SemiSync:
@@ -288,7 +293,7 @@ class MiCSEngine:
         return self._diloco() or SemiSync()
 
     def _diloco(self) -> Optional[SemiSync]:
-        return diloco.run_of(self._step_hooks.values())
+        return diloco.run_of(hook_parts(self._step_hooks.values()))
 
     def outer_round(self) -> Optional[tuple[int, bool]]:
         """With ``cross_replica_sync="diloco"``: (optimizer steps between two outer averages, whether the next
@@ -705,7 +710,10 @@ class MiCSEngine:
         for pipeline in self.pipelines():  # the model may go on under another strategy
             pipeline.remove()
         pipelines = (CrossReplicaPipeline, EachModel)
-        self._step_hooks = {key: hook for key, hook in self._step_hooks.items() if not isinstance(hook, pipelines)}
+        self._step_hooks = {
+            key: hook.without_inner() if isinstance(hook, InnerThenOuter) else hook
+            for key, hook in self._step_hooks.items() if not isinstance(hook, pipelines)
+        }
         try:
             if self.async_saver is not None:
                 self.async_saver.close()

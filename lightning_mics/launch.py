@@ -14,7 +14,7 @@ import torch
 
 from lightning_mics.options import ShardingOption
 from lightning_mics.sharding_spec import ShardingSpec
-from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, detect_ranks_per_node
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, WorkerSizeSpec, detect_ranks_per_node
 from lightning_mics.wrapping import check_reshard_group
 
 
@@ -34,6 +34,23 @@ def check_layout(
     else:
         topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
         check_reshard_group(reshard_after_forward, topology.partition_size)
+
+
+def check_diloco_workers(
+    world_size: int,
+    ranks_per_node: int,
+    partition_size: PartitionSizeSpec,
+    sharding: ShardingOption,
+    worker_size: WorkerSizeSpec,
+    ranks_per_region: Optional[int],
+) -> None:
+    """Two-level DiLoCo's workers and regions checked in the launching process, as :func:`check_layout` checks
+    the partition: a worker of whole nodes, regions of whole workers."""
+    if world_size < 1 or sharding == "auto":
+        return
+    if isinstance(sharding, ShardingSpec):
+        partition_size = sharding.resolve(world_size, ranks_per_node).partition_size
+    MiCSTopology.create(world_size, ranks_per_node, partition_size, worker_size, ranks_per_region)
 
 
 def resolve_ranks_per_node(override: Optional[int], num_processes: int, world_size: int) -> int:

@@ -55,9 +55,9 @@ from lightning_mics.offload import (
 from lightning_mics.options import Hierarchical, ShardingOption
 from lightning_mics.planner.live import PlannerCluster, describe_cluster, planner_cluster_for
 from lightning_mics.post_forward_mesh import PostForwardMeshes
-from lightning_mics.process_groups import SHARD_DIM, build_device_mesh, create_optimizer_state_groups
+from lightning_mics.process_groups import SHARD_DIM, build_layout_meshes, create_optimizer_state_groups
 from lightning_mics.sharding_spec import ShardingSpec
-from lightning_mics.topology import MiCSTopology, PartitionSizeSpec
+from lightning_mics.topology import MiCSTopology, PartitionSizeSpec, WorkerSizeSpec
 from lightning_mics.wire import WireFormat
 from lightning_mics.wrapping import (
     AutoWrapPolicy,
@@ -107,6 +107,18 @@ class MiCSLayout:
     created_process_groups: int = field(default=0, compare=False)
     #: hpZ's post-forward meshes, one per group size, shared by every unit sharded onto this layout
     post_forward_meshes: PostForwardMeshes = field(default_factory=PostForwardMeshes, compare=False)
+    #: two-level DiLoCo with several workers: the 1-D mesh across them (this rank's outer replication group);
+    #: ``device_mesh`` is then the worker's own (replicate, shard) plane
+    worker_mesh: Optional[DeviceMesh] = None
+
+    def diloco_group(self) -> tuple[Optional[dist.ProcessGroup], int]:
+        """The group DiLoCo's outer average runs over and this rank's index in it (the replica whose own state a
+        checkpoint keeps): across workers (two-level), across partition groups (flat), ``(None, 0)`` with one."""
+        if self.worker_mesh is not None:
+            return self.worker_mesh.get_group(), self.worker_mesh.get_local_rank()
+        if self.settings.topology.two_level or self.device_mesh.ndim != 2:
+            return None, 0  # one worker spans every partition group, or one partition group
+        return self.device_mesh.get_group(0), self.device_mesh.get_local_rank(0)
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -246,6 +258,7 @@ class LayoutSettings:
             "ranks_per_node": t.ranks_per_node,
             "partition_size": t.partition_size,
             "replicas": t.replication_degree,
+            "diloco_worker_size": t.worker_size,
         }
         for f in fields(self):
             if f.compare and f.name not in ("rank", "topology"):
@@ -258,8 +271,8 @@ class LayoutSettings:
         hop2 = values.pop("hop2")
         values["cross_replica_overlap"] = hop2.overlapped
         values["fault_tolerance"] = hop2.managed
-        values["cross_replica_sync"] = "diloco" if hop2.schedule == "diloco" else "every_step"
-        values["sync_every"] = hop2.every if hop2.schedule == "diloco" else None
+        values["cross_replica_sync"] = "diloco" if hop2.semi_sync else "every_step"
+        values["sync_every"] = hop2.sync_every
         return values
 
 
@@ -282,14 +295,17 @@ def resolve_layout(
     managed: bool = False,
     sync_every: Optional[int] = None,
     replica_group: Optional[tuple[int, int]] = None,
+    diloco_worker_size: WorkerSizeSpec = None,
+    ranks_per_region: Optional[int] = None,
 ) -> LayoutSettings:
     """Resolve the layout -- a ShardingSpec or a partition size; ``"auto"`` degrees (``sharding``),
     partition size and/or accumulation mode through ``plan_layout``, explicit settings staying as
     given -- without creating any process group (:func:`build_layout` creates them), so that a
     strategy can compare it with the layout of a model sharded before. ``managed``: hop 2 runs through
     torchft across replica groups (``fault_tolerance``), this world being group g of G (``replica_group``,
-    for the log); ``sync_every``: DiLoCo's H (``cross_replica_sync="diloco"``), ``None`` for a hop 2 every step.
-    Who runs hop 2 is decided here, once."""
+    for the log); ``sync_every``: DiLoCo's H (``cross_replica_sync="diloco"``), ``None`` for a hop 2 every step;
+    ``diloco_worker_size``: partition groups per DiLoCo worker (two-level DiLoCo above 1; ``"region"`` needs
+    ``ranks_per_region``). Who runs hop 2 is decided here, once."""
     planner_reason = None
     if sharding == "auto" or (sharding is None and partition_size == "auto") or grad_accumulation == "auto":
         if plan_layout is None:
@@ -306,7 +322,10 @@ def resolve_layout(
         reshard_after_forward = degrees.reshard_after_forward
         optim_degree = degrees.optim
         keep_params_within_step = degrees.params == 1 and degrees.grads > 1
-    topology = MiCSTopology.create(world_size, ranks_per_node, partition_size)
+    topology = MiCSTopology.create(
+        world_size, ranks_per_node, partition_size, diloco_worker_size if sync_every is not None else None,
+        ranks_per_region,
+    )
     check_reshard_group(reshard_after_forward, topology.partition_size)
     if topology.partition_size == 1 and grad_accumulation == "sharded":
         # the mode is changed here, so this is its reason (a planner's "sharded as configured" no longer holds)
@@ -326,13 +345,14 @@ def resolve_layout(
         device_type=device_type,
         backend=backend,
         hop2=decide_hop2(
-            replicas=topology.replication_degree,
+            replicas=topology.worker_size if topology.two_level else topology.replication_degree,
             optim_beyond_partition=optim_beyond_partition,
             compressed=cross_replica_wire is not None,
             cross_replica_overlap=cross_replica_overlap,
             offloaded=offload is not None,
             managed=managed,
             sync_every=sync_every,
+            worker_size=topology.worker_size,
         ),
         planner_reason=planner_reason,
         replica_group=replica_group,
@@ -400,7 +420,7 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     A collective: every rank calls it, in the same order relative to other group creations."""
     topology = settings.topology
     groups_before = compat.process_group_count()
-    mesh = build_device_mesh(topology, settings.device_type, settings.backend, timeout)
+    mesh, worker_mesh = build_layout_meshes(topology, settings.device_type, settings.backend, timeout)
     optim_groups = None
     if settings.shards_optimizer_beyond_partition:
         optim_groups = create_optimizer_state_groups(topology, settings.optim_degree, timeout)
@@ -408,7 +428,9 @@ def build_layout(settings: LayoutSettings, timeout: Optional[timedelta]) -> MiCS
     if settings.hierarchical:
         hierarchical_groups = create_hierarchical_groups(topology, settings.rank, timeout=timeout)
     created = compat.process_group_count() - groups_before
-    return MiCSLayout(settings, mesh, optim_groups, hierarchical_groups, created_process_groups=created)
+    return MiCSLayout(
+        settings, mesh, optim_groups, hierarchical_groups, created_process_groups=created, worker_mesh=worker_mesh
+    )
 
 
 def layout_planner(

@@ -36,7 +36,7 @@ from lightning_mics.hop2.diloco_options import CrossReplicaSync, OuterOptimizerF
 from lightning_mics.offload_option import check_cpu_offload_option
 from lightning_mics.planner.live import PlannerCluster, check_planner_cluster
 from lightning_mics.sharding_spec import ShardingSpec
-from lightning_mics.topology import PartitionSizeSpec
+from lightning_mics.topology import PartitionSizeSpec, WorkerSizeSpec
 from lightning_mics.wire import resolve_wire_format
 from lightning_mics.wrap_policy import AutoWrapPolicy, make_wrap_predicate
 
@@ -92,6 +92,10 @@ class MiCSOptions:
     ranks_per_node: Optional[int] = None
     """Ranks on each node. ``None``: the launcher's ``LOCAL_WORLD_SIZE`` (or the SLURM / Open MPI
     equivalent), else the number of devices per node. Set it to emulate a multi-node layout on one machine."""
+
+    ranks_per_region: Optional[int] = None
+    """Ranks in each region (zone or data centre joined to the others by a slower link), whole nodes. ``None``:
+    the environment's ``MICS_RANKS_PER_REGION``, else no regions. ``diloco_worker_size="region"`` reads it."""
 
     auto_wrap_policy: AutoWrapPolicy = None
     """Which modules become FSDP units. ``None``: children of every ``nn.ModuleList`` (e.g. transformer
@@ -170,6 +174,13 @@ class MiCSOptions:
     """With ``cross_replica_sync="diloco"``: streaming DiLoCo's alpha -- when a fragment's outer update lands, the
     parameters become ``(1 - alpha) * global + alpha * local`` (``local``: the group's own, trained during the
     delay). 0 takes the global values, as DiLoCo does."""
+
+    diloco_worker_size: WorkerSizeSpec = None
+    """With ``cross_replica_sync="diloco"``: partition groups per DiLoCo worker. ``None`` or 1: each partition
+    group is a worker (flat DiLoCo). Above 1, two-level DiLoCo: a worker's partition groups -- whole nodes, on the
+    zone's network -- run the synchronous hop 2 every step (every ``cross_replica_*`` option applies to it), and
+    only the workers average every ``sync_every`` steps (the outer round, on the slow link between regions).
+    ``"region"``: one worker per region (``ranks_per_region``). Not with ``fault_tolerance`` (docs/semi-sync.md)."""
 
     activation_checkpointing_policy: AutoWrapPolicy = None
     """Recompute activations in backward for these modules: ``True`` = every wrapped block; module classes
@@ -269,6 +280,9 @@ class MiCSOptions:
 
     def _check_values(self) -> None:
         """One clear error per malformed option."""
+        region = self.ranks_per_region
+        if region is not None and (isinstance(region, bool) or not isinstance(region, int) or region < 1):
+            raise ValueError(f"ranks_per_region must be a positive int or None (no regions), got {region!r}.")
         rpn = self.ranks_per_node
         if rpn is not None and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
             raise ValueError(

@@ -23,6 +23,8 @@ from lightning_mics.topology import MiCSTopology
 
 #: Mesh dimension names: rows are partition groups, columns replication groups.
 REPLICATE_DIM, SHARD_DIM = "replicate", "shard"
+#: Two-level DiLoCo's outer dimension: the DiLoCo workers (planes of partition groups).
+WORKER_DIM = "worker"
 
 
 def build_device_mesh(
@@ -46,6 +48,23 @@ def build_device_mesh(
             dim: (backend, compat.backend_options(backend, timeout)) for dim in (REPLICATE_DIM, SHARD_DIM)
         }
     return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
+
+
+def build_layout_meshes(
+    topology: MiCSTopology, device_type: str, backend: str, timeout: Optional[timedelta] = None
+) -> tuple[DeviceMesh, Optional[DeviceMesh]]:
+    """The mesh a layout shards and runs hop 2 on, and -- two-level DiLoCo with several workers -- the mesh across
+    the workers. There a (worker, replicate, shard) mesh is created once and sliced: its (replicate, shard) plane is
+    the worker's own, on which everything synchronous runs as in a one-level layout, and its worker dimension carries
+    the outer round. One group per dimension, none per FSDP unit. Otherwise :func:`build_device_mesh` and ``None``."""
+    if not topology.two_level or topology.num_workers == 1:
+        return build_device_mesh(topology, device_type, backend, timeout), None
+    dims = (WORKER_DIM, REPLICATE_DIM, SHARD_DIM)
+    kwargs: dict[str, Any] = {}
+    if compat.backend_options(backend, timeout) is not None:
+        kwargs["backend_override"] = {dim: (backend, compat.backend_options(backend, timeout)) for dim in dims}
+    mesh = init_device_mesh(device_type, topology.worker_mesh_shape, mesh_dim_names=dims, **kwargs)
+    return mesh[REPLICATE_DIM, SHARD_DIM], mesh[WORKER_DIM]
 
 
 def create_optimizer_state_groups(

@@ -36,6 +36,14 @@ Group = tuple[int, ...]
 #: (possibly as ``"4(x2)"``); Open MPI sets ``OMPI_COMM_WORLD_LOCAL_SIZE``.
 RANKS_PER_NODE_ENV_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
+#: The environment variable that says how many ranks run in each region (zone, data centre): no launcher
+#: knows regions, so a job that spans them says so here or with ``MiCSStrategy(ranks_per_region=...)``.
+RANKS_PER_REGION_ENV_VAR = "MICS_RANKS_PER_REGION"
+
+#: What users may pass as ``diloco_worker_size``: partition groups per DiLoCo worker (``None``: 1, each
+#: partition group its own worker), or ``"region"`` -- every partition group of one region.
+WorkerSizeSpec = Union[int, Literal["region"], None]
+
 
 def detect_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
     """Return the ranks per node announced by the launcher, or ``None`` when none announces it.
@@ -57,6 +65,50 @@ def detect_ranks_per_node(env: Mapping[str, str] | None = None) -> int | None:
             raise ValueError(f"Environment variable {name}={raw!r} must be a positive number of ranks per node.")
         return value
     return None
+
+
+def detect_ranks_per_region(env: Mapping[str, str] | None = None) -> int | None:
+    """The ranks per region the environment announces (:data:`RANKS_PER_REGION_ENV_VAR`), or ``None``."""
+    env = os.environ if env is None else env
+    raw = env.get(RANKS_PER_REGION_ENV_VAR)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {RANKS_PER_REGION_ENV_VAR}={raw!r} is not a whole number of ranks per region."
+        ) from None
+    if value < 1:
+        raise ValueError(f"Environment variable {RANKS_PER_REGION_ENV_VAR}={raw!r} must be a positive number of ranks.")
+    return value
+
+
+def resolve_worker_size(spec: WorkerSizeSpec, partition_size: int, ranks_per_region: int | None) -> int:
+    """Partition groups per DiLoCo worker for ``diloco_worker_size=spec``: ``None`` -> 1 (flat DiLoCo: each
+    partition group its own worker), ``"region"`` -> a region's partition groups, an int as given (validated
+    with the rest of the layout by :class:`MiCSTopology`)."""
+    if spec is None:
+        return 1
+    if spec == "region":
+        if ranks_per_region is None:
+            raise ValueError(
+                "diloco_worker_size='region' needs the ranks per region: pass ranks_per_region=... or set "
+                f"{RANKS_PER_REGION_ENV_VAR} (no launcher knows regions), or give diloco_worker_size as the number "
+                "of partition groups per worker."
+            )
+        if ranks_per_region % partition_size != 0:
+            raise ValueError(
+                f"ranks_per_region={ranks_per_region} is not a whole number of partition groups of "
+                f"{partition_size} ranks: a region must hold whole partitions."
+            )
+        return ranks_per_region // partition_size
+    if isinstance(spec, bool) or not isinstance(spec, int) or spec < 1:
+        raise ValueError(
+            f"diloco_worker_size={spec!r} must be a positive number of partition groups per DiLoCo worker, "
+            "'region' (every partition group of a region) or None (1: each partition group its own worker)."
+        )
+    return spec
 
 
 def valid_partition_sizes(world_size: int, ranks_per_node: int) -> list[int]:
@@ -155,21 +207,78 @@ class MiCSTopology:
     world_size: int
     ranks_per_node: int
     partition_size: int
+    #: partition groups that synchronise every step inside one DiLoCo worker (two-level DiLoCo, above 1); 1: each
+    #: partition group is its own worker (flat DiLoCo) -- and every synchronous layout
+    worker_size: int = 1
+    #: ranks in each region (zone, data centre), where known: whole nodes, tiled by whole workers
+    ranks_per_region: Optional[int] = None
 
     @classmethod
     def create(
-        cls, world_size: int, ranks_per_node: int | None = None, partition_size: PartitionSizeSpec = None
+        cls,
+        world_size: int,
+        ranks_per_node: int | None = None,
+        partition_size: PartitionSizeSpec = None,
+        worker_size: WorkerSizeSpec = None,
+        ranks_per_region: int | None = None,
     ) -> MiCSTopology:
-        """Validate and build a layout. ``ranks_per_node=None`` means the whole world is one node."""
+        """Validate and build a layout. ``ranks_per_node=None`` means the whole world is one node;
+        ``worker_size``: partition groups per DiLoCo worker (``diloco_worker_size``, ``"region"`` needing
+        ``ranks_per_region``)."""
         ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
         size = resolve_partition_size(partition_size, world_size, ranks_per_node)
-        return cls(world_size=world_size, ranks_per_node=ranks_per_node, partition_size=size)
+        workers = resolve_worker_size(worker_size, size, ranks_per_region)
+        return cls(world_size, ranks_per_node, size, workers, ranks_per_region)
 
     def __post_init__(self) -> None:
         _check_world(self.world_size, self.ranks_per_node)
         problem = _partition_problem(self.partition_size, self.world_size, self.ranks_per_node)
         if problem:
             raise ValueError(f"partition_size={self.partition_size}: {problem}.")
+        problem = self._region_problem() or self._worker_problem()
+        if problem:
+            raise ValueError(problem)
+
+    def _region_problem(self) -> str | None:
+        region = self.ranks_per_region
+        if region is None:
+            return None
+        if isinstance(region, bool) or not isinstance(region, int) or region < 1:
+            return f"ranks_per_region={region!r} must be a positive int (or None: no regions)."
+        if region % self.ranks_per_node or self.world_size % region:
+            return (
+                f"ranks_per_region={region} must be whole nodes (a multiple of ranks_per_node={self.ranks_per_node}) "
+                f"that divide the world of {self.world_size} ranks: every region holds the same number of nodes."
+            )
+        return None
+
+    def _worker_problem(self) -> str | None:
+        """What is wrong with ``worker_size`` on this layout, or ``None``: a worker is whole partition groups that
+        tile whole nodes (its per-step hop 2 then stays on the zone's network), and a region tiles whole workers
+        (only the outer round crosses regions)."""
+        w, replicas = self.worker_size, self.replication_degree
+        if w == 1:
+            return None
+        what = f"diloco_worker_size={w} (partition groups per DiLoCo worker)"
+        if replicas % w:
+            divisors = [d for d in _divisors(replicas) if d > 1 and (d * self.partition_size) % self.ranks_per_node == 0]
+            return (
+                f"{what} does not divide the {replicas} partition groups of this layout; "
+                + (f"choose one of {divisors}, or 1 (flat DiLoCo)." if divisors else "use 1 (flat DiLoCo).")
+            )
+        ranks = w * self.partition_size
+        if ranks % self.ranks_per_node:
+            return (
+                f"{what} is {ranks} ranks, not whole nodes of {self.ranks_per_node}: a worker must tile whole nodes, "
+                "so that the links it synchronises over every step are the zone's, not a node's neighbour's."
+            )
+        if self.ranks_per_region is not None and self.ranks_per_region % ranks:
+            return (
+                f"{what} is {ranks} ranks, which does not tile a region of ranks_per_region={self.ranks_per_region}: "
+                "a region must hold whole workers (a worker spanning regions would run its per-step hop 2 across "
+                "the region link). Use diloco_worker_size='region' or a divisor of the region's partition groups."
+            )
+        return None
 
     # ----------------------------------------------------------------------------- sizes
     @property
@@ -195,6 +304,27 @@ class MiCSTopology:
         """Shape of the (replicate, shard) device mesh: row ``i`` is partition group ``i``."""
         return (self.replication_degree, self.partition_size)
 
+    @property
+    def num_workers(self) -> int:
+        """DiLoCo workers: groups of ``worker_size`` consecutive partition groups."""
+        return self.replication_degree // self.worker_size
+
+    @property
+    def two_level(self) -> bool:
+        """Whether replication has two levels: partition groups synchronised every step inside a worker, workers
+        averaged every H steps (``worker_size > 1``)."""
+        return self.worker_size > 1
+
+    @property
+    def worker_mesh_shape(self) -> tuple[int, int, int]:
+        """Shape of the (worker, replicate, shard) mesh of two-level DiLoCo: worker ``i``'s partition groups are
+        the rows of plane ``i``."""
+        return (self.num_workers, self.worker_size, self.partition_size)
+
+    @property
+    def num_regions(self) -> Optional[int]:
+        return None if self.ranks_per_region is None else self.world_size // self.ranks_per_region
+
     # ----------------------------------------------------------------------------- groups
     @cached_property
     def partition_groups(self) -> tuple[Group, ...]:
@@ -205,6 +335,18 @@ class MiCSTopology:
     def replication_groups(self) -> tuple[Group, ...]:
         p = self.partition_size
         return tuple(tuple(range(shard, self.world_size, p)) for shard in range(p))
+
+    @cached_property
+    def worker_groups(self) -> tuple[Group, ...]:
+        """The ranks of each DiLoCo worker (two-level DiLoCo; one group per partition group otherwise)."""
+        size = self.worker_size * self.partition_size
+        return tuple(tuple(range(start, start + size)) for start in range(0, self.world_size, size))
+
+    @cached_property
+    def outer_replication_groups(self) -> tuple[Group, ...]:
+        """The ranks at the same place in every worker: those DiLoCo's outer average runs over."""
+        size = self.worker_size * self.partition_size
+        return tuple(tuple(range(place, self.world_size, size)) for place in range(size))
 
     @cached_property
     def intra_node_groups(self) -> tuple[Group, ...]:
@@ -304,10 +446,21 @@ class MiCSTopology:
             f"{self.ranks_per_node} ranks, partition_size={self.partition_size}, replicas={self.replication_degree}",
             f"  partition groups (shard model states): {_fmt_groups(self.partition_groups)}",
         ]
-        if self.replication_degree > 1:
+        if self.two_level:
+            lines.append(
+                f"  DiLoCo workers ({self.worker_size} partition groups each; hop 2 syncs a worker's replicas every "
+                f"step): {_fmt_groups(self.worker_groups)}"
+            )
+            lines.append(
+                "  outer replication groups (the same place in every worker; the outer round averages them): "
+                f"{_fmt_groups(self.outer_replication_groups)}"
+            )
+        elif self.replication_degree > 1:
             lines.append(
                 f"  replication groups (hold the same shard; hop 2 syncs them): {_fmt_groups(self.replication_groups)}"
             )
+        if self.ranks_per_region is not None:
+            lines.append(f"  regions: {self.num_regions} x {self.ranks_per_region} ranks")
         if self.spans_nodes:
             lines.append(
                 f"  partition spans {self.nodes_per_partition} nodes; inter-node sub-groups: "

@@ -46,7 +46,6 @@ def checkpoint_entries(run: SemiSync) -> dict[str, Any]:
     """What a sharded checkpoint keeps beside the global model (the module docstring)."""
 
     assert run.module is not None
-    replicas, partition = run.layout_key
     own: dict[str, Any] = {
         "params": {name: p.detach() for sync in run.syncs for name, p in zip(sync.names, sync.params)},
         "optimizers": {
@@ -57,7 +56,7 @@ def checkpoint_entries(run: SemiSync) -> dict[str, Any]:
     if pending:  # streaming: a fragment's average in flight, as this replica sent it
         own["pending"] = pending
     return {EXTRAS_ENTRY: {
-        "layout": torch.tensor([replicas, partition]),
+        "layout": torch.tensor(list(run.layout_key)),  # partition groups, their size, partition groups per worker
         "inner_steps": torch.tensor([sync.inner_steps for sync in run.syncs]),
         "outer_steps": torch.tensor([sync.outer_steps for sync in run.syncs]),
         "outer": {str(i): sync.outer_state() for i, sync in enumerate(run.syncs)},
@@ -81,7 +80,8 @@ def after_load(run: SemiSync, path: str) -> None:
     if (*root, "inner_steps") not in saved:
         return  # a synchronous run's checkpoint: a new round from its parameters
     template: dict[str, Any] = {
-        "layout": torch.zeros(2, dtype=torch.int64),
+        # (partition groups, partition size[, groups per DiLoCo worker]): checkpoints before two-level DiLoCo hold two
+        "layout": torch.zeros(saved.get((*root, "layout")) or (3,), dtype=torch.int64),
         "inner_steps": torch.zeros(len(run.syncs), dtype=torch.int64),
     }
     if saved[(*root, "inner_steps")] != (len(run.syncs),):
@@ -100,11 +100,13 @@ def after_load(run: SemiSync, path: str) -> None:
         anchor_of = dict(zip(sync.names, sync.anchors))
         for name, state in outer.items():
             sync.outer.state[anchor_of[name]] = state
-    if tuple(template["layout"].tolist()) != run.layout_key:
-        log.info(
-            "DiLoCo: %s was saved by %s replica(s) of partition %s, this run has %s of %s: every replica group "
-            "resumes from the last-synchronised model and the replica-averaged inner optimizer states%s",
-            path, *template["layout"].tolist(), *run.layout_key,
+    saved_layout = (*template["layout"].tolist(), 1)[:3]
+    if saved_layout != run.layout_key:
+        log.warning(
+            "DiLoCo: %s was saved by %s replica(s) of partition %s in workers of %s, this run has %s of %s in workers "
+            "of %s: every worker resumes from the last-synchronised model and the replica-averaged inner optimizer "
+            "states (not from its own)%s",
+            path, *saved_layout, *run.layout_key,
             "; the fragment average in flight starts again from them" if any(
                 sync.pending_after_load() is not None for sync in run.syncs) else "",
         )

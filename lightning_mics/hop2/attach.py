@@ -9,14 +9,16 @@ Each schedule of :class:`~lightning_mics.hop2.Hop2` lives in one module of this 
 * ``"optimizer_states"`` -- :mod:`~lightning_mics.hop2.optimizer_states` (AMSP ``optim > grads``);
 * ``"diloco"`` -- :mod:`~lightning_mics.hop2.diloco` (DiLoCo and streaming DiLoCo);
 * ``"fsdp"`` -- :mod:`~lightning_mics.hop2.fsdp`: FSDP2 runs it, no step hook;
-* ``"none"`` -- one replica: nothing crosses.
+* ``"none"`` -- one replica: nothing crosses;
+* two-level DiLoCo (:attr:`~lightning_mics.hop2.Hop2.outer_every`) -- the worker's synchronous schedule and
+  DiLoCo's outer round across workers, one after the other (:class:`InnerThenOuter`).
 
 Adding a schedule is one module here, its case in :func:`attach` and its rule in :mod:`~lightning_mics.hop2.mode`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from torch import nn
@@ -44,6 +46,37 @@ class StepHook(Protocol):
         """After the optimizer step."""
 
 
+class InnerThenOuter:
+    """Two-level DiLoCo's step hook: the worker's synchronous hop 2 (``inner``: a pipeline, or ``None`` where
+    FSDP2 runs it) before and after each step, then DiLoCo's outer round across workers (``outer``) after it."""
+
+    def __init__(self, inner: Optional[StepHook], outer: diloco.OuterSync) -> None:
+        self.inner = inner
+        self.outer = outer
+
+    def parts(self) -> list[object]:
+        """The hooks it runs, for the engine's finders (pipelines, the DiLoCo run)."""
+        return [hook for hook in (self.inner, self.outer) if hook is not None]
+
+    def without_inner(self) -> diloco.OuterSync:
+        """What stays when the pipelines are removed at the end of a run: the DiLoCo state."""
+        return self.outer
+
+    def before_step(self) -> None:
+        if self.inner is not None:
+            self.inner.before_step()
+
+    def after_step(self) -> None:
+        if self.inner is not None:
+            self.inner.after_step()
+        self.outer.after_step()
+
+
+def hook_parts(hooks: Iterable[object]) -> list[object]:
+    """``hooks`` with each two-level hook replaced by the hooks it runs."""
+    return [part for hook in hooks for part in (hook.parts() if isinstance(hook, InnerThenOuter) else [hook])]
+
+
 def attach(
     optimizers: Sequence[Optimizer],
     modules: Sequence[nn.Module],
@@ -64,13 +97,21 @@ def attach(
         return dict(optimizer_states.attach(optimizers, layout, loss_scaling=loss_scaling))
     if not modules:
         return {}
+    streaming = (options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
+    attached = dict(enumerate(hook_parts(attached.values())))  # the hooks a two-level hook runs, as hooks
     if schedule == "diloco":  # no hop 2: an outer sync every H steps
-        streaming = (options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
         return dict(
             diloco.attach(
-                optimizers, modules, layout, attached, options.outer_optimizer, replica_group, round_quorum, streaming
+                optimizers, modules, layout, attached, options.outer_optimizer, replica_group,
+                round_quorum, streaming,
             )
         )
+    inner: dict[int, StepHook] = {}
     if layout.settings.hop2.run_by_engine:
-        return dict(pipeline.attach(optimizers, modules, layout, attached, replica_group))
-    return {}
+        inner = dict(pipeline.attach(optimizers, modules, layout, attached, replica_group))
+    if layout.settings.hop2.outer_every is None:
+        return inner
+    outer = diloco.attach(
+        optimizers, modules, layout, attached, options.outer_optimizer, None, None, streaming
+    )
+    return {key: InnerThenOuter(inner.get(key), sync) for key, sync in outer.items()}

@@ -413,13 +413,12 @@ class SemiSync:
             )
         self.module = module
         settings = layout.settings
-        mesh = layout.device_mesh
         transport = None
-        if mesh.ndim == 2:
-            self.group = mesh.get_group(0)
-            self.replica = mesh.get_local_rank(0)
+        self.group, self.replica = layout.diloco_group()
+        if self.group is not None:
             transport = ProcessGroupTransport(self.group, settings.cross_replica_wire)
-        self.layout_key = (settings.topology.replication_degree, settings.topology.partition_size)
+        topology = settings.topology
+        self.layout_key = (topology.replication_degree, topology.partition_size, topology.worker_size)
         round_quorum: Optional[Callable[[], bool]] = None
         counter = None
         if settings.hop2.managed:
@@ -445,7 +444,7 @@ class SemiSync:
                     "parameters of the model set up with it; DiLoCo synchronises the model's parameters only."
                 )
             sync = OuterSync(
-                [name_of[id(p)] for p in params], params, transport, settings.hop2.every, factory, round_quorum,
+                [name_of[id(p)] for p in params], params, transport, settings.hop2.sync_every, factory, round_quorum,
                 counter, *streaming,
             )
             sync.run = self

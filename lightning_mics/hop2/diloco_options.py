@@ -42,7 +42,9 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         )
     streaming = [name for name, default in STREAMING_DEFAULTS.items() if getattr(options, name) != default]
     if mode != "diloco":
-        given = [name for name in ("sync_every", "outer_optimizer") if getattr(options, name) is not None] + streaming
+        given = [
+            name for name in ("sync_every", "outer_optimizer", "diloco_worker_size") if getattr(options, name) is not None
+        ] + streaming
         if given:
             raise ValueError(
                 f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to semi-synchronous replica "
@@ -64,6 +66,19 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         )
     check_streaming_options(every, options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
     ft = options.fault_tolerance
+    worker = options.diloco_worker_size
+    if worker is not None and worker != "region" and (isinstance(worker, bool) or not isinstance(worker, int)
+                                                      or worker < 1):
+        raise ValueError(
+            f"diloco_worker_size={worker!r} must be a positive number of partition groups per DiLoCo worker, 'region' "
+            "(one worker per region, ranks_per_region) or None (each partition group its own worker)."
+        )
+    if ft is not None and worker not in (None, 1):
+        raise ValueError(
+            f"diloco_worker_size={worker!r} (two-level DiLoCo) with fault_tolerance is not built: torchft's replica "
+            "groups are whole partition groups, each its own DiLoCo worker. Drop fault_tolerance, or use flat "
+            "DiLoCo with it (diloco_worker_size=None)."
+        )
     if ft is not None and streaming:
         raise ValueError(
             f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, "

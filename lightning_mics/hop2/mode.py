@@ -27,6 +27,11 @@ The schedules:
   schedules. ``managed``: the average goes through torchft, and the quorum, heal and commit run once per round
   at that synchronisation, not at every step.
 
+Two-level DiLoCo (``diloco_worker_size`` above 1): the replication dimension has two levels. Inside a DiLoCo
+worker -- several partition groups on the zone's network -- hop 2 runs every step with one of the synchronous
+schedules above, decided for the worker's replicas; across workers, every :attr:`Hop2.outer_every` optimizer steps,
+the workers average their parameter deltas as ``"diloco"`` does (:attr:`Hop2.semi_sync`).
+
 The transport -- the replication process group or torchft's Manager (``managed``) -- is orthogonal to the
 schedule: the engine's two schedules run over either (:mod:`lightning_mics.hop2.transport`).
 """
@@ -48,6 +53,21 @@ class Hop2:
     managed: bool = False
     #: optimizer steps per synchronisation across replicas: DiLoCo's H (``sync_every``) with ``"diloco"``, else 1
     every: int = 1
+    #: two-level DiLoCo: the schedule above runs every step inside a worker, and every ``outer_every`` (DiLoCo's H)
+    #: optimizer steps the workers average their parameter deltas; ``None`` for one level
+    outer_every: Optional[int] = None
+
+    @property
+    def semi_sync(self) -> bool:
+        """DiLoCo runs: across every partition group (``"diloco"``) or across workers (two-level)."""
+        return self.schedule == "diloco" or self.outer_every is not None
+
+    @property
+    def sync_every(self) -> Optional[int]:
+        """DiLoCo's H at whichever level it runs, ``None`` when every step is synchronous."""
+        if self.schedule == "diloco":
+            return self.every
+        return self.outer_every
 
     @property
     def overlapped(self) -> bool:
@@ -80,6 +100,11 @@ class Hop2:
             "diloco": f"none on inner steps; every {self.every} optimizer steps the replicas average their "
             "parameter deltas and the outer optimizer applies them (DiLoCo)",
         }[self.schedule]
+        if self.outer_every is not None:
+            where = (
+                f"inside each DiLoCo worker every step: {where}; across workers every {self.outer_every} optimizer "
+                "steps the workers average their parameter deltas and the outer optimizer applies them (DiLoCo)"
+            )
         return where + (", through torchft across replica groups" if self.managed else "")
 
 
@@ -98,12 +123,34 @@ def decide_hop2(
     offloaded: bool,
     managed: bool,
     sync_every: Optional[int] = None,
+    worker_size: int = 1,
 ) -> Hop2:
     """The one rule (module docstring). ``replicas``: the replication degree inside this world;
     ``managed``: replica groups are separate worlds joined by torchft (``fault_tolerance``), so hop 2 runs
     whatever ``replicas`` says; ``sync_every``: DiLoCo's H (``cross_replica_sync="diloco"``), ``None`` for a
     hop 2 at every step. DiLoCo keeps its schedule with one replica too: the outer optimizer still steps (on
-    that replica's own delta), so the numbers do not depend on how many replicas there are."""
+    that replica's own delta), so the numbers do not depend on how many replicas there are.
+
+    ``worker_size`` above 1 (two-level DiLoCo, ``replicas`` then the replicas inside one worker): the per-step
+    schedule for the worker's replicas, with DiLoCo across workers every ``sync_every`` steps. With one replica
+    per worker it is flat DiLoCo, the same thing."""
+    if sync_every is not None and worker_size > 1:
+        if managed:
+            raise ValueError(
+                "diloco_worker_size above 1 (two-level DiLoCo) with fault_tolerance is not built: torchft's replica "
+                "groups would have to be a worker's partition groups and the outer round cross workers. Drop "
+                "fault_tolerance, or use flat DiLoCo with fault tolerance (diloco_worker_size=None)."
+            )
+        if optim_beyond_partition:
+            raise ValueError(
+                "diloco_worker_size above 1 (two-level DiLoCo) cannot shard optimizer states across replicas "
+                "(ShardingSpec optim > grads) yet: use optim <= grads."
+            )
+        inner = decide_hop2(
+            replicas=replicas, optim_beyond_partition=False, compressed=compressed,
+            cross_replica_overlap=cross_replica_overlap, offloaded=offloaded, managed=False,
+        )
+        return Hop2(inner.schedule, every=1, outer_every=sync_every)
     if sync_every is not None:
         if optim_beyond_partition:
             raise ValueError(
