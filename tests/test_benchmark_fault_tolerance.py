@@ -9,6 +9,38 @@ from pathlib import Path
 import pytest
 
 from benchmarks import fault_tolerance as bench
+from benchmarks.fault_tolerance_analysis import (
+    SurvivorGaps,
+    cpu_ratio,
+    cpu_seconds_per_step,
+    failure_results,
+    heal_step_stall_steps,
+    median_step_seconds,
+    ratio_by_round,
+    rejoin_results,
+    slice_step_seconds,
+    step_intervals,
+    survivor_gaps,
+    survivor_stall_steps,
+    time_slicing,
+    variant_overhead,
+)
+from benchmarks.fault_tolerance_goodput import (
+    alive_fraction,
+    failure_free_rate,
+    failure_free_steps_per_second,
+    ft_progress,
+    goodput_phases,
+    goodput_results,
+    restart_progress,
+    steps_per_second,
+    survivor_rate_while_out,
+)
+from benchmarks.fault_tolerance_launch import MODEL
+from benchmarks.fault_tolerance_logs import RunLog, read_rows, read_sample_records
+from benchmarks.fault_tolerance_report import markdown_table
+from benchmarks.fault_tolerance_runs import Schedule, schedule_of
+from benchmarks.fault_tolerance_trajectory import FINAL_LOSS_STEPS, trajectory_results
 
 KILL, RESTART = 4.5, 7.5
 
@@ -50,7 +82,7 @@ def test_the_network_request_is_built_as_emulated_cluster_builds_it() -> None:
     link = args.link
     assert isinstance(link, emulated_cluster.LinkRequest)
     assert (link.calibrate, link.inter_node_mbps, link.mtu, link.fixed_rate_bytes_per_s) == ("tcp", 50.0, 1500, None)
-    assert link.probe_seconds == bench.SMOKE.probe_seconds and link.setup.model == bench.MODEL
+    assert link.probe_seconds == bench.SMOKE.probe_seconds and link.setup.model == MODEL
     ours = {k: v for k, v in vars(bench.parse_args(["--quick"]).link).items() if k not in ("setup", "probe_seconds")}
     theirs = {k: v for k, v in vars(emulated_cluster.parse_args(["--quick"]).link).items()
               if k not in ("setup", "probe_seconds")}
@@ -67,7 +99,7 @@ def test_bad_link_settings_get_one_clear_error(argv: list[str], message: str,
     assert message in capsys.readouterr().err
 
 
-def _write_run(directory: Path, healed_digest: str = "same", catching_up: bool = False) -> bench.RunLog:
+def _write_run(directory: Path, healed_digest: str = "same", catching_up: bool = False) -> RunLog:
     """3 nodes x 2 ranks, one line per rank and step: node 2 is killed after step 4 (t=4.5); the survivors
     discard the step it hit (t=5.2), commit steps 5-6 alone, and node 2, restarted at t=7.5, heals and
     commits steps 7-8 with them -- with ``catching_up``, its shards are stale in step 7 (other digests) and
@@ -102,11 +134,11 @@ def _write_run(directory: Path, healed_digest: str = "same", catching_up: bool =
         log(2, 9.5, 8, 3, 0, healed_digest)
     for (node, rank), rows in lines.items():
         (directory / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return bench.RunLog("ft-failure", str(directory), 0.0, events={"kill": KILL, "restart": RESTART})
+    return RunLog("ft-failure", str(directory), 0.0, events={"kill": KILL, "restart": RESTART})
 
 
 def test_a_failure_run_yields_the_outage_numbers(tmp_path: Path) -> None:
-    results = bench.failure_results(_write_run(tmp_path), steps=8)
+    results = failure_results(_write_run(tmp_path), steps=8)
     assert results["seconds_to_next_commit"] == pytest.approx(6.0 - KILL)  # the discarded line is no commit
     assert results["steps_discarded"] == 1
     assert results["survivor_steps_during_outage"] == 2  # steps 5 and 6, alone
@@ -116,7 +148,7 @@ def test_a_failure_run_yields_the_outage_numbers(tmp_path: Path) -> None:
 
 def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: Path) -> None:
     (tmp_path / "same").mkdir()
-    healed = bench.rejoin_results(_write_run(tmp_path / "same"), failure_free_step=1.0)
+    healed = rejoin_results(_write_run(tmp_path / "same"), failure_free_step=1.0)
     assert healed == {"seconds": pytest.approx(8.5 - RESTART), "bit_identical": True, "first_step": 7,
                       "digests_compared": 2 * 2 * 2,  # 2 ranks x 2 peers x steps 7, 8
                       "seconds_to_current": pytest.approx(8.5 - RESTART), "steps_catching_up": 0,
@@ -127,7 +159,7 @@ def test_a_rejoin_is_bit_identical_only_if_every_common_step_matches(tmp_path: P
                       # node 0's gap before its commit of step 7 (7.0 -> 8.5) in its median step time (1 s), minus one
                       "heal_step_stall_steps": pytest.approx(0.5)}
     (tmp_path / "other").mkdir()
-    assert bench.rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"), 1.0)["bit_identical"] is False
+    assert rejoin_results(_write_run(tmp_path / "other", healed_digest="stale"), 1.0)["bit_identical"] is False
 
 
 def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path: Path) -> None:
@@ -139,7 +171,7 @@ def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path
         json.dumps({"t": 1.0, "event": "train_start", "pid": 1}) + "\n"  # the first launch: before the restart
         + json.dumps({"t": 8.0, "event": "train_start", "pid": 2}) + "\n"
     )
-    healed = bench.rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True), failure_free_step=0.5)
+    healed = rejoin_results(_write_run(tmp_path / "catching-up", catching_up=True), failure_free_step=0.5)
     assert healed["seconds_starting"] == pytest.approx(8.0 - RESTART)
     assert healed["bit_identical"] is True and healed["digests_compared"] == 2 * 2 * 2  # steps 8, 9
     assert healed["seconds"] == pytest.approx(8.5 - RESTART)
@@ -159,12 +191,12 @@ def test_the_heal_steps_own_gap_leaves_the_saves_out_and_the_stall_counts_everyt
         t += 1.0 + (0.5 if step > 1 and (step - 1) % 3 == 0 else 0.0) + (0.5 if step == 7 else 0.0)
         times.append(t)
     rows = [{"t": when, "node": 0, "step": step, "global_step": step} for step, when in zip(range(1, 12), times)]
-    gaps = bench.SurvivorGaps(rows, [b - a for a, b in zip(times, times[1:])],
+    gaps = SurvivorGaps(rows, [b - a for a, b in zip(times, times[1:])],
                               [row["global_step"] % 3 == 0 for row in rows[:-1]], 0.0)
     gaps.save_seconds = 0.5
-    assert bench.heal_step_stall_steps(gaps, 7) == pytest.approx(0.5)
-    assert bench.survivor_stall_steps(rows, times[3], times[8], failure_free_step=1.0) == pytest.approx(1.0)
-    assert bench.survivor_stall_steps(rows, times[3], None, failure_free_step=1.0) is None  # never healed
+    assert heal_step_stall_steps(gaps, 7) == pytest.approx(0.5)
+    assert survivor_stall_steps(rows, times[3], times[8], failure_free_step=1.0) == pytest.approx(1.0)
+    assert survivor_stall_steps(rows, times[3], None, failure_free_step=1.0) is None  # never healed
 
 
 def test_what_a_save_costs_is_read_from_the_run(tmp_path: Path) -> None:
@@ -174,11 +206,11 @@ def test_what_a_save_costs_is_read_from_the_run(tmp_path: Path) -> None:
         lines.append({"t": t, "node": 0, "rank": 0, "step": step, "global_step": step, "live": 3, "discarded": 0,
                       "digest": "d", "loss": 1.0})
     (tmp_path / "node0.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    gaps = bench.survivor_gaps(bench.RunLog("x", str(tmp_path), 0.0), checkpoint_every=5)
+    gaps = survivor_gaps(RunLog("x", str(tmp_path), 0.0), checkpoint_every=5)
     assert gaps.save_seconds == pytest.approx(0.4) and sum(gaps.saved) == 5
-    assert bench.survivor_gaps(bench.RunLog("x", str(tmp_path), 0.0), checkpoint_every=0).save_seconds == 0.0
+    assert survivor_gaps(RunLog("x", str(tmp_path), 0.0), checkpoint_every=0).save_seconds == 0.0
     (tmp_path / "drifted").mkdir()
-    drifted = bench.rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True), 1.0)
+    drifted = rejoin_results(_write_run(tmp_path / "drifted", healed_digest="off", catching_up=True), 1.0)
     assert drifted["bit_identical"] is False
 
 
@@ -226,7 +258,7 @@ def _records(steps: int, kill_at: int | None = None, rejoin_at: int | None = Non
 
 def test_a_kill_and_a_rejoin_that_keep_the_trajectory_pass_every_check() -> None:
     reference = _records(10)
-    results = bench.trajectory_results(reference, _records(10, kill_at=3, rejoin_at=6))
+    results = trajectory_results(reference, _records(10, kill_at=3, rejoin_at=6))
     assert results["samples_skipped"] == 0 and results["samples_repeated"] == 0
     assert results["steps_differing"] == 0 and results["global_batch_constant"] is True
     assert results["global_batch"] == GROUPS * RANKS * MICRO and results["steps_compared"] == 10
@@ -239,7 +271,7 @@ def test_a_skipped_sample_is_detected() -> None:
     run = [r for r in _records(10, kill_at=3) if not (r["shares"] == [0, 2])] + [
         {**r, "shares": [0], "samples": r["samples"][:MICRO]} for r in _records(10, kill_at=3) if r["shares"] == [0, 2]
     ]
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["samples_skipped"] == (10 - 3) * RANKS * MICRO and results["samples_repeated"] == 0
     assert results["global_batch_constant"] is False and results["steps_differing"] == 7
 
@@ -251,7 +283,7 @@ def test_a_repeated_sample_is_detected() -> None:
     for record in run:
         if record["node"] == 2 and record["step"] == 6:
             record["samples"] = _samples(0, 2, record["rank"])
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["samples_repeated"] == RANKS * MICRO and results["samples_skipped"] == RANKS * MICRO
     assert results["global_batch_constant"] is True and results["steps_differing"] == 1
 
@@ -260,19 +292,19 @@ def test_a_discarded_attempt_counted_as_committed_would_repeat_its_samples() -> 
     run = _records(10, kill_at=3)
     for record in run:
         record["committed"] = True  # the discarded attempt of step 3 now counts
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["samples_repeated"] == 2 * RANKS * MICRO and results["global_batch_constant"] is False
 
 
 def test_a_changed_global_batch_is_detected_and_a_loss_difference_measured() -> None:
     run = _records(10, loss=1.25)
     run = [r for r in run if not (r["step"] == 4 and r["node"] == 1 and r["rank"] == 1)]  # one rank's share lost
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["global_batch_constant"] is False and results["global_batch"] == [10, 12]
     assert results["samples_skipped"] == MICRO and results["steps_differing"] == 1
     assert results["max_loss_diff"] == pytest.approx(0.25)
     assert results["first_step_loss_differs"] == 0 and results["first_step_loss_diff_over_1e-3"] == 0
-    clean = bench.trajectory_results(_records(10), _records(10))
+    clean = trajectory_results(_records(10), _records(10))
     assert clean["first_step_loss_differs"] is None and clean["first_step_loss_diff_over_1e-3"] is None
     assert clean["final_loss_rel_diff"] == 0.0
 
@@ -283,8 +315,8 @@ def test_the_final_loss_is_the_mean_of_the_last_steps_compared() -> None:
     for record in run:
         if record["step"] >= 25:
             record["loss"] += 0.5
-    results = bench.trajectory_results(reference, run)
-    last = range(30 - bench.FINAL_LOSS_STEPS, 30)
+    results = trajectory_results(reference, run)
+    last = range(30 - FINAL_LOSS_STEPS, 30)
     mean_ref = sum(1 + step / 100 for step in last) / len(last)
     assert results["final_loss_steps"] == [last[0], last[-1]]
     assert results["final_loss_rel_diff"] == pytest.approx(0.5 * 5 / len(last) / mean_ref)
@@ -293,7 +325,7 @@ def test_the_final_loss_is_the_mean_of_the_last_steps_compared() -> None:
 def test_a_group_outside_the_quorum_trains_nothing_and_a_run_cut_short_is_compared_where_both_reached() -> None:
     run = _records(6)
     run += [{**r, "participant": None, "node": 3} for r in run if r["step"] == 2 and r["node"] == 0]
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["steps_compared"] == 6 and results["samples_skipped"] == 0 and results["samples_repeated"] == 0
 
 
@@ -304,13 +336,13 @@ def test_records_are_read_back_as_the_worker_writes_them_a_cut_last_line_left_ou
             mine = [json.dumps(r) for r in records if (r["node"], r["rank"]) == (node, rank)]
             (tmp_path / f"samples.node{node}.rank{rank}.jsonl").write_text("\n".join(mine) + '\n{"t": 9.0, "no')
     (tmp_path / "node0.rank0.jsonl").write_text('{"t": 1.0}\n')  # the step log: not a sample record
-    assert bench.trajectory_results(records, bench.read_sample_records(tmp_path))["steps_differing"] == 0
-    assert len(bench.read_sample_records(tmp_path)) == len(records)
+    assert trajectory_results(records, read_sample_records(tmp_path))["steps_differing"] == 0
+    assert len(read_sample_records(tmp_path)) == len(records)
 
 
 # ------------------------------------------------------------------------------------ goodput
 def test_the_schedule_kills_the_groups_in_turn_mid_period_and_smoke_skips_it() -> None:
-    schedule = bench.schedule_of(bench.parse_args(["--quick"]))
+    schedule = schedule_of(bench.parse_args(["--quick"]))
     assert schedule.window == bench.QUICK.goodput_period * bench.QUICK.goodput_failures
     assert [node for _, node in schedule.kills()] == [2, 1, 0][: bench.QUICK.goodput_failures]
     assert schedule.kills()[0][0] == pytest.approx(schedule.period / 2)
@@ -324,7 +356,7 @@ def test_restart_progress_loses_what_came_after_the_checkpoint() -> None:
     resumed from the checkpoint at step 5: it logs steps 6.. from t=20."""
     rows = [{"t": float(s), "node": 0, "global_step": s} for s in range(1, 8)]
     rows += [{"t": 20.0 + i, "node": 0, "global_step": 6 + i} for i in range(5)]
-    progress = lambda at: bench.restart_progress(rows, [0.0, 10.0], [7.5], at)  # noqa: E731
+    progress = lambda at: restart_progress(rows, [0.0, 10.0], [7.5], at)  # noqa: E731
     assert progress(6.5) == 6  # running: its last step counts
     assert progress(8.0) == 5  # killed: only the checkpoint it will resume from
     assert progress(15.0) == 5  # starting again
@@ -332,10 +364,10 @@ def test_restart_progress_loses_what_came_after_the_checkpoint() -> None:
 
 
 def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_path: Path) -> None:
-    def run(name: str, rows: list[dict], **events: float) -> bench.RunLog:
+    def run(name: str, rows: list[dict], **events: float) -> RunLog:
         (tmp_path / name).mkdir()
         (tmp_path / name / "node0.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return bench.RunLog(name, str(tmp_path / name), 0.0, events=dict(events))
+        return RunLog(name, str(tmp_path / name), 0.0, events=dict(events))
 
     line = lambda t, step: {"t": t, "node": 0, "step": step, "global_step": step}  # noqa: E731
     ft_free = run("ft-free", [line(0.5 * s, s) for s in range(1, 41)])  # 2 steps/s
@@ -346,9 +378,9 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
              **{"kill1.node2": 4.0, "restart1.node2": 6.0})
     restart = run("restart", [line(2.0 + i, 8 + i) for i in range(9)] + [line(12.5, 17)], window_start=2.0,
                   launch1=0.0)
-    free, denominator = bench.failure_free_rate(plain_free, ft_free)
+    free, denominator = failure_free_rate(plain_free, ft_free)
     assert free == pytest.approx(2.0) and denominator.startswith("plain MiCS")
-    results = bench.goodput_results(ft, restart, free, denominator, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    results = goodput_results(ft, restart, free, denominator, Schedule(5.0, 2, 1.0), global_batch=24)
     assert results["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": 8}
     # one denominator for both: plain MiCS's failure-free rate
     assert results["fault_tolerance"] == pytest.approx(18 / 10 / 2)
@@ -359,12 +391,12 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
     assert results["committed_samples_per_second"]["fault_tolerance"] == pytest.approx(18 * 24 / 10)
     assert results["schedule"]["window_seconds"] == 10.0
     # --only goodput: no plain MiCS and no restart-from-checkpoint runs; the denominator says so
-    free, denominator = bench.failure_free_rate(None, ft_free)
-    alone = bench.goodput_results(ft, None, free, denominator, bench.Schedule(5.0, 2, 1.0), global_batch=24)
+    free, denominator = failure_free_rate(None, ft_free)
+    alone = goodput_results(ft, None, free, denominator, Schedule(5.0, 2, 1.0), global_batch=24)
     assert alone["fault_tolerance"] == results["fault_tolerance"] and "--only goodput" in alone["denominator"]
     assert alone["restart_from_checkpoint"] is None and alone["ratio_ft_over_restart"] is None
     assert alone["committed_steps"] == {"fault_tolerance": 18, "restart_from_checkpoint": None}
-    table = bench.markdown_table({"goodput": alone})
+    table = markdown_table({"goodput": alone})
     assert "| goodput: fault tolerance (over plain MiCS's failure-free rate) | 0.900 |" in table
     assert "| goodput: restart from checkpoint (the same denominator) | - |" in table
 
@@ -372,9 +404,9 @@ def test_goodput_is_committed_samples_per_second_over_the_failure_free_rate(tmp_
 def test_a_node_down_until_the_window_ends_counts_until_then_and_a_kill_before_it_from_its_start(
     tmp_path: Path
 ) -> None:
-    run = bench.RunLog("ft", str(tmp_path), 0.0, events={"kill1.node2": 5.0, "restart1.node2": 15.0,
+    run = RunLog("ft", str(tmp_path), 0.0, events={"kill1.node2": 5.0, "restart1.node2": 15.0,
                                                          "kill2.node1": 25.0})
-    assert bench.alive_fraction(run, (10.0, 30.0)) == pytest.approx(1 - (5.0 + 5.0) / (3 * 20.0))
+    assert alive_fraction(run, (10.0, 30.0)) == pytest.approx(1 - (5.0 + 5.0) / (3 * 20.0))
 
 
 def _with_commit_lines(records: list[dict]) -> list[dict]:
@@ -395,12 +427,12 @@ def test_a_group_killed_between_its_commit_and_its_commit_line_counts_as_its_quo
     del run[last_commit]
     run += [{**r, "step": 3, "samples": _samples(3, 2, r["rank"]), "committed": None}
             for r in run if r["node"] == 2 and r["step"] == 2 and "commit" not in r]
-    results = bench.trajectory_results(_records(10), run)
+    results = trajectory_results(_records(10), run)
     assert results["samples_skipped"] == 0 and results["samples_repeated"] == 0
     assert results["global_batch_constant"] is True and results["max_loss_diff"] == 0.0
 
 
-def _cpu_run(directory: Path, name: str, cpu_per_step: dict[tuple[int, int], float], warmup_cpu: float) -> bench.RunLog:
+def _cpu_run(directory: Path, name: str, cpu_per_step: dict[tuple[int, int], float], warmup_cpu: float) -> RunLog:
     """A no-failure run whose ranks each log 8 steps, the first 3 slower (warm-up), then ``cpu_per_step``."""
     run_dir = directory / name
     run_dir.mkdir()
@@ -410,7 +442,7 @@ def _cpu_run(directory: Path, name: str, cpu_per_step: dict[tuple[int, int], flo
             cpu += warmup_cpu if step <= 3 else per_step
             rows.append({"t": float(step), "node": node, "rank": rank, "step": step, "cpu": cpu})
         (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return bench.RunLog(name, str(run_dir), 0.0)
+    return RunLog(name, str(run_dir), 0.0)
 
 
 def test_cpu_per_step_sums_every_rank_after_the_warm_up_and_the_ratio_averages_the_runs(tmp_path: Path) -> None:
@@ -418,12 +450,12 @@ def test_cpu_per_step_sums_every_rank_after_the_warm_up_and_the_ratio_averages_t
     plain = [_cpu_run(tmp_path, "plain", {key: 0.04 for key in ranks}, warmup_cpu=5.0),
              _cpu_run(tmp_path, "plain-2", {key: 0.06 for key in ranks}, warmup_cpu=5.0)]
     ft = _cpu_run(tmp_path, "ft", {key: 0.05 + (0.03 if key == (2, 1) else 0.0) for key in ranks}, warmup_cpu=9.0)
-    assert bench.cpu_seconds_per_step(plain[0]) == pytest.approx(6 * 0.04)  # the warm-up steps left out
-    assert bench.cpu_seconds_per_step(ft) == pytest.approx(6 * 0.05 + 0.03)
-    assert bench.cpu_ratio(plain, [ft]) == pytest.approx((6 * 0.05 + 0.03) / (6 * 0.05))
+    assert cpu_seconds_per_step(plain[0]) == pytest.approx(6 * 0.04)  # the warm-up steps left out
+    assert cpu_seconds_per_step(ft) == pytest.approx(6 * 0.05 + 0.03)
+    assert cpu_ratio(plain, [ft]) == pytest.approx((6 * 0.05 + 0.03) / (6 * 0.05))
     (tmp_path / "old").mkdir()  # a run logged before the worker wrote its CPU time: no number, not a wrong one
     (tmp_path / "old" / "node0.rank0.jsonl").write_text(json.dumps({"t": 1.0, "node": 0, "rank": 0, "step": 1}) + "\n")
-    assert bench.cpu_ratio(plain, [bench.RunLog("old", str(tmp_path / "old"), 0.0)]) is None
+    assert cpu_ratio(plain, [RunLog("old", str(tmp_path / "old"), 0.0)]) is None
 
 
 def test_the_goodput_window_is_split_into_the_stretches_of_each_outage(tmp_path: Path) -> None:
@@ -439,20 +471,20 @@ def test_the_goodput_window_is_split_into_the_stretches_of_each_outage(tmp_path:
     rows.sort(key=lambda row: row["t"])
     (tmp_path / "events.node2.rank0.jsonl").write_text(
         "".join(json.dumps({"t": t, "event": "train_start"}) + "\n" for t in (-5.0, 25.0)))
-    run = bench.RunLog("ft-goodput", str(tmp_path), -10.0, events={"kill1.node2": 10.0, "restart1.node2": 20.0})
-    phases = bench.goodput_phases(run, rows, (0.0, 40.0), failure_free_steps_per_second=1.0)
+    run = RunLog("ft-goodput", str(tmp_path), -10.0, events={"kill1.node2": 10.0, "restart1.node2": 20.0})
+    phases = goodput_phases(run, rows, (0.0, 40.0), failure_free_steps_per_second=1.0)
     assert {phase: stretch["seconds"] for phase, stretch in phases.items()} == {
         "detecting": 2.0, "alone": 8.0, "replacement_starting": 5.0, "catching_up": 3.0, "all_live": 22.0}
     assert phases["detecting"]["steps"] == 1  # step 10 came 2 s after step 9
     assert phases["alone"]["rate_vs_failure_free"] == pytest.approx(1.0)
-    committed = bench.ft_progress(rows, 40.0) - bench.ft_progress(rows, 0.0)
+    committed = ft_progress(rows, 40.0) - ft_progress(rows, 0.0)
     assert sum(stretch["goodput_lost"] for stretch in phases.values()) == pytest.approx(1 - committed / 40.0)
     # while out (alone and replacement starting, 13 s): 13 steps at 1 step/s failure-free -- nothing lost
-    assert bench.survivor_rate_while_out(phases, 1.0) == pytest.approx(13 / 13)
-    assert bench.survivor_rate_while_out(phases, 1.5) == pytest.approx(13 / 13 / 1.5)
+    assert survivor_rate_while_out(phases, 1.0) == pytest.approx(13 / 13)
+    assert survivor_rate_while_out(phases, 1.5) == pytest.approx(13 / 13 / 1.5)
 
 
-def _timed_run(directory: Path, name: str, step_seconds: float) -> bench.RunLog:
+def _timed_run(directory: Path, name: str, step_seconds: float) -> RunLog:
     """A no-failure run whose ranks log 10 steps ``step_seconds`` apart, the first 3 slower (warm-up)."""
     run_dir = directory / name
     run_dir.mkdir()
@@ -463,17 +495,17 @@ def _timed_run(directory: Path, name: str, step_seconds: float) -> bench.RunLog:
                 t += 5.0 if step <= 3 else step_seconds
                 rows.append({"t": t, "node": node, "rank": rank, "step": step, "cpu": t})
             (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return bench.RunLog(name, str(run_dir), 0.0)
+    return RunLog(name, str(run_dir), 0.0)
 
 
 def test_a_variants_overhead_is_its_runs_pooled_against_the_same_plain_runs(tmp_path: Path) -> None:
     plains = [_timed_run(tmp_path, "plain", 0.10), _timed_run(tmp_path, "plain-2", 0.10)]
     exacts = [_timed_run(tmp_path, "exact", 0.12), _timed_run(tmp_path, "exact-2", 0.13)]
-    numbers = bench.variant_overhead(plains, exacts)
+    numbers = variant_overhead(plains, exacts)
     assert numbers["overhead"] == pytest.approx(1.25)  # the pooled median of 0.12 and 0.13 steps
     assert numbers["runs_step_seconds"] == pytest.approx([0.12, 0.13])
     assert numbers["cpu_overhead"] == pytest.approx(1.25)
-    assert bench.variant_overhead(plains, []) == {}
+    assert variant_overhead(plains, []) == {}
 
 
 def test_the_headline_runs_are_fault_tolerances_defaults_and_a_section_says_what_it_changed() -> None:
@@ -496,7 +528,7 @@ def test_the_no_failure_runs_measure_fault_tolerances_default_and_each_option_on
         assert names == ["plain", "ft"]
     else:
         assert names[-1] == "ft-quorum-every-step" and plan[-1][2]["ft_options"] == {"quorum_every": 1}
-    runs = {name: bench.RunLog(name, f"/logs/{name}", 0.0) for name in names}
+    runs = {name: RunLog(name, f"/logs/{name}", 0.0) for name in names}
     plains, defaults, every_step, exact = bench.no_failure_runs_by_kind(plan, runs)
     assert [run.name for run in plains] == ["plain"]
     assert [run.name for run in defaults] == ["ft"]
@@ -505,7 +537,7 @@ def test_the_no_failure_runs_measure_fault_tolerances_default_and_each_option_on
 
 
 def _sliced_run(directory: Path, name: str, step_seconds: list[float], slices: list[tuple[float, float]],
-                cpu_per_second: float = 2.0) -> bench.RunLog:
+                cpu_per_second: float = 2.0) -> RunLog:
     """A time-sliced run: every rank logs a step every ``step_seconds[k]`` while slice ``k`` runs (its first line
     at the slice's start ends a step that a stop cut through), and nothing in between; a start-up line before."""
     run_dir = directory / name
@@ -520,7 +552,7 @@ def _sliced_run(directory: Path, name: str, step_seconds: list[float], slices: l
                     rows.append({"t": t, "node": node, "rank": rank, "step": step, "cpu": cpu})
                     t += seconds
             (run_dir / f"node{node}.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return bench.RunLog(name, str(run_dir), 0.0, slices=list(slices))
+    return RunLog(name, str(run_dir), 0.0, slices=list(slices))
 
 
 def test_a_time_sliced_run_measures_only_the_steps_inside_its_slices_and_each_round_against_plain(
@@ -532,24 +564,24 @@ def test_a_time_sliced_run_measures_only_the_steps_inside_its_slices_and_each_ro
     ft_slices = [(103.0, 106.0), (109.0, 112.0), (115.0, 118.0)]
     plain = _sliced_run(tmp_path, "plain", [0.2, 0.3, 0.2], plain_slices)
     ft = _sliced_run(tmp_path, "ft", [0.25, 0.375, 0.25], ft_slices, cpu_per_second=2.0)
-    assert max(bench.step_intervals(plain)) == pytest.approx(0.3)  # no interval spans a stop or the start-up
-    assert bench.median_step_seconds(plain) == pytest.approx(0.2)
-    assert bench.slice_step_seconds(ft) == pytest.approx([0.25, 0.375, 0.25])
-    by_round = bench.ratio_by_round(plain, ft)
+    assert max(step_intervals(plain)) == pytest.approx(0.3)  # no interval spans a stop or the start-up
+    assert median_step_seconds(plain) == pytest.approx(0.2)
+    assert slice_step_seconds(ft) == pytest.approx([0.25, 0.375, 0.25])
+    by_round = ratio_by_round(plain, ft)
     assert by_round is not None and by_round["rounds"] == 3
     assert by_round["quartiles"] == pytest.approx([1.25, 1.25, 1.25])  # the slow round cancels out
     # CPU per step: 2 CPU-s per second over 6 ranks, so a step costs 2 x its seconds, from in-slice steps only
-    plain_cpu = bench.cpu_seconds_per_step(plain)
+    plain_cpu = cpu_seconds_per_step(plain)
     assert plain_cpu is not None and 0.4 < plain_cpu < 0.6
-    assert bench.cpu_ratio([plain], [ft]) == pytest.approx(1.25, rel=1e-2)  # each mean weighs rounds by their steps
-    unsliced = bench.RunLog("plain", plain.log_dir, 0.0)  # the same lines read as a run made alone
-    assert max(bench.step_intervals(unsliced)) > 3.0 and bench.ratio_by_round(unsliced, ft) is None
-    assert bench.time_slicing(unsliced, {"ft": ft}) == {}
-    sliced = bench.time_slicing(plain, {"ft": ft, "quorum_every_step": None})
+    assert cpu_ratio([plain], [ft]) == pytest.approx(1.25, rel=1e-2)  # each mean weighs rounds by their steps
+    unsliced = RunLog("plain", plain.log_dir, 0.0)  # the same lines read as a run made alone
+    assert max(step_intervals(unsliced)) > 3.0 and ratio_by_round(unsliced, ft) is None
+    assert time_slicing(unsliced, {"ft": ft}) == {}
+    sliced = time_slicing(plain, {"ft": ft, "quorum_every_step": None})
     assert sliced["time_sliced"]["rounds"] == 3 and set(sliced["overhead_by_round"]) == {"ft"}
     # the failure-free rate the restarts' goodput is held to: steps per second while the run had the host, not
     # over its wall clock, which holds the other run's slices
-    rate = bench.failure_free_steps_per_second(plain)
+    rate = failure_free_steps_per_second(plain)
     assert rate is not None and 1 / 0.3 < rate < 1 / 0.2
-    alone = bench.failure_free_steps_per_second(unsliced)
-    assert alone == pytest.approx(bench.steps_per_second(bench.read_rows(plain))) and alone < rate / 1.5
+    alone = failure_free_steps_per_second(unsliced)
+    assert alone == pytest.approx(steps_per_second(read_rows(plain))) and alone < rate / 1.5
