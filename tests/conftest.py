@@ -1,3 +1,6 @@
+"""The suite's shared set-up: tests/ on ``sys.path`` (the spawned ranks import its helpers too), and an autouse
+fixture that undoes what a test's in-process Lightning code leaves in ``os.environ``."""
+
 import os
 import sys
 

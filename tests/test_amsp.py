@@ -1,5 +1,7 @@
-"""AMSP per-state sharding: each combination equals single-process training, and holds the states
-it claims to hold (elements per rank = total / degree, within FSDP's row padding).
+"""AMSP per-state sharding: every (P, G, OS) combination equals single-process training and holds each state at
+1/degree per rank (within FSDP's row padding), with the collectives the combination implies: optimizer sharding's
+reduce-scatter and all-gather in place of the all-reduce, hpZ's backward gathers inside the node, a ZeRO-2-like
+layout's one gather per optimizer step.
 
 8 ranks emulate 2 nodes of 4 ranks.
 """

@@ -1,8 +1,11 @@
-"""The emulated cluster's ``--convergence`` mode (``benchmarks/convergence.py``): the Markov-chain data and the
-seeds, the analysis of held-out evaluation points (time to mics-auto's final loss, the two ratios per seed, their
-means and spread, the headline for the planner's row), the planner's H, the report, its table, chart and docs
-block, and the command line -- on synthetic records, without root. The last test runs ``--convergence --smoke``
-end to end (root, ranks in network namespaces)."""
+"""The emulated cluster's ``--convergence`` mode (``benchmarks/convergence.py``) on synthetic records: the
+Markov-chain data and its seeds, the analysis of held-out evaluation points (the two ratios per seed, their means,
+the every-seed targets), the planner's H, the report and the command line; a 4-rank check that held-out evaluations
+change nothing in training; the ``--smoke`` run (root).
+
+In detail: the analysis takes the time to mics-auto's final loss, the two ratios per seed, their means and spread
+and the headline for the planner's row; the report has its table, chart and docs block -- all on synthetic records,
+without root. The last test runs ``--convergence --smoke`` end to end (root, ranks in network namespaces)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The pure parts of the emulated-cluster benchmark: the gloo wire-byte model, the per-strategy
-schedules, argument validation and the refusals. No root, namespaces or processes needed."""
+"""The pure parts of the emulated-cluster benchmark: the gloo wire-byte model, the per-strategy schedules
+(DeepSpeed's MiCS and ZeRO-3 rows and the opt-in DiLoCo rows included), argument validation, the refusals and the
+tables' failure reasons. No root, namespaces or processes needed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""benchmarks/fault_tolerance.py without a cluster: its options, its refusals, and the numbers it derives
-from the ranks' step logs (a synthetic run with a known kill, discarded step, outage and rejoin)."""
+"""``benchmarks/fault_tolerance.py`` without a cluster: its options and refusals, and the numbers it derives from
+the ranks' step logs on synthetic runs with a known kill, discarded step, outage and rejoin -- the outage, the
+rejoin's trajectory checks, the survivors' stall, goodput, and each variant's overhead against the same plain runs."""
 
 from __future__ import annotations
 

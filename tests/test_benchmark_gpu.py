@@ -1,4 +1,6 @@
-"""``benchmarks/gpu_throughput.py`` runs end to end on CPU, so a GPU session only has to measure.
+"""``benchmarks/gpu_throughput.py`` runs end to end on CPU (both loops on the same batches), so a GPU session only
+has to measure; its argument errors, ``run_on_gpu.sh multi`` refusing fewer than 2 GPUs, and the multi-GPU summary
+failing on a failed check or a missing report.
 
 The smoke test runs the exact CPU command of the script's docstring in a fresh process (the strategy
 mode initialises a process group and sets launcher variables, which must not leak into this pytest

@@ -1,4 +1,6 @@
-"""Buffers (BatchNorm running statistics) are one model's: in the checkpoint and in the logged validation.
+"""Buffers (BatchNorm running statistics) are one model's: without a sync the ranks' copies differ; with
+``buffer_sync`` (broadcast or average) the checkpoint, evaluated in one process, gives the logged validation loss,
+under the Trainer and Fabric; only persistent buffers are synced, each once.
 
 Buffers are not sharded: every rank keeps and updates its own copy from its own data, so the copies
 drift apart, and DCP deduplicates a replicated tensor by picking one writer per tensor -- without a

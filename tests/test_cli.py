@@ -1,4 +1,6 @@
-"""LightningCLI: both strategy spellings, and the fit / validate / test subcommands with the YAML config."""
+"""LightningCLI: both strategy spellings and the fit / validate / test subcommands with the YAML config, a
+registered name over the config's strategy (its settings applied to the config's options, or refused over another
+class), and errors as one line with the fix."""
 
 from __future__ import annotations
 

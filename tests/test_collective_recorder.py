@@ -1,5 +1,5 @@
-"""CollectiveRecorder: it records without replacing anything in torch, nests, refuses an exit out of
-order, and records a composite collective (the ring) as one call whose parts it does not see."""
+"""CollectiveRecorder: it records without replacing anything in torch, keeps ``torch.compile`` compiling, nests,
+refuses an exit out of order, and records a composite collective (the ring) as one call whose parts it does not see."""
 
 from __future__ import annotations
 

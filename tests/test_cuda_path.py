@@ -1,4 +1,5 @@
-"""The CUDA path of ``MiCSStrategy``: ranks on a GPU train the toy model exactly like one process.
+"""The CUDA path of ``MiCSStrategy``: four ranks sharing one GPU train the toy model exactly like one process
+(tightly in ``32-true``, within bf16 precision in ``bf16-mixed``); skipped without a GPU.
 
 What runs on CUDA and nowhere else: the strategy's device placement (``root_device`` a GPU, the
 process group bound to it), autocast on ``cuda``, FSDP2's CUDA streams and events around its

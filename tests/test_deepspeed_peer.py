@@ -1,9 +1,10 @@
-"""DeepSpeed's own MiCS and plain ZeRO-3 (the benchmark's ``deepspeed-mics`` and ``deepspeed-zero3``
-peer rows) train the benchmark's GPT exactly as plain data-parallel training does: 4 ranks as 2
-"nodes" x 2, ``mics_shard_size=2`` (shard groups {0,1} and {2,3}, replicas {0,2} and {1,3}) or
-ZeRO-3 over all 4, 3 micro-batches per step, 3 plain-SGD steps; the gathered parameters must match a
-single-process loop over all ranks' micro-batches to 1e-6 relative. Skipped when DeepSpeed (the
-``[peers]`` extra) is not installed: CI does not install it."""
+"""DeepSpeed's own MiCS and plain ZeRO-3 (the benchmark's ``deepspeed-mics`` and ``deepspeed-zero3`` peer rows)
+train the benchmark's GPT exactly as plain data-parallel training does; skipped without DeepSpeed (the ``[peers]``
+extra), which CI does not install.
+
+4 ranks as 2 "nodes" x 2, ``mics_shard_size=2`` (shard groups {0,1} and {2,3}, replicas {0,2} and {1,3}) or ZeRO-3
+over all 4, 3 micro-batches per step, 3 plain-SGD steps; the gathered parameters must match a single-process loop
+over all ranks' micro-batches to 1e-6 relative."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The README and docs/ hold together: relative links and their anchors resolve, ```python blocks parse,
-the README stays short, and its test command is the one .ci/run runs.
+"""The README and docs/ hold together: relative links and their anchors resolve, fenced ``python`` blocks parse, the
+README stays short and its test command is the one .ci/run runs; the pages stay a manual (no dates, commit hashes or
+issue numbers, at most 500 lines) and every results folder is cited and every cited result exists.
 
 Plain text processing only (no torch, no Lightning): it runs in well under a second."""
 

@@ -1,4 +1,7 @@
-"""The core proof: MiCS training equals single-process training on the same global batch.
+"""The core proof: MiCS training equals single-process training on the same global batch (relative error < 1e-5) for
+world 4 and world 8 as 2 nodes, with accumulation, clipping, ``configure_model``, manual optimization, activation
+checkpointing, ``torch.compile``, bf16-mixed, unsharded accumulation and the planner's layouts; a bf16 or int8 hop 2
+stays within its bound with replicas bit-identical.
 
 Each layout trains ``ToyModule`` (odd sizes, tied embedding/head, a frozen parameter, a buffer) for
 3 SGD-momentum steps through ``Trainer(strategy=MiCSStrategy(...))``; every rank then gathers the

@@ -1,7 +1,9 @@
-"""``FaultTolerance(exact_trajectory=True)``'s parts: the data shares' gradients kept apart and packed one row per
-share, the sum across groups in share order (the same bits whichever group read which share), the mapping of
-shares to quorum ranks, the loader's separate share batches and the option's refusals. The end-to-end proof (a
-group killed and restarted in fp32 with AdamW, equal bits with the failure-free run) is in
+"""``FaultTolerance(exact_trajectory=True)``'s parts: each data share's gradients kept apart and packed one row per
+share, summed across groups in share order (the same bits whichever group read which share, also over a real torchft
+gloo group), shares placed on the quorum ranks that read them, the loader's separate share batches, and the option's
+refusals.
+
+The end-to-end proof (a group killed and restarted in fp32 with AdamW, equal bits with the failure-free run) is in
 ``test_fault_tolerance_trajectory.py``."""
 
 from __future__ import annotations

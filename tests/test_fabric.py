@@ -1,5 +1,7 @@
-"""``Fabric(strategy="mics")``: the Fabric strategy trains like single-process training, defers the
-cross-replica hop under ``no_backward_sync``, and shares the Trainer's checkpoint format.
+"""``Fabric(strategy="mics")``: the Fabric strategy trains like single-process training (accumulation under
+``no_backward_sync`` with the cross-replica hop deferred to the boundary, clipping, unsharded accumulation, AMSP,
+``sharding="auto"``, a bf16 or int8 hop 2), resumes exactly, shares the Trainer's checkpoint format both ways, and
+launches the ranks of a plain script.
 
 4 gloo ranks, partition 2 (``ranks_per_node=2``: two emulated nodes, 2 replicas). One spawn of ranks
 runs every scenario (process start-up dominates the cost); the tests check its results.

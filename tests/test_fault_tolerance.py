@@ -1,4 +1,6 @@
-"""Partition groups as fault domains (torchft): options, refused layouts, equivalence, a lost and healed group.
+"""Partition groups as fault domains (torchft), a real Lighthouse and 2 replica groups of 2 gloo ranks: they train
+like one process (also with a bf16 or int8 hop 2), a killed group's restart heals bit-identical to the survivor, one
+group writes the checkpoint both resume from; the options, refused layouts, the watchdog and the quorum schedule.
 
 The multi-group tests run a real Lighthouse and two replica groups of two gloo ranks, each group its own
 ``torch.distributed`` world (its own port), as two jobs would on a cluster. Every process they start is

@@ -1,4 +1,7 @@
-"""Fault-tolerant semi-synchronous replica groups: ``cross_replica_sync="diloco"`` with ``fault_tolerance``.
+"""Fault-tolerant semi-synchronous replica groups (``cross_replica_sync="diloco"`` with ``fault_tolerance``): with
+every group live it is a hand-written DiLoCo; a group killed mid-round leaves the survivor committing rounds alone,
+and its restart heals the global model and the outer momentum, bit-identical from then on; a mid-round checkpoint
+resumes exactly.
 
 Each replica group is its own world (a job), joined by torchft; the quorum, heal and commit run once per outer
 round, at its synchronisation (as torchft's ``DiLoCo`` does). What must hold:

@@ -1,4 +1,7 @@
-"""Fault tolerance's guards against silent failures: a real Lighthouse and replica groups of 2 gloo ranks.
+"""Fault tolerance's guards against silent failures (a real Lighthouse, replica groups of 2 gloo ranks): another
+learning rate or a wider model refused naming it, drifting parameters end every group naming the groups and the
+step, too few groups or a lost rank end a group promptly saying why, and a discarded last step is trained again and
+never counted.
 
 * a group started with another learning rate is refused at the first quorum, told which setting differs;
 * a model of another width: the refusal names the model and its size;

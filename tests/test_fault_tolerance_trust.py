@@ -1,4 +1,7 @@
-"""Fault tolerance's own channels admit only the job's ranks (docs/fault-tolerance.md, "The trust model").
+"""Fault tolerance's own channels admit only the job's ranks (docs/fault-tolerance.md, "The trust model"): hostile
+clients on 127.0.0.1 against the catch-up snapshot server and the group's vote are refused, served nothing and
+logged, and during a real heal and vote the training commits every step and ends bit-identical to a run without
+them.
 
 A hostile client on 127.0.0.1 against the group's vote (``group_vote.py``) and the catch-up snapshot server
 (``catch_up.py``): connections with a wrong secret, an out-of-range or duplicate rank, garbage, silence, a replayed

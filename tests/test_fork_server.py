@@ -1,8 +1,10 @@
-"""``benchmarks/fork_server.py``: the smoke runs' ranks forked from a server that imported once. A forked rank
-must behave as the spawned one would: its module runs as ``__main__`` with its own arguments, environment,
-working directory and log, in a session of its own (killed with ``os.killpg``), its exit code reported as
-``Popen`` does; a request the server cannot honour is refused with the reason; the network and UTS namespaces
-are entered where asked (root). The server preloads only ``json`` here: the mechanics, not the imports."""
+"""``benchmarks/fork_server.py``: a rank forked from the server behaves as a spawned one would -- its module runs as
+``__main__`` with its own arguments, environment, working directory and log, in a session of its own, its exit code
+reported as ``Popen`` does; a request it cannot honour is refused naming why; as root, the cgroup and the network
+and UTS namespaces asked for are entered.
+
+A forked rank's session is killed with ``os.killpg``. The server preloads only ``json`` here: the mechanics, not the
+imports."""
 
 from __future__ import annotations
 

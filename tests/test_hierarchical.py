@@ -1,4 +1,6 @@
-"""Hierarchical (two-stage) collectives for partitions that span nodes.
+"""Hierarchical (two-stage) collectives for partitions that span nodes: with them and with flat ones training equals
+single-process training; the recorded collectives run the two stages on the node sub-groups, the slow stage carrying
+1/m of the bytes; ``hierarchical=True`` without a multi-node partition is refused.
 
 8 ranks emulate 4 nodes of 2 (``ranks_per_node=2``); partitions of 4 (2 nodes) and 8 (4 nodes).
 Hierarchical and flat collectives must both reproduce single-process training, and the recorded

@@ -1,4 +1,6 @@
-"""The AVG arithmetic of the two-stage reduce-scatter, the path NCCL takes (issue 23).
+"""The two-stage reduce-scatter with ``ReduceOp.AVG``, the op FSDP2 passes on NCCL (gloo runs get SUM): SUM and AVG
+equal a reference for 2 nodes x 2 and 4 nodes x 1 (a stage over one rank is a copy, not a collective), and training
+with FSDP2 choosing its reductions as on NCCL equals single-process training.
 
 On gloo FSDP2 is told to reduce with SUM and divide itself (``force_sum_reduction``), so the training
 runs of ``test_hierarchical.py`` never hand :class:`HierarchicalReduceScatter` a ``ReduceOp.AVG``; on

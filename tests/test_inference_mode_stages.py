@@ -1,4 +1,6 @@
-"""fit, then test and predict from checkpoints inside ``torch.inference_mode()``, then train again.
+"""``fit``, then ``test`` and ``predict`` from sharded, full and weights-only checkpoints inside
+``torch.inference_mode()``: the weights equal each checkpoint's bit for bit and resuming equals an uninterrupted
+run; ``fit`` after an inference-mode test of an untrained model equals single-process training.
 
 Mirrors Lightning's own FSDP test ``_run_multiple_stages``, which wraps ``trainer.test/predict`` in
 ``torch.inference_mode()``: the checkpoint load then runs in inference mode too. (Lightning's own

@@ -1,9 +1,13 @@
-"""Lightning's contract, side by side: what a user observes under ``strategy="mics"`` equals what they observe
-under ``strategy="ddp"`` -- Trainer properties at construction, in ``setup``, during and after ``fit``; every
-hook, callback and module, in order; logged metrics (``callback_metrics`` and the CSV log, LearningRateMonitor's
-columns included); ``validate`` / ``test`` / ``predict`` results; checkpoint names, contents and ``ckpt_path``
-(a path, ``"last"``, ``"best"``); ModelCheckpoint, EarlyStopping, LearningRateMonitor; ``fast_dev_run``,
-``limit_*_batches``, ``val_check_interval``, ``max_time``; a second ``fit`` on the same Trainer.
+"""Lightning's contract, side by side: what a user observes under ``strategy="mics"`` equals what they observe under
+``strategy="ddp"`` -- Trainer properties, every hook and callback in order, logged metrics and the CSV log,
+``validate`` / ``test`` / ``predict`` results, checkpoints and the Trainer's flags -- and the documented differences
+are asserted as such.
+
+In detail: Trainer properties at construction, in ``setup``, during and after ``fit``; every hook, callback and
+module, in order; logged metrics (``callback_metrics`` and the CSV log, LearningRateMonitor's columns included);
+``validate`` / ``test`` / ``predict`` results; checkpoint names, contents and ``ckpt_path`` (a path, ``"last"``,
+``"best"``); ModelCheckpoint, EarlyStopping, LearningRateMonitor; ``fast_dev_run``, ``limit_*_batches``,
+``val_check_interval``, ``max_time``; a second ``fit`` on the same Trainer.
 
 One launch of 2 CPU ranks runs every scenario under DDP and under two MiCS layouts (sharded: one partition of 2;
 replicated: 2 emulated nodes, hop 2 between them), one after the other in the same processes -- a launch costs

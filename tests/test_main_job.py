@@ -1,4 +1,6 @@
-"""Smoke test of the real entry point: ``python examples/train.py`` on 2 CPU ranks for a few steps."""
+"""The real entry point, ``python examples/train.py``, on 2 CPU ranks for a few steps: it trains, logs, checkpoints
+and prints its summary (the validation loss of the trained model's last step), and a refusal raised inside the ranks
+prints as one line with the fix."""
 
 from __future__ import annotations
 

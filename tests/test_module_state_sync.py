@@ -1,4 +1,6 @@
-"""Every rank starts from the same model even when the ranks create it differently -- as with DDP.
+"""Every rank starts from the same model even when the ranks create it differently, as with DDP: with
+``sync_module_states`` training equals single-process training from rank 0's model, without it the replicas diverge,
+and meta-device models get agreeing replicas only with it.
 
 Each rank seeds its model with its own rank (rank 0's seed is the reference's). With
 ``sync_module_states`` (the default) training equals single-process training from rank 0's model;

@@ -1,4 +1,6 @@
-"""NCCL on several GPUs: the layouts real jobs start with, against single-process training (issue 23).
+"""NCCL on several GPUs, one rank per GPU: the layouts real jobs start with (2-hop, hierarchical, hpZ, a bf16 or
+int8 hop 2, AMSP, ``mics_auto`` with calibration) equal single-process training, and a background save resumes as
+the uninterrupted run; skipped below 2 GPUs (``bash benchmarks/run_on_gpu.sh multi`` runs it).
 
 Every other multi-rank test runs on CPU ranks over gloo (and ``test_cuda_path.py`` shares one GPU
 over gloo, since NCCL refuses two ranks per device); what only NCCL runs -- FSDP2's AVG / pre-divided

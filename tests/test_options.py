@@ -1,4 +1,6 @@
-"""Options are declared once (``MiCSOptions``): both front ends, Hydra, LightningCLI and the docs agree with it."""
+"""Options are declared once (``MiCSOptions``): each has a docstring, ``docs/options.md``'s table is generated from
+them, both front ends, Hydra and LightningCLI see every option, an unknown name is refused naming the closest, and
+Fabric refuses the Trainer-only ones."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The planner: sharding-spec rules, collective cost formulas, schedule, memory, search, CLI and the
-papers' directions. All pure (no processes); the calibration probe test is in test_planner_calibration.py."""
+"""The planner: sharding-spec rules, collective cost formulas, schedule, memory, search, CLI and the papers'
+directions; ``planner_cluster`` (presets, calibration files, refused when malformed or unused) and near-ties going
+to a one-node partition. All pure (no processes); the calibration probe test is in test_planner_calibration.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Calibration probes on real (gloo, CPU) process groups: 4 ranks emulating 2 nodes of 2."""
+"""Calibration probes on real (gloo, CPU) process groups, 4 ranks emulating 2 nodes of 2: both scopes are measured
+and fed to the cluster, and a probe stops repeating once its budget is spent, on every rank alike."""
 
 from __future__ import annotations
 

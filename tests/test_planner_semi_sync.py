@@ -1,4 +1,6 @@
-"""The planner knows semi-synchronous replica groups (``cross_replica_sync="diloco"``, ``sync_every=H``).
+"""The planner knows semi-synchronous replica groups (``cross_replica_sync="diloco"``, ``sync_every=H``): no hop 2,
+one delta message every H steps, two more shard copies, optimizer states only inside the partition, streaming
+fragments, and ``plan``'s advice of the smallest H that keeps the GPUs busy on a slow link.
 
 What it must get right: DiLoCo sends no hop 2 on any step and one parameter-delta message every H steps (the
 schedule, which the planner prices, telemetry states and the emulated benchmark puts on the wire), holds two

@@ -1,5 +1,6 @@
-"""Process groups are a budget: a layout creates a fixed number of them, whatever the number of FSDP
-units, and nothing else leaves any behind (issue 23).
+"""Process groups are a budget: on 4 ranks every layout (plain, hierarchical, hpZ, AMSP, a bf16 hop 2) ends ``fit``
+with the same groups for 2 and 12 FSDP blocks, as many as its layout log states; calibration leaves none behind, and
+each mesh dimension gets its own backend options object.
 
 Before the shared post-forward mesh, hpZ (``ShardingSpec(params=2, grads=4)``, 4 gloo ranks) ended
 ``trainer.fit`` with 5 process groups for 2 blocks and 25 for 12: ``fully_shard`` built a mesh of two

@@ -1,4 +1,7 @@
-"""Semi-synchronous replica groups (``cross_replica_sync="diloco"``): what DiLoCo must equal, and its refusals.
+"""Semi-synchronous replica groups (``cross_replica_sync="diloco"``): H=1 equals synchronous training, H=4 and
+streaming DiLoCo match a hand-written single-process DiLoCo, inner steps send nothing across replicas, a mid-round
+checkpoint holds the global model and resumes exactly; the bf16 wire, the options' refusals, the layout's decision
+and LightningCLI.
 
 The distributed tests run 4 gloo ranks as 2 emulated nodes of 2 (partition 2, 2 replica groups), in one spawn
 (process start-up dominates the cost), and compare against a hand-written single-process DiLoCo: one copy of

@@ -1,4 +1,6 @@
-"""MiCSStrategy's Lightning glue: registration, configuration errors, collectives, sampler, meta init."""
+"""MiCSStrategy's Lightning glue: registration, precision, configuration errors, collectives, sampler, meta init,
+``partition_size="auto"``, the mesh groups' timeout, gradients freed after the step, a new Trainer evaluating or
+fitting a model another sharded, and a gloo world left at interpreter exit."""
 
 from __future__ import annotations
 

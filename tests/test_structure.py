@@ -1,4 +1,6 @@
-"""The package's structure, read from its source (``ast``): each idea in one home.
+"""The package's structure, read from its source (``ast``): the options load none of the runtime, no import circle,
+nothing below the front ends imports one, the front ends talk only to the engine, and private torch, Lightning or
+torchft API appears only in ``_compat.py`` (the checkers tested on planted cases).
 
 * the options declare and do not implement: ``import lightning_mics.options`` loads none of the runtime;
 * no import circle among the library's modules, counting imports inside functions (an import under

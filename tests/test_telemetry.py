@@ -1,5 +1,6 @@
-"""Telemetry: the analytic byte formula, the group classification, and the callback's numbers
-against the formula on real multi-rank runs of three layouts (MiCS, replicate, ZeRO-3)."""
+"""Telemetry: the analytic byte formula, the group classification, and the callback's numbers against the formula on
+real multi-rank runs of three layouts (MiCS, replicate, ZeRO-3); throughput is total tokens over the steps'
+wall-clock, not a mean of rates."""
 
 from __future__ import annotations
 
