@@ -15,8 +15,9 @@ Already run end to end elsewhere, so not repeated here:
 * ``examples/hf_finetune.py`` -- ``test_hf_example.py``; ``examples/litgpt_fabric.py`` (the Fabric example) --
   ``test_litgpt_example.py`` (skipped without litgpt);
 * ``benchmarks/gpu_throughput.py`` on CPU (both loops) and ``multi_gpu_summary.py`` -- ``test_benchmark_gpu.py``;
-* ``examples/fault_tolerance_demo.py --smoke`` -- ``test_fault_tolerance_demo.py`` (a file of its own, so that
-  ``pytest -n 2 --dist loadfile`` runs it beside this file's smokes).
+* ``examples/fault_tolerance_demo.py --smoke`` -- ``test_fault_tolerance_demo.py``.
+
+Each test here is an xdist group of its own (``tests/conftest.py``), so the two workers share these runs.
 
 ``benchmarks/exact_sum_cpu.py`` runs here too (hop 2's fault-tolerant sums over torchft's gloo group).
 ``benchmarks/netprobe.py`` and ``gloo_probe.py`` are the emulated cluster's own probes, started by it in every
