@@ -385,7 +385,7 @@ def convergence_table(results: Optional[dict[str, Any]]) -> str:
     """docs/semi-sync.md's block of one ``emulated_cluster.py --convergence`` run (``None``: not run yet)."""
     if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
         sys.path.insert(0, str(REPO))
-    from benchmarks.convergence import figure_markdown
+    from benchmarks.convergence_report import figure_markdown
 
     return figure_markdown(results)
 

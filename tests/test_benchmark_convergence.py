@@ -23,22 +23,24 @@ import pytest
 import torch
 from distributed import end_session, run_ranks
 
-from benchmarks import convergence, emulated_cluster
-from benchmarks.convergence import (
-    ConvergenceSettings,
-    MarkovChain,
-    SequenceDataset,
+from benchmarks import convergence, convergence_analysis, convergence_report, emulated_analysis, emulated_cluster
+from benchmarks.convergence_analysis import (
     build_convergence_report,
     compare_seed,
     first_reach,
     headline,
-    init_seed,
     planner_answer,
     seed_check,
     smoothed,
     summarise_rows,
-    training_sequences,
     wire_fraction,
+)
+from benchmarks.convergence_setup import (
+    ConvergenceSettings,
+    MarkovChain,
+    SequenceDataset,
+    init_seed,
+    training_sequences,
 )
 from benchmarks.scenarios import ClusterShape, diloco_spec
 
@@ -216,7 +218,7 @@ def test_per_seed_pairs_their_means_and_the_targets() -> None:
     assert top["headline_strategy"] == "mics-diloco-h16" and top["planner_sync_every"] == 16
     assert top["time_to_sync_final_loss_ratio"] == pytest.approx(13.0 / 48)
     assert top["final_loss_ratio"] == pytest.approx((1.4 / 1.5 + 1.39 / 1.49 + 1.0) / 3)
-    assert top["targets_met"] == {key: True for key in convergence.TARGETS}
+    assert top["targets_met"] == {key: True for key in convergence_analysis.TARGETS}
 
 
 def test_one_slow_seed_fails_the_every_seed_target_and_one_unreached_seed_the_mean() -> None:
@@ -294,19 +296,19 @@ def test_the_planners_h_comes_from_the_library_planner() -> None:
     assert slower["sync_every"] == 8  # more compute per step: a smaller H keeps the ranks busy
     fast_link = planner_answer({**CALIBRATED, "inter_node_bandwidth": 5e9}, MODEL, 4, 4, 8e9, achieved_flops=8e9)
     assert fast_link["sync_every"] is None  # synchronous training keeps the ranks busy: no advice
-    assert convergence.achieved_flops(0.02, 1e7, micro_batch=4, seq_len=8) == pytest.approx(1.6e10)
-    assert convergence.achieved_flops(None, 1e7, 4, 8) is None
+    assert convergence_analysis.achieved_flops(0.02, 1e7, micro_batch=4, seq_len=8) == pytest.approx(1.6e10)
+    assert convergence_analysis.achieved_flops(None, 1e7, 4, 8) is None
 
 
 def test_the_planners_row_is_the_rows_own_or_a_new_one() -> None:
     shape = ClusterShape(2, 2)
     specs = emulated_cluster.parse_args(["--convergence"]).specs
-    assert emulated_cluster.planned_spec({"sync_every": 32}, specs, shape, None).name == "mics-diloco-h32"
-    assert emulated_cluster.planned_spec({"sync_every": 8}, specs, shape, None).name == "mics-diloco"
-    new = emulated_cluster.planned_spec({"sync_every": 16}, specs, shape, 0.5)
+    assert emulated_analysis.planned_spec({"sync_every": 32}, specs, shape, None).name == "mics-diloco-h32"
+    assert emulated_analysis.planned_spec({"sync_every": 8}, specs, shape, None).name == "mics-diloco"
+    new = emulated_analysis.planned_spec({"sync_every": 16}, specs, shape, 0.5)
     assert (new.name, new.sync_every, new.outer_lr) == ("mics-diloco-h16", 16, 0.5)
     assert new.partition_size == diloco_spec(shape, 8).partition_size  # the same layout as the other rows
-    assert emulated_cluster.planned_spec({"sync_every": None}, specs, shape, None) is None
+    assert emulated_analysis.planned_spec({"sync_every": None}, specs, shape, None) is None
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -331,16 +333,16 @@ def test_report_keys_table_chart_and_docs_block(tmp_path: Path) -> None:
     assert set(report["definitions"]) >= {"time_to_sync_final_loss_ratio", "final_loss_ratio", "heldout_loss"}
     json.dumps(report)  # what convergence.json holds
 
-    text = convergence.format_convergence_table(report)
+    text = convergence_report.format_convergence_table(report)
     assert "mics-diloco-h16 (H=16), planner's H" in text and "0.312 / 0.125 / 0.375" in text
-    markdown = convergence.format_convergence_table(report, markdown=True)
+    markdown = convergence_report.format_convergence_table(report, markdown=True)
     assert "| 240 | mics-diloco-h16 (H=16), planner's H | 2,400 (1.50) | 0.250 |" in markdown
-    block = convergence.figure_markdown(report)
+    block = convergence_report.figure_markdown(report)
     assert "the planner names H = 16" in block and "| mean, time_to_sync_final_loss_ratio <= 0.5 | 0.271 | yes |" in block
     assert "convergence.png" in block
-    assert convergence.figure_markdown(None) == convergence.NOT_MEASURED
+    assert convergence_report.figure_markdown(None) == convergence_report.NOT_MEASURED
     pytest.importorskip("matplotlib")
-    chart = convergence.draw_convergence(report, tmp_path / "convergence.png")
+    chart = convergence_report.draw_convergence(report, tmp_path / "convergence.png")
     assert chart is not None and chart.stat().st_size > 0
 
 
@@ -349,7 +351,7 @@ def test_a_row_that_did_not_run_is_listed_with_its_status() -> None:
                         "status": "skipped: the planner names no H for this link"}]
     report = report_of(runs, planner_row=None)
     assert report["time_to_sync_final_loss_ratio"] is None and report["headline_strategy"] is None
-    assert "skipped: the planner names no H" in convergence.format_convergence_table(report)
+    assert "skipped: the planner names no H" in convergence_report.format_convergence_table(report)
 
 
 def test_reanalysis_recomputes_from_the_records(tmp_path: Path) -> None:
@@ -426,12 +428,12 @@ def _train_twice(rank: int, world: int, out_dir: str) -> dict[str, Any]:
     """Each rank of 2 nodes x 2: a synchronous row with parameters kept gathered after forward (AMSP P=1, the
     layout the planner picks here) and a DiLoCo row (H=4), each trained with held-out evaluations every 2 steps
     and with one only at the end; the network counters (namespace-only) stubbed."""
-    from benchmarks import emulated_worker
+    from benchmarks import convergence_worker
     from benchmarks.scenarios import TrainingSetup, select_strategies
     from examples.models import GPTConfig
 
     os.environ.update(NODE_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2))
-    emulated_worker._counters = lambda: {"time": 0.0, "uplink_tx": 0, "uplink_rx": 0, "lo_tx": 0}
+    convergence_worker.counters = lambda: {"time": 0.0, "uplink_tx": 0, "uplink_rx": 0, "lo_tx": 0}
     shape = ClusterShape(2, 2)
     setup = TrainingSetup(model=GPTConfig(seq_len=8, d_model=32, n_layers=1, n_heads=2), micro_batch=2,
                           accumulate=3, warmup_steps=0, measured_steps=8)
@@ -441,7 +443,7 @@ def _train_twice(rank: int, world: int, out_dir: str) -> dict[str, Any]:
         for every in (2, rows[name]):
             path = Path(out_dir, f"{name}-{every}.json")
             settings = ConvergenceSettings(steps=rows[name], eval_every=every, heldout_samples=32, warmup_steps=2)
-            emulated_worker.run_convergence(spec, shape, setup, settings, 0, rows[name], path)
+            convergence_worker.run_convergence(spec, shape, setup, settings, 0, rows[name], path)
             if rank == 0:
                 out[f"{name}-{every}"] = json.loads(path.read_text())
     return out
@@ -504,7 +506,7 @@ def test_convergence_smoke_runs_every_row_and_writes_the_report(tmp_path: Path) 
     for r in point["runs"]:
         assert r["status"] == "ok" or (r["strategy"] == "mics-diloco-planned" and planner["sync_every"] is None), r
     for r in ran:
-        steps = settings["steps"] if r["sync_every"] is None else convergence.ConvergenceSettings(
+        steps = settings["steps"] if r["sync_every"] is None else ConvergenceSettings(
             **{k: settings[k] for k in ("steps", "eval_every", "diloco_budget")}).row_steps(r["sync_every"])
         assert len(r["steps"]) == steps and [e["step"] for e in r["evals"]][-1] == steps
         # within 5 % of the byte model, or of its few hundred kB of fixed traffic (process groups' connections,

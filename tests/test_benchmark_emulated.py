@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import emulated_cluster
+from benchmarks import emulated_analysis, emulated_cluster, emulated_network, emulated_report, emulated_rows
 from benchmarks.comm_model import (
     RingCollective,
     expected_step_bytes,
@@ -190,9 +190,9 @@ def test_tables_show_failures_with_their_reason() -> None:
           "peak_mem_bytes": 4e8, "grad_bytes_during_accumulation": 1e6}
     failed = {"strategy": "fsdp-full", "partition_size": 8, "hierarchical": None, "status": "failed: timed out",
               "expected_inter_node_bytes_per_step": 5e6}
-    text = emulated_cluster.format_table([ok, failed])
+    text = emulated_report.format_table([ok, failed])
     assert "+1.0%" in text and "failed*" in text and "* fsdp-full: failed: timed out" in text
-    assert "| fsdp-full | 8 | - | failed: timed out |" in emulated_cluster.format_markdown([ok, failed])
+    assert "| fsdp-full | 8 | - | failed: timed out |" in emulated_report.format_markdown([ok, failed])
 
 
 # ------------------------------------------------------------------------------------ profile breakdown
@@ -275,16 +275,16 @@ def test_deepspeed_row_is_skipped_with_a_reason_when_deepspeed_is_missing(monkey
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    reason = emulated_cluster.skip_reason(spec("deepspeed-mics"))
+    reason = emulated_rows.skip_reason(spec("deepspeed-mics"))
     assert reason is not None and "not installed" in reason and "[peers]" in reason
-    assert emulated_cluster.skip_reason(spec("mics")) is None
+    assert emulated_rows.skip_reason(spec("mics")) is None
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.7")
     assert "needs 0.19.2" in deepspeed_peer.unavailable_reason()
-    record = emulated_cluster.add_expectations(
-        emulated_cluster.skipped_record(spec("deepspeed-mics"), reason), spec("deepspeed-mics"),
+    record = emulated_analysis.add_expectations(
+        emulated_rows.skipped_record(spec("deepspeed-mics"), reason), spec("deepspeed-mics"),
         emulated_cluster.parse_args(["--quick"]),
     )
-    text = emulated_cluster.format_table([record])
+    text = emulated_report.format_table([record])
     assert "skipped*" in text and "not installed" in text
 
 
@@ -326,11 +326,11 @@ def test_diloco_row_is_labelled_semi_synchronous_in_the_tables() -> None:
            "step_time_s": 0.5, "tokens_per_s": 100.0, "inter_node_bytes_per_step": 1e6,
            "expected_inter_node_bytes_per_step": 1e6, "loopback_bytes_per_step": 2e6,
            "expected_loopback_bytes_per_step": 2e6, "peak_mem_bytes": 4e8, "grad_bytes_during_accumulation": 1e6}
-    assert "mics-diloco (H=8)" in emulated_cluster.format_table([row])
+    assert "mics-diloco (H=8)" in emulated_report.format_table([row])
     assert "| mics-diloco (semi-synchronous, H=8: step and bytes are means over whole rounds) |" in \
-        emulated_cluster.format_markdown([row])
+        emulated_report.format_markdown([row])
 
 
 def test_bandwidth_ratio_240_is_accepted_and_15_stays_the_default() -> None:
     assert emulated_cluster.parse_args(["--bandwidth-ratio", "240"]).link.bandwidth_ratio == 240
-    assert emulated_cluster.parse_args([]).link.bandwidth_ratio == emulated_cluster.DEFAULT_BANDWIDTH_RATIO == 15
+    assert emulated_cluster.parse_args([]).link.bandwidth_ratio == emulated_network.DEFAULT_BANDWIDTH_RATIO == 15

@@ -77,11 +77,11 @@ def test_quick_fills_every_run_length_and_bad_lengths_are_refused(tmp_path: Path
 def test_the_network_request_is_built_as_emulated_cluster_builds_it() -> None:
     """The links come from emulated_cluster's own options and builder, so the two benchmarks cannot drift:
     this benchmark once crashed in set_up_network on an attribute only emulated_cluster's parser set."""
-    from benchmarks import emulated_cluster
+    from benchmarks import emulated_cluster, emulated_network
 
     args = bench.parse_args(["--smoke", "--calibrate", "tcp", "--inter-node-mbps", "50", "--mtu", "1500"])
     link = args.link
-    assert isinstance(link, emulated_cluster.LinkRequest)
+    assert isinstance(link, emulated_network.LinkRequest)
     assert (link.calibrate, link.inter_node_mbps, link.mtu, link.fixed_rate_bytes_per_s) == ("tcp", 50.0, 1500, None)
     assert link.probe_seconds == bench.SMOKE.probe_seconds and link.setup.model == MODEL
     ours = {k: v for k, v in vars(bench.parse_args(["--quick"]).link).items() if k not in ("setup", "probe_seconds")}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import compare_planner, emulated_cluster, scaling
+from benchmarks import compare_planner, emulated_analysis, emulated_cluster, emulated_modes, emulated_report, scaling
 from benchmarks.comm_model import (
     expected_inter_node_bytes_per_node,
     fsdp2_unit_numel,
@@ -84,22 +84,22 @@ def _ok_record(**extra: Any) -> dict[str, Any]:
 def test_wire_floor_uses_the_busiest_measured_direction() -> None:
     record = _ok_record(inter_node_tx_bytes_per_step_per_node=[40e6, 60e6],
                         inter_node_rx_bytes_per_step_per_node=[70e6, 30e6])
-    emulated_cluster.add_wire_floor(record, link_bytes_per_s=50e6, num_nodes=2)
+    emulated_analysis.add_wire_floor(record, link_bytes_per_s=50e6, num_nodes=2)
     assert record["inter_node_bytes_per_direction_per_step"] == 70e6  # node 0's ingress
     assert record["wire_floor_s"] == pytest.approx(1.4)
     assert record["step_over_floor"] == pytest.approx(2.0 / 1.4)
     assert "tx/rx counters" in record["wire_floor_basis"]
-    text = emulated_cluster.format_table([record])
+    text = emulated_report.format_table([record])
     assert "floor s" in text and "1.40" in text and "1.43x" in text
-    assert "| 1.40 | 1.43x |" in emulated_cluster.format_markdown([record])
+    assert "| 1.40 | 1.43x |" in emulated_report.format_markdown([record])
 
 
 def test_wire_floor_from_the_total_assumes_symmetric_traffic() -> None:
-    record = emulated_cluster.add_wire_floor(_ok_record(), link_bytes_per_s=25e6, num_nodes=4)
+    record = emulated_analysis.add_wire_floor(_ok_record(), link_bytes_per_s=25e6, num_nodes=4)
     assert record["inter_node_bytes_per_direction_per_step"] == pytest.approx(25e6)  # 100 MB sent by 4 nodes
     assert (record["wire_floor_s"], record["step_over_floor"]) == (pytest.approx(1.0), pytest.approx(2.0))
     assert "symmetric" in record["wire_floor_basis"]
-    failed = emulated_cluster.add_wire_floor({"strategy": "zero3", "status": "failed: x"}, 25e6, 4)
+    failed = emulated_analysis.add_wire_floor({"strategy": "zero3", "status": "failed: x"}, 25e6, 4)
     assert "wire_floor_s" not in failed
 
 
@@ -109,7 +109,7 @@ def test_link_rate_prefers_the_measured_stream() -> None:
 
 
 def test_worker_keeps_each_nodes_counters_per_measured_step() -> None:
-    from benchmarks.emulated_worker import per_node_means
+    from benchmarks.emulated_probes import per_node_means
 
     leaders = [  # out of order on purpose: the result is in node order
         {"rank": 2, "boundaries": [{"uplink_tx": 0}, {"uplink_tx": 500}, {"uplink_tx": 700}, {"uplink_tx": 1100}]},
@@ -170,7 +170,7 @@ def _point(nodes: int, compute_flops: float, slowdown: float = 1.0) -> dict[str,
         step = compare_planner.predict(row, cluster, model, training).step_time_s * slowdown
         row.update(step_time_s=step, tokens_per_s=32 * 2 * nodes / step,
                    inter_node_bytes_per_step=(i + 1) * 1e6 * nodes, expected_inter_node_bytes_per_step=nodes * 1e6)
-        emulated_cluster.add_wire_floor(row, scaling.link_rate(report["network"]), nodes)
+        emulated_analysis.add_wire_floor(row, scaling.link_rate(report["network"]), nodes)
     report["results"].append({"strategy": "broken", "partition_size": 2, "status": "failed: timed out"})
     return report
 
@@ -242,8 +242,8 @@ def test_run_scaling_keeps_the_first_points_link_rate(tmp_path: Path, monkeypatc
             assert json.loads((tmp_path / "scaling.json").read_text())["nodes"] == [2]
         return report
 
-    monkeypatch.setattr(emulated_cluster, "measure_point", fake_measure)
-    assert emulated_cluster.run_scaling(args, "cmd") == 1  # the synthetic points hold a failed row
+    monkeypatch.setattr(emulated_modes, "measure_point", fake_measure)
+    assert emulated_modes.run_scaling(args, "cmd") == 1  # the synthetic points hold a failed row
     assert seen == [(2, None, tmp_path / "prof" / "nodes2"), (3, 1e8, tmp_path / "prof" / "nodes3")]
     written = json.loads((tmp_path / "scaling.json").read_text())
     assert written["nodes"] == [2, 3] and (tmp_path / "scaling.png").exists()

@@ -391,20 +391,20 @@ def test_offloaded_ranks_on_one_gpu_match_single_process() -> None:
 # ---------------------------------------------------------------------------------- the GPU benchmark (CPU parts)
 
 
-def _gpu_benchmark() -> Any:
+def _gpu_benchmark(module: str = "gpu_throughput") -> Any:
+    """``benchmarks/<module>.py``, one of the GPU benchmark's modules."""
+    import importlib
     import sys
     from pathlib import Path
 
     repo = str(Path(__file__).resolve().parents[1])
     if repo not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
         sys.path.insert(0, repo)
-    from benchmarks import gpu_throughput
-
-    return gpu_throughput
+    return importlib.import_module(f"benchmarks.{module}")
 
 
 def test_the_benchmark_searches_few_models_for_the_largest_that_fits() -> None:
-    bench = _gpu_benchmark()
+    largest = _gpu_benchmark("gpu_largest")
     tried: list[int] = []
 
     def fits_up_to(limit: int) -> Any:
@@ -414,18 +414,18 @@ def test_the_benchmark_searches_few_models_for_the_largest_that_fits() -> None:
 
         return fits
 
-    assert bench.search_largest(fits_up_to(150), 24, 512) == 150
+    assert largest.search_largest(fits_up_to(150), 24, 512) == 150
     assert tried == [24, 48, 96, 192, 144, 168, 156, 150]  # doubling, then bisection to within 1/16
-    assert bench.search_largest(fits_up_to(5), 24, 512) == 5  # the preset itself is too big: halving first
-    assert bench.search_largest(fits_up_to(0), 24, 512) is None
-    assert bench.search_largest(fits_up_to(10**6), 24, 100) == 100  # --max-layers
+    assert largest.search_largest(fits_up_to(5), 24, 512) == 5  # the preset itself is too big: halving first
+    assert largest.search_largest(fits_up_to(0), 24, 512) is None
+    assert largest.search_largest(fits_up_to(10**6), 24, 100) == 100  # --max-layers
 
 
 def test_the_benchmark_takes_cpu_offload_on_gpus_only(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _gpu_benchmark()
+    bench, loops, largest = _gpu_benchmark(), _gpu_benchmark("gpu_loops"), _gpu_benchmark("gpu_largest")
     cfg, _ = bench.parse_args(["--cpu-offload"])
     assert cfg.cpu_offload and cfg.modes == ("strategy", "strategy-compiled")  # the plain loop has no offload
-    assert bench.strategy_options(cfg, compiled=False)["cpu_offload"] is True
+    assert loops.strategy_options(cfg, compiled=False)["cpu_offload"] is True
     assert bench.parse_args(["--find-largest"])[0].find_largest == "both"
     for argv, message in (
         (["--cpu-offload", "--device", "cpu"], "--cpu-offload moves the strategy's states"),
@@ -435,6 +435,6 @@ def test_the_benchmark_takes_cpu_offload_on_gpus_only(capsys: pytest.CaptureFixt
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert message in capsys.readouterr().err
-    found = [bench.Largest(False, 48, 2_400_000_000, []), bench.Largest(True, None)]
-    text = bench.format_largest(cfg, found)
+    found = [largest.Largest(False, 48, 2_400_000_000, []), largest.Largest(True, None)]
+    text = largest.format_largest(cfg, found)
     assert "states on the GPU   48 layers, 2.40B params: n/a" in text and "with cpu_offload    none" in text

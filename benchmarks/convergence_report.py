@@ -1,0 +1,183 @@
+"""The tables, docs block and chart of a ``--convergence`` report (the one
+:func:`benchmarks.convergence_analysis.build_convergence_report` builds): what ``emulated_cluster.py --convergence``
+and ``convergence.py`` print (:func:`format_convergence_table`), the block ``benchmarks/figures.py`` renders into
+docs/semi-sync.md (:func:`figure_markdown`) and ``convergence.png`` (:func:`draw_convergence`). Formatting only:
+the numbers are the report's, the chart's curves its records' (:func:`heldout_curve`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.convergence_analysis import TARGETS, heldout_curve
+from benchmarks.convergence_setup import REFERENCE
+
+#: The chart's loss axis stops here: the first evaluations fall from ln(256) = 5.5 within a few thousand tokens,
+#: and the differences that matter are near the floor.
+LOSS_AXIS_TOP = 2.6
+
+
+def _label(row: dict[str, Any], planner_row: Optional[str]) -> str:
+    label = row["strategy"] + (f" (H={row['sync_every']})" if row.get("sync_every") else "")
+    return label + (", planner's H" if row["strategy"] == planner_row else "")
+
+
+def _per_seed(row: dict[str, Any], key: str, pattern: str) -> str:
+    return " / ".join("-" if s[key] is None else pattern.format(s[key]) for s in row["seeds"])
+
+
+def _mean_range(spread: dict[str, Any], pattern: str) -> str:
+    if spread["mean"] is None:
+        missing = spread["seeds"] - spread["seeds_with_value"]
+        return f"not reached in {missing} of {spread['seeds']}" if spread["seeds"] else "-"
+    return f"{pattern.format(spread['mean'])} ({pattern.format(spread['min'])}-{pattern.format(spread['max'])})"
+
+
+def format_convergence_table(report: dict[str, Any], markdown: bool = False) -> str:
+    """One row per (ratio, strategy): budget, step time, final held-out loss, each seed's two ratios and their
+    means with their ranges."""
+    header = ["ratio", "strategy", "tokens (x mics-auto)", "s/step", "final held-out loss",
+              "time ratio per seed", "mean time ratio (range)", "loss ratio per seed", "mean loss ratio (range)"]
+    table = [header]
+    for point in report["points"]:
+        planner_row = (point.get("planner") or {}).get("row")
+        for r in point["summary"]:
+            if r["s_per_step"] is None:
+                statuses = ", ".join(str(s["status"])[:40] for s in r["seeds"])
+                table.append([f"{point['bandwidth_ratio']:g}", _label(r, planner_row), statuses, *["-"] * 6])
+                continue
+            table.append([
+                f"{point['bandwidth_ratio']:g}", _label(r, planner_row),
+                f"{r['tokens']:,} ({_fmt(r.get('budget_over_reference'), '{:.2f}')})",
+                f"{r['s_per_step']:.3f}", f"{r['final_heldout_loss']:.4f}",
+                _per_seed(r, "time_to_sync_final_loss_ratio", "{:.3f}"),
+                _mean_range(r["time_to_sync_final_loss_ratio"], "{:.3f}"),
+                _per_seed(r, "final_loss_ratio", "{:.4f}"),
+                _mean_range(r["final_loss_ratio"], "{:.4f}"),
+            ])
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|---:|---|" + "---:|" * (len(header) - 2),
+                          *("| " + " | ".join(row) + " |" for row in table[1:])])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 1 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in table]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+#: What the docs' block says before the measurement has run.
+NOT_MEASURED = (
+    "**Not measured yet.** Run `sudo \"$(command -v python)\" benchmarks/emulated_cluster.py --convergence` (about "
+    "20 minutes on 2 cores; it writes `benchmarks/results/convergence/convergence.json` and `.png`), then "
+    "`python benchmarks/figures.py` to render its numbers here.\n"
+)
+
+
+def figure_markdown(report: Optional[dict[str, Any]]) -> str:
+    """The block ``benchmarks/figures.py`` renders into docs/semi-sync.md: the headline, the planner's answer, the
+    reference's wire fraction, the table, the targets and the chart (:data:`NOT_MEASURED` without a report)."""
+    if report is None:
+        return NOT_MEASURED
+    planner = report.get("planner") or {}
+    wire = report.get("reference_wire_fraction") or {}
+    met = report.get("targets_met") or {}
+    spread = report.get("spread") or {}
+    lines = [
+        (f"Ratio {report['headline_bandwidth_ratio']:g}, {len(report.get('seeds', []))} seeds; the planner names "
+         f"H = {planner.get('sync_every')} (row `{report.get('headline_strategy')}`); `mics-auto`'s measured wire "
+         f"fraction {_fmt(wire.get('mean'), '{:.2f}')}."),
+        "",
+        format_convergence_table({"points": report["points"][:1]}, markdown=True),
+        "",
+        "| target (planner's row) | value | met |",
+        "|---|---:|:-:|",
+    ]
+    for key, limit in TARGETS.items():
+        values = spread.get(key.removeprefix("mean_").removeprefix("every_seed_")) or {}
+        complete = values.get("seeds") and values.get("seeds_with_value") == values.get("seeds")
+        value = values.get("mean" if key.startswith("mean_") else "max") if complete else None
+        shown = _fmt(value, "{:.3f}") if complete else "not reached" if values else "-"
+        what = ("mean" if key.startswith("mean_") else "worst seed") + ", " + \
+            key.removeprefix("mean_").removeprefix("every_seed_")
+        lines.append(f"| {what} <= {limit:g} | {shown} | {'yes' if met.get(key) else 'no'} |")
+    rows = report.get("rows") or []
+    at_reference = [(row["strategy"], row.get("loss_ratio_at_reference_tokens") or {}) for row in rows
+                    if row.get("strategy") != REFERENCE]
+    shown = [f"`{name}` {_fmt(v.get('mean'), '{:.3f}')} ({_fmt(v.get('min'), '{:.3f}')}-{_fmt(v.get('max'), '{:.3f}')})"
+             for name, v in at_reference if v]
+    if shown:
+        lines += ["", "The DiLoCo rows train twice `mics-auto`'s tokens; their final loss ratio is at the end of that "
+                      "budget. At `mics-auto`'s own token count (mean over the seeds, range): " + "; ".join(shown) + "."]
+    lines += ["", "![Held-out loss of the global models against tokens and training wall-clock]"
+                  "(../benchmarks/results/convergence/convergence.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: Optional[float], pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def draw_convergence(report: dict[str, Any], path: Path) -> Optional[Path]:
+    """Held-out loss against tokens (left) and training wall-clock (right), one row of panels per bandwidth ratio,
+    one colour per row and one line per seed (the loss axis cut at :data:`LOSS_AXIS_TOP`, or higher where a row ends
+    above it); the dashed line is
+    mics-auto's final held-out loss (the mean over the seeds; each seed's ratios use its own), the dotted one the
+    chain's entropy rate (the best any model can do)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing, so no chart: `pip install -e '.[bench]'`", file=sys.stderr)
+        return None
+    floor = report["settings"].get("entropy_rate")
+    points = report["points"]
+    fig, axes = plt.subplots(len(points), 2, figsize=(11, 4.2 * len(points)), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    for (left, right), point in zip(axes, points):
+        names = list(dict.fromkeys(r["strategy"] for r in point["runs"]))
+        seeds = list(dict.fromkeys(r.get("seed") for r in point["runs"]))
+        colours = {name: f"C{i}" for i, name in enumerate(names)}
+        targets, finals = [], []
+        for record in point["runs"]:
+            if record.get("status") != "ok":
+                continue
+            c = heldout_curve(record)
+            style = styles[seeds.index(record.get("seed")) % len(styles)]
+            label = record["strategy"] + (f" (H={record['sync_every']})" if record.get("sync_every") else "") + \
+                f", seed {record.get('seed')}"
+            # a step function: the metric reads the curve at the evaluation points only
+            drawn = {"color": colours[record["strategy"]], "label": label, "linewidth": 1, "drawstyle": "steps-post"}
+            left.plot([t / 1e3 for t in c["tokens"]], c["loss"], style, **drawn)
+            right.plot(c["time_s"], c["loss"], style, **drawn)
+            finals.append(c["loss"][-1])
+            if record["strategy"] == REFERENCE:
+                targets.append(c["loss"][-1])
+        for axis in (left, right):
+            if targets:
+                axis.axhline(statistics.mean(targets), color="gray", linestyle="--", linewidth=0.8,
+                             label="mics-auto's final held-out loss (mean)")
+            if floor is not None:
+                axis.axhline(floor, color="black", linestyle=":", linewidth=0.8, label="entropy rate (floor)")
+            axis.set_ylabel("held-out loss of the global model")
+            axis.grid(alpha=0.3)
+            bottom = (floor or 0.0) * 0.97
+            top = max(LOSS_AXIS_TOP, 1.15 * max(finals, default=0.0))  # every row's end stays in view
+            axis.set_ylim(bottom=bottom, top=max(bottom + 0.5, min(top, axis.get_ylim()[1])))
+        left.set_xlabel("tokens (thousands, all ranks)")
+        right.set_xlabel("training wall-clock (s, evaluations excluded)")
+        rate = point["network"]["inter_node_rate_bytes_per_s"]
+        left.set_title(f"inter-node link 1/{point['bandwidth_ratio']:g} of loopback ({rate / 1e6:,.1f} MB/s)",
+                       fontsize=9)
+        right.set_title(f"time to mics-auto's final held-out loss, ratio {point['bandwidth_ratio']:g}", fontsize=9)
+        right.legend(fontsize=6)
+    fig.suptitle(textwrap.fill(f"Held-out loss against tokens and wall-clock: {report['command']}", 120), fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
