@@ -52,9 +52,7 @@ from benchmarks.convergence_setup import (  # noqa: E402
 )
 from benchmarks.emulated_modes import run_convergence, run_scaling, run_single  # noqa: E402
 
-# set_up_network and _last_error are not used here: fault_tolerance.py imports them from this module
-from benchmarks.emulated_network import add_link_arguments, link_request, set_up_network  # noqa: E402, F401
-from benchmarks.emulated_rows import _last_error  # noqa: E402, F401
+from benchmarks.emulated_network import add_link_arguments, link_request  # noqa: E402
 from benchmarks.netns import REPO_ROOT, check_prerequisites, prepare_host  # noqa: E402
 from benchmarks.scaling import (  # noqa: E402
     DEFAULT_SCALING_NODES,

@@ -113,7 +113,7 @@ def _wait_all(procs: list[tuple[int, RankProcess, Path]], deadline: float) -> Op
             if code is None:
                 pending = True
             elif code != 0:
-                return f"failed: rank {rank} exited with {code}: {_last_error(log)}"
+                return f"failed: rank {rank} exited with {code}: {last_error(log)}"
         if not pending:
             return None
         if time.monotonic() > deadline:
@@ -121,7 +121,8 @@ def _wait_all(procs: list[tuple[int, RankProcess, Path]], deadline: float) -> Op
         time.sleep(0.5)
 
 
-def _last_error(log: Path) -> str:
+def last_error(log: Path) -> str:
+    """A failed process's log in one line: its last line that names an error, else its last line."""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error" in line]
     return (errors or lines or ["(no output)"])[-1][:300]

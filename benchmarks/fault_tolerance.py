@@ -85,7 +85,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks`, `examples` and `lightning_mics` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.emulated_cluster import add_link_arguments, link_request, set_up_network
+from benchmarks.emulated_network import add_link_arguments, link_request, set_up_network
 from benchmarks.fault_tolerance_analysis import (
     failure_results,
     median_step_seconds,

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.emulated_cluster import _last_error
+from benchmarks.emulated_rows import last_error
 from benchmarks.fault_tolerance_logs import NODES, RANKS_PER_NODE, VICTIM, RunLog, median_interval, read_rows
 from benchmarks.fault_tolerance_worker import Job
 from benchmarks.netns import UPLINK, EmulatedCluster, RankProcess, rank_environment
@@ -113,7 +113,7 @@ def start_lighthouse(bench: Bench, min_replicas: int, port: int) -> tuple[str, s
     proc = bench.cluster.spawn_in(bench.cluster.switch_namespace, argv, stdout=log, stderr=subprocess.STDOUT)
     time.sleep(1.0)
     if proc.poll() is not None:
-        raise RuntimeError(f"the Lighthouse did not start: {_last_error(Path(log.name))}")
+        raise RuntimeError(f"the Lighthouse did not start: {last_error(Path(log.name))}")
     return f"http://{bind}", proc
 
 
@@ -161,7 +161,7 @@ def sigkill(bench: Bench, procs: list[RankProcess]) -> None:
 def expect_done(outcome: str, job: Job, what: str) -> None:
     if outcome != "done":
         logs = sorted(Path(job.log_dir).glob("*.log"))
-        details = "; ".join(f"{log.name}: {_last_error(log)}" for log in logs)
+        details = "; ".join(f"{log.name}: {last_error(log)}" for log in logs)
         raise RunFailed(f"{what}: {outcome} ({details})")
 
 

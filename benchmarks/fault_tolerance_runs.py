@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.emulated_cluster import _last_error
+from benchmarks.emulated_rows import last_error
 from benchmarks.fault_tolerance_launch import (
     LIGHTHOUSE_PORT,
     Bench,
@@ -224,7 +224,7 @@ def restart_victim(
             return
         if attempt + 1 == max_attempts or not outcome.startswith(f"failed: node {VICTIM} "):
             expect_done(outcome, job, "fault tolerance, after the restart")
-        reason = _last_error(Path(job.log_dir) / f"node{VICTIM}.rank0.port{port}.log")
+        reason = last_error(Path(job.log_dir) / f"node{VICTIM}.rank0.port{port}.log")
         run.failures.append(f"restart {attempt + 1} of node {VICTIM} failed: {reason}")
         print(f"    {run.failures[-1]}", flush=True)
         bench.cluster.stop_all(nodes[VICTIM])
@@ -362,7 +362,7 @@ def run_ft_goodput(bench: Bench, schedule: Schedule) -> RunLog:
             for node, procs in list(nodes.items()):
                 codes = [proc.poll() for proc in procs]
                 if any(code is not None for code in codes):  # a group failed (or ended) by itself: again
-                    reason = _last_error(max(Path(job.log_dir).glob(f"node{node}.rank0.port*.log"),
+                    reason = last_error(max(Path(job.log_dir).glob(f"node{node}.rank0.port*.log"),
                                              key=lambda path: path.stat().st_mtime))
                     run.failures.append(f"node {node} exited ({codes}) at {time.time() - start:.1f} s: {reason}")
                     print(f"    {run.failures[-1]}", flush=True)
