@@ -6,12 +6,17 @@
 A figure block in a Markdown file is the text between ``<!-- figures:NAME -->`` and ``<!-- /figures -->``;
 :data:`FIGURES` says which results file and which renderer make block ``NAME``. Editing a number by hand, or
 a results file without re-rendering, makes ``--check`` (and the docs test) fail.
+
+A few blocks quote the layout planner's *predictions* (no results file: ``None`` in :data:`FIGURES`): their renderers
+compute them with :mod:`lightning_mics.planner` from the inputs they name, deterministically, so a change to the
+cost model shows up as a stale block too. Every measured number comes from a results file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -381,17 +386,187 @@ def verbatim(text: str) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
+def _importable() -> None:
+    """Make ``benchmarks`` and ``lightning_mics`` importable when this file runs as a script."""
+    if __package__ in (None, ""):
+        sys.path.insert(0, str(REPO))
+
+
 def convergence_table(results: Optional[dict[str, Any]]) -> str:
     """docs/semi-sync.md's block of one ``emulated_cluster.py --convergence`` run (``None``: not run yet)."""
-    if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-        sys.path.insert(0, str(REPO))
+    _importable()
     from benchmarks.convergence_report import figure_markdown
 
     return figure_markdown(results)
 
 
-#: block name -> (results file, renderer)
-FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
+def _row(results: dict[str, Any], strategy: str) -> dict[str, Any]:
+    return next(r for r in results["results"] if r["strategy"] == strategy)
+
+
+def _link_ratio(results: dict[str, Any]) -> float:
+    """An ``emulated_cluster.py`` report's node links as a fraction of the loopback (``--bandwidth-ratio``)."""
+    network = results["network"]
+    return network["loopback_per_node_bytes_per_s"] / network["inter_node_rate_bytes_per_s"]
+
+
+def _cluster(results: dict[str, Any]) -> str:
+    return f"{results['cluster']['num_nodes']} nodes x {results['cluster']['ranks_per_node']} ranks"
+
+
+def byte_model_sentence(results: dict[str, Any]) -> str:
+    """How far one run's measured inter-node bytes are from the byte model (``benchmarks/comm_model.py``): the
+    largest difference over its rows, from an ``emulated_cluster.py`` report (``results``) or a ``--scaling``
+    report (``rows``, bytes per node)."""
+    if "rows" in results:
+        pairs = [(r["inter_node_bytes_per_node_per_step"], r["expected_inter_node_bytes_per_node_per_step"])
+                 for r in results["rows"] if r["status"] == "ok"]
+        what = "point"
+    else:
+        pairs = [(r["inter_node_bytes_per_step"], r["expected_inter_node_bytes_per_step"])
+                 for r in results["results"] if r.get("status") == "ok"]
+        what = "row"
+    errors = [measured / expected - 1 for measured, expected in pairs if measured and expected]
+    if not errors:
+        return "No row of this run has both measured and expected inter-node bytes.\n"
+    worst = max(errors, key=abs)
+    bound = math.ceil(abs(worst) * 1000) / 10  # per cent, rounded up: "within" stays true
+    return (f"Every {what}'s measured inter-node bytes are within {bound:.1f} % of the byte model "
+            f"({len(errors)} {what}s; the largest difference {worst * 100:+.2f} %).\n")
+
+
+def wire_formats_sentence(results: dict[str, Any]) -> str:
+    """docs/usage.md's line on the compressed hop 2 on the emulated cluster: the int8 row's inter-node bytes
+    against the byte model and fp32, and the ``mics-zero2`` layout's step time with each wire format."""
+    fp32, int8 = _row(results, "mics"), _row(results, "mics-int8")
+    steps = [_row(results, name)["step_time_s"] for name in ("mics-zero2", "mics-zero2-bf16", "mics-zero2-int8")]
+    return (
+        f"At ratio {_link_ratio(results):.0f}, {_cluster(results)}: with an int8 wire the veths carry "
+        f"{int8['inter_node_bytes_per_step'] / 1e6:.1f} MB per step (byte model "
+        f"{int8['expected_inter_node_bytes_per_step'] / 1e6:.1f}; fp32 wire: {fp32['inter_node_bytes_per_step'] / 1e6:.1f}), "
+        f"and the `mics-zero2` layout, where the link bounds the step, takes {steps[0]:.2f} s (fp32 wire), "
+        f"{steps[1]:.2f} s (bf16) and {steps[2]:.2f} s (int8).\n"
+    )
+
+
+def optimizer_group_sentence(results: dict[str, Any]) -> str:
+    """docs/planner.md's measured case for ``OS = G``: the ``mics-auto`` row (which ran ``P=1 G=4 OS=8``) against
+    ``mics-zero2`` (``P=1 G=4 OS=4``) in one run."""
+    wide, narrow = _row(results, "mics-auto"), _row(results, "mics-zero2")
+    label = f"P={wide['params_degree']} G={wide['partition_size']} OS={wide['optim_degree']}"
+    return (
+        f"At ratio {_link_ratio(results):.0f}, {_cluster(results)}, `{label}` (the `mics-auto` row) took "
+        f"{wide['step_time_s']:.2f} s a step where `P=1 G={narrow['partition_size']} OS={narrow['partition_size']}` "
+        f"(`mics-zero2`) took {narrow['step_time_s']:.2f} s.\n"
+    )
+
+
+def planner_accuracy_sentence(results: dict[str, Any]) -> str:
+    """docs/planner.md's count of rows the planner predicts within its target, from
+    ``benchmarks/compare_planner.py --fit-compute`` on one ``emulated_cluster.py`` report (the comparison the
+    benchmark prints; the prediction is the library's cost model, the step times the report's)."""
+    _importable()
+    from benchmarks.compare_planner import TARGET, build_parser, compare
+
+    rows, _ = compare(results, build_parser().parse_args(["--fit-compute"]))
+    ok = [r for r in rows if r["status"] == "ok"]
+    misses = [f"`{r['strategy']}` ({r['step_time_error'] * 100:+.0f} %)" for r in ok
+              if abs(r["step_time_error"]) > TARGET]
+    return (f"At ratio {_link_ratio(results):.0f}: {len(ok) - len(misses)} of {len(ok)} rows within ±{TARGET * 100:.0f} %"
+            + (f"; outside it {', '.join(misses)}" if misses else "") + ".\n")
+
+
+# --- planner predictions: computed by the library's cost model from the inputs written here, not measured ---------
+
+
+def paper_speedup_table(_: None = None) -> str:
+    """docs/planner.md's table against the MiCS paper. Not a measurement and not read from a results file: the
+    library's planner (:func:`lightning_mics.planner.mics_speedup_over_zero3`, deterministic) predicts MiCS
+    (partition = one node) over ZeRO-3 with flat rings for BERT-10B with the paper's recipe, on the ``p3dn``
+    preset at 100 and 400 Gbps (80 % of the line rate achieved, as ``tests/test_planner.py``) and the ``p4d``
+    preset. A change to the cost model changes the table, and ``--check`` says so."""
+    from dataclasses import replace
+
+    _importable()
+    from lightning_mics.planner import CLUSTER_PRESETS, MODEL_PRESETS, NETWORK_EFFICIENCY, TrainingSpec
+    from lightning_mics.planner import mics_speedup_over_zero3
+
+    bert = MODEL_PRESETS["bert-10b"]
+
+    def cluster(preset: str, nodes: int, gbps: Optional[float] = None) -> Any:
+        spec = CLUSTER_PRESETS[preset].with_nodes(nodes)
+        return spec if gbps is None else replace(spec, inter_node_bandwidth=NETWORK_EFFICIENCY * gbps * 1e9 / 8)
+
+    def training(micro_batch: int) -> Any:
+        return TrainingSpec(micro_batch=micro_batch, accumulation=4, precision="deepspeed-fp16",
+                            activation_checkpointing=True)
+
+    columns = [(2, "p3dn", 100), (2, "p3dn", 400), (2, "p4d", None), (8, "p3dn", 100), (8, "p3dn", 400)]
+    lines = ["| nodes (GPUs) | micro-batch 2: V100 @ 100 Gbps | V100 @ 400 Gbps | p4d (A100, 400 Gbps) | "
+             "micro-batch 8: V100 @ 100 Gbps | V100 @ 400 Gbps |", "|---|---|---|---|---|---|"]
+    for nodes in (2, 4, 8, 16):
+        gains = [mics_speedup_over_zero3(cluster(preset, nodes, gbps), bert, training(micro_batch))
+                 for micro_batch, preset, gbps in columns]
+        lines.append(f"| {nodes} ({nodes * 8}) | " + " | ".join(f"{g:.2f}×" for g in gains) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cross_region_job(inter_bandwidth: str, **training: Any) -> Any:
+    """The plan of docs/planner.md's cross-region example: 4 p4d nodes, a 1.3B GPT, micro-batch 2 x 4
+    micro-steps, ``P = G = OS`` layouts only (``lightning-mics plan --cluster p4d --nodes 4 --model gpt-1.3b
+    --micro-batch 2 --accumulation 4 --inter-bandwidth ... --uniform-only``)."""
+    from dataclasses import replace
+
+    _importable()
+    from lightning_mics.planner import CLUSTER_PRESETS, MODEL_PRESETS, TrainingSpec, parse_bandwidth, plan
+
+    cluster = replace(CLUSTER_PRESETS["p4d"].with_nodes(4), inter_node_bandwidth=parse_bandwidth(inter_bandwidth))
+    return plan(cluster, MODEL_PRESETS["gpt-1.3b"], TrainingSpec(micro_batch=2, accumulation=4, **training),
+                uniform_only=True)
+
+
+def semi_sync_advice_sentence(_: None = None) -> str:
+    """The planner's semi-synchronous advice for the cross-region example, and the same job on a fast link. A
+    prediction computed by the library's planner (deterministic), not a measurement."""
+    slow, fast = _cross_region_job("1Gbps"), _cross_region_job("400Gbps")
+    advice = slow.semi_sync_advice
+    text = (f"Predicted by the planner (not measured): at 1 Gbps between 4 p4d nodes a 1.3B GPT (micro-batch "
+            f"2 x 4 micro-steps) computes "
+            f"{slow.winner.busy_fraction * 100:.0f} % of its step synchronously")
+    if advice is not None:
+        text += f" and {advice.semi_sync.busy_fraction * 100:.0f} % with DiLoCo at H={advice.sync_every}"
+    text += f"; at 400 Gbps it computes {fast.winner.busy_fraction * 100:.0f} % synchronously"
+    text += " and gets no advice.\n" if fast.semi_sync_advice is None else ", and still gets advice.\n"
+    return text
+
+
+def streaming_diloco_sentence(_: None = None) -> str:
+    """What streaming DiLoCo's hiding buys in the cross-region example at H=64. A prediction computed by the
+    library's planner (deterministic), not a measurement."""
+    def step(fragments: int, delay: int) -> Any:
+        return _cross_region_job("1Gbps", sync_every=64, num_fragments=fragments,
+                                 fragment_sync_delay=delay).winner
+
+    diloco, short, long = step(1, 0), step(4, 4), step(4, 15)
+    return (f"Predicted by the planner (not measured): at 1 Gbps between 4 p4d nodes a 1.3B GPT with H=64 takes "
+            f"{diloco.step_time_s:.2f} s a step with DiLoCo ({diloco.busy_fraction * 100:.0f} % computing), "
+            f"{short.step_time_s:.2f} s with 4 fragments and tau=4 and {long.step_time_s:.2f} s with tau=15 "
+            f"({long.busy_fraction * 100:.0f} % computing).\n")
+
+
+def grad_accumulation_example(_: None = None) -> str:
+    """docs/usage.md's example of ``grad_accumulation="auto"``: the layout log line the planner writes for a 1.3B
+    GPT on 2 nodes x 8 80 GB GPUs. Computed by the library's planner (deterministic), not measured."""
+    _importable()
+    from lightning_mics.planner import GIB, TrainingSpec, choose_layout
+
+    choice = choose_layout(16, 8, 1_300_000_000, 80 * GIB, training=TrainingSpec(micro_batch=4, accumulation=8),
+                           grad_accumulation="auto")
+    return f"`{choice.reason}`\n"
+
+
+#: block name -> (results file, renderer); ``None`` for a planner prediction the renderer computes with the library
+FIGURES: dict[str, tuple[Optional[str], Callable[[Any], str]]] = {
     "speed-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_table),
     "speed-ratio24-ratios": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", speed_ratios),
     "fault-tolerance-defaults": ("benchmarks/results/fault_tolerance_defaults/fault_tolerance.json",
@@ -435,6 +610,17 @@ FIGURES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "gpu-throughput": ("benchmarks/results/gpu_throughput.json", gpu_throughput_table),
     "gpu-throughput-readme": ("benchmarks/results/gpu_throughput.json", gpu_throughput_sentence),
     "telemetry-cost": ("benchmarks/results/telemetry_cost/telemetry_cost.json", telemetry_cost_table),
+    "byte-model-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", byte_model_sentence),
+    "byte-model-scaling": ("benchmarks/results/scaling/scaling.json", byte_model_sentence),
+    "wire-formats-ratio15": ("benchmarks/results/emulated_cluster.json", wire_formats_sentence),
+    "optimizer-group-ratio24": ("benchmarks/results/ratio24_quiet/emulated_cluster.json", optimizer_group_sentence),
+    "planner-accuracy-ratio15": ("benchmarks/results/emulated_cluster.json", planner_accuracy_sentence),
+    "planner-accuracy-ratio24": ("benchmarks/results/ratio24/emulated_cluster.json", planner_accuracy_sentence),
+    # planner predictions (no measurement): computed by lightning_mics.planner from the inputs their renderers name
+    "planner-paper-speedups": (None, paper_speedup_table),
+    "planner-semi-sync-advice": (None, semi_sync_advice_sentence),
+    "planner-streaming-diloco": (None, streaming_diloco_sentence),
+    "planner-grad-accumulation": (None, grad_accumulation_example),
 }
 #: Blocks whose measurement may not have run yet: without the results file their renderer gets ``None`` and says
 #: so (once the file exists, ``--check`` fails until the block is rendered from it).
@@ -444,6 +630,8 @@ AWAITING_RUN = frozenset({"convergence", "telemetry-cost"})
 def render(name: str, results: Optional[dict[str, Any]] = None) -> str:
     """Block ``name``'s text from its results file (or from ``results`` given here)."""
     path, renderer = FIGURES[name]
+    if path is None:  # a planner prediction: nothing is read
+        return renderer(None)
     if results is None and name in AWAITING_RUN and not (REPO / path).is_file():
         return renderer(None)
     if results is None:

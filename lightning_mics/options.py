@@ -223,16 +223,17 @@ class MiCSOptions:
     release_gradients_after_step: bool = True
     """With automatic optimization (Trainer only), set the gradients to ``None`` as soon as the optimizer
     step has used them. Lightning zeroes them only after the next training step's forward, so otherwise a
-    full set of gradients stays allocated through every forward (measured on one H100 with a 1.2B GPT:
-    4.4 GiB more peak memory than a plain PyTorch loop). ``False`` keeps Lightning's order, for code that
+    full set of gradients stays allocated through every forward (on a GPU: a whole fp32 gradient's worth more
+    peak memory than a plain PyTorch loop, docs/gpu.md). ``False`` keeps Lightning's order, for code that
     reads ``.grad`` after the step. Manual optimization is never touched."""
 
     gc_freeze: bool = True
     """When training starts (the Trainer's ``fit``, Fabric's ``setup``), collect Python's garbage (fully the first
-    time in a process, 0.2 s) and ``gc.freeze()`` the rest -- torch, Lightning, the model: ~400 K objects -- until
+    time in a process) and ``gc.freeze()`` the rest -- torch, Lightning, the model: ~400 K objects -- until
     the strategy's teardown.
-    Python's full garbage collections then skip those objects: one took 0.2-0.3 s on each rank every 30-60 s
-    here (measured on 2 CPU cores), 1 ms after the freeze. A synchronous job waits for the slowest rank, so
+    Python's full garbage collections then skip those objects: without the freeze each one walks them all, a
+    pause of a sizeable fraction of a second on each rank every minute or so of a CPU job, and about a
+    millisecond after it. A synchronous job waits for the slowest rank, so
     each such pause, at a random step on any rank, stalls every rank (a fault-tolerant heal's copy set one off
     mid-quorum). Skipped when the garbage collector is disabled or something froze objects already (the
     process's own policy); ``False`` leaves the collector as it is."""

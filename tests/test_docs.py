@@ -1,6 +1,6 @@
 """The README and docs/ hold together: relative links and their anchors resolve, fenced ``python`` blocks parse, the
-README stays short and its test command is the one .ci/run runs; the pages stay a manual (no dates, commit hashes or
-issue numbers, at most 500 lines) and every results folder is cited and every cited result exists.
+README stays short and its test command is the one .ci/run runs; the pages stay a manual (no dates, commit hashes,
+issue numbers or hand-typed measured figures, at most 500 lines) and every results folder is cited and exists.
 
 Plain text processing only (no torch, no Lightning): it runs in well under a second."""
 
@@ -9,7 +9,9 @@ import re
 import shlex
 import textwrap
 import unicodedata
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -386,3 +388,92 @@ def test_links_of_the_history_pages_resolve():
     assert len(pages) >= 3, f"expected the experiment logs and the changelog, found {pages}"
     problems = [problem for page in pages for problem in broken_links(page)]
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+# --- measured figures come from results files: none typed by hand into the prose ---------------------------------
+
+#: a decimal with a unit of time, memory, rate or ratio, or a percentage: what a measured figure looks like (the
+#: number and its unit on one line or either side of a line break)
+_GAP = r"[ \t\u00a0]*(?:\n[ \t]*)?"
+MEASURED = re.compile(
+    rf"\d+\.\d+{_GAP}(?:×|x\b|%|s\b|ms\b|GiB|MiB|MB|GB|samples/s|tokens/s)|\b\d+(?:\.\d+)?{_GAP}%"
+)
+FIGURE_BLOCK = re.compile(r"<!-- figures:[\w-]+ -->\n.*?<!-- /figures -->", re.DOTALL)
+# `code`, ``code``: within one paragraph (a code span may wrap onto the next line, never past a blank one)
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(?:(?!\n[ \t]*\n).)+?(?<!`)\1(?!`)", re.DOTALL)
+
+#: The numbers that look like measurements and are not: each exact phrase (line breaks in the page may fall on any of
+#: its spaces) and why it may stay. A measured number belongs in a figure block rendered from its results file.
+NOT_MEASURED = {
+    "≥ 55 % MFU": "target (docs/gpu.md; gpu_throughput.json's `targets`)",
+    "≥ 97 % of the plain loop's throughput": "target (docs/gpu.md; gpu_throughput.json's `targets`)",
+    "The target of 1.5x": "target (step over wire floor, docs/benchmarks.md)",
+    "The target is ±20 %": "target (the planner's accuracy against the benchmark)",
+    "(target ±20 %)": "target (the planner's accuracy against the benchmark)",
+    "at most 1 % of a step": "target (telemetry's cost)",
+    "`heartbeat_interval` | 0.5 s": "default (FaultTolerance.heartbeat_interval)",
+    "torchft's 0.1 s": "default (torchft's own heartbeat interval)",
+    "the final loss within 1 %": "bound (trajectory.final_loss_rel_diff <= 0.01, the fault-tolerance table)",
+    "A gap under 10 % is written in per cent": "threshold (how the plan table writes a gap)",
+    "within 2 % of the fastest (`tie_tolerance`)": "default (the planner's tie_tolerance)",
+    "within 5 % of the usable GPU memory (`memory_tie_tolerance`)": "default (the planner's memory_tie_tolerance)",
+    "the paper reports up to 2.82×": "paper (the MiCS paper's published speed-up)",
+    "within 1 % of single-process training": "bound (tests/test_equivalence.py, bf16 hop 2)",
+    "within 2 % of single-process training": "bound (tests/test_equivalence.py, int8 hop 2: INT8_RTOL)",
+    "~0.25x the bytes": "arithmetic (int8 blocks: (1 + 4/256) / 4 of fp32's bytes)",
+}
+
+
+def _phrase(phrase: str) -> re.Pattern:
+    return re.compile(r"\s+".join(re.escape(word) for word in phrase.split()))
+
+
+def hand_typed_figures(text: str, allowed: Optional[Iterable[str]] = None) -> list[tuple[int, str]]:
+    """(line number, number) of every measurement-shaped number in ``text`` outside figure blocks, fenced code,
+    inline code and link targets, and outside the ``allowed`` phrases (default: :data:`NOT_MEASURED`)."""
+    allowed = list(NOT_MEASURED) if allowed is None else list(allowed)
+    text = FIGURE_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    prose = "\n".join(split_fences(text)[0])
+    skipped = [m.span() for m in CODE_SPAN.finditer(prose)] + [m.span() for m in LINK_TARGET.finditer(prose)]
+    skipped += [m.span() for phrase in allowed for m in _phrase(phrase).finditer(prose)]
+    return [(prose.count("\n", 0, m.start()) + 1, m.group(0)) for m in MEASURED.finditer(prose)
+            if not any(start <= m.start() and m.end() <= end for start, end in skipped)]
+
+
+def scanned_pages() -> list[Path]:
+    return markdown_files()
+
+
+def test_figure_scanner_catches_typed_measurements_and_skips_blocks_code_and_allowed_phrases():
+    page = (
+        "`mics_auto` ran 1.31× DDP and predicted 4.88 s per\n"
+        "step, 45.6 GiB; 2 % busy, 0.254x the bytes and 12.5% of it.\n"
+        "<!-- figures:speed -->\nrendered 1.90 s and 2.36×\n<!-- /figures -->\n"
+        "```text\n4.89 s in a fence\n```\n"
+        "`0.86 MB inline` and `a span that\nwraps 7.0 GB` stay; [a link](results/lr0.3%/x.md); 1.003 and 12 steps pass.\n"
+        "The target of 1.5x stays, as does the target\nof 1.5x across a line break.\n"
+        "A figure wrapped as 3.07\n× is caught.\n"
+    )
+    assert hand_typed_figures(page, allowed=["target of 1.5x"]) == [
+        (1, "1.31×"), (1, "4.88 s"), (2, "45.6 GiB"), (2, "2 %"), (2, "0.254x"), (2, "12.5%"), (13, "3.07\n×")]
+    assert hand_typed_figures(page, allowed=[])[6:] == [(11, "1.5x"), (12, "1.5x"), (13, "3.07\n×")]
+
+
+def test_docs_quote_no_hand_typed_measured_figures():
+    pages = scanned_pages()
+    assert README in pages and DOCS / "usage.md" in pages and len(pages) >= 10
+    found = [f"{path.relative_to(ROOT)}:{line}: {number!r}" for path in pages
+             for line, number in hand_typed_figures(path.read_text(encoding="utf-8"))]
+    assert not found, (
+        "measured figures typed into the prose: render it with benchmarks/figures.py from a results file or reword it "
+        "(a target, default, bound or the paper's figure goes into tests/test_docs.py's NOT_MEASURED with its reason):\n"
+        + "\n".join(found)
+    )
+
+
+def test_every_allowed_figure_phrase_is_still_needed():
+    texts = [path.read_text(encoding="utf-8") for path in scanned_pages()]
+    unused = [phrase for phrase in NOT_MEASURED
+              if not any(hand_typed_figures(text, allowed=[]) != hand_typed_figures(text, allowed=[phrase])
+                         for text in texts)]
+    assert not unused, f"allow-list phrases that no page needs any more (drop them): {unused}"
