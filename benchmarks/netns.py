@@ -151,7 +151,7 @@ class EmulatedCluster:
         self._created = False
         self._fork_server: ForkServer | None = None
         #: each node's cpu cgroup (``cpu_quota=False``: none, the nodes share the host's cores)
-        self.cpu_quotas: NodeCpuQuotas | None = NodeCpuQuotas(prefix, num_nodes) if cpu_quota else None
+        self.cpu_quotas: NodeCpuQuotas | None = NodeCpuQuotas(self.prefix, num_nodes) if cpu_quota else None
         #: why the nodes run without CPU quotas although they were asked for (``None``: they have them, or
         #: ``cpu_quota=False``)
         self.cpu_quota_unavailable: str | None = None

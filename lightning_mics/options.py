@@ -22,7 +22,7 @@ import difflib
 import inspect
 import sys
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -174,6 +174,13 @@ class MiCSOptions:
     """With ``cross_replica_sync="diloco"``: streaming DiLoCo's alpha -- when a fragment's outer update lands, the
     parameters become ``(1 - alpha) * global + alpha * local`` (``local``: the group's own, trained during the
     delay). 0 takes the global values, as DiLoCo does."""
+
+    fragment_modules: Optional[Sequence[str]] = None
+    """With streaming DiLoCo (``num_fragments`` > 1): the modules of each fragment, in the order they synchronise,
+    by their names in the model (``LightningModule.named_modules()``; e.g. ``["model.blocks.0", "model.blocks.1"]``)
+    -- one fragment per name, ``num_fragments`` of them; a parameter under none joins the fragment before it.
+    ``None``: fragments follow the model's FSDP units (cut between blocks, at about equal elements), by element
+    count only where there are fewer units than fragments (the run says so)."""
 
     diloco_worker_size: WorkerSizeSpec = None
     """With ``cross_replica_sync="diloco"``: partition groups per DiLoCo worker. ``None`` or 1: each partition

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from lightning_mics.planner import (
     CLUSTER_PRESETS,
@@ -95,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--memory-bandwidth", type=_typed(parse_bandwidth), help="HBM, e.g. 1.5TB/s")
     cluster.add_argument("--overlap", type=float, help="fraction of compute that hides communication, 0..1")
     cluster.add_argument("--calibration", type=Path, help="JSON written by the 'calibrate' subcommand")
+    cluster.add_argument(
+        "--nodes-per-region", type=int, help="regions (zones, data centres) of this many nodes each (with "
+        "--region-bandwidth): the plan weighs two-level DiLoCo, synchronous inside a region, DiLoCo across regions"
+    )
+    cluster.add_argument(
+        "--region-bandwidth", type=_typed(parse_bandwidth), help="between two regions, shared by a region's GPUs, "
+        "e.g. 10Gbps"
+    )
+    cluster.add_argument("--region-latency", type=_typed(parse_seconds), help="between regions, e.g. 10ms")
 
     model = parser.add_argument_group(
         "model (a --model preset, a --hf-config file, or --params with --layers and --hidden)"
@@ -178,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TAU",
         help="streaming DiLoCo: inner steps each fragment's average runs behind (priced as hidden behind them)",
     )
+    search.add_argument(
+        "--diloco-worker-size",
+        type=_worker_size,
+        default=1,
+        metavar="K|region",
+        help="two-level DiLoCo (with --sync-every): DiLoCo workers of K partition groups, or 'region' (one per region), "
+        "synchronised at every step inside, averaged every H steps across",
+    )
     search.add_argument("--top", type=_non_negative_int, default=15, help="rows to show (0: all)")
     search.add_argument(
         "--show-infeasible",
@@ -186,6 +203,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser
+
+
+def _worker_size(text: str) -> Union[int, str]:
+    if text == "region":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of partition groups nor 'region'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a DiLoCo worker holds at least one partition group")
+    return value
 
 
 def _cluster_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ClusterSpec:
@@ -200,6 +229,9 @@ def _cluster_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser
         "compute_flops": args.compute,
         "memory_bandwidth": args.memory_bandwidth,
         "overlap": args.overlap,
+        "nodes_per_region": args.nodes_per_region,
+        "region_bandwidth": args.region_bandwidth,
+        "region_latency": args.region_latency,
     }
     given = {name: value for name, value in overrides.items() if value is not None}
     if args.cluster:
@@ -332,6 +364,7 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
             sync_every=args.sync_every,
             num_fragments=args.num_fragments,
             fragment_sync_delay=args.fragment_sync_delay,
+            diloco_worker_size=args.diloco_worker_size,
         )
         search: dict[str, Any] = {
             "uniform_only": args.uniform_only,
@@ -351,6 +384,11 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
         f"cluster: {cluster.name}, {cluster.nodes} x {cluster.gpus_per_node} GPUs, "
         f"{cluster.gpu_memory_bytes / 1024**3:.0f} GiB, intra {cluster.intra_node_bandwidth / 1e9:.0f} GB/s, "
         f"inter {cluster.inter_node_bandwidth * 8 / 1e9:.0f} Gbps per node, {cluster.compute_flops / 1e12:.0f} TFLOP/s"
+        + (
+            f", {cluster.regions} regions of {cluster.nodes_per_region} nodes joined at "
+            f"{cluster.region_bandwidth * 8 / 1e9:.3g} Gbps"
+            if cluster.nodes_per_region is not None and cluster.region_bandwidth is not None else ""
+        )
     )
     print(f"model: {_model_text(model)}")
     print(
@@ -359,6 +397,8 @@ def run_plan(argv: Optional[Sequence[str]] = None) -> int:
         + (" (each row says which mode it priced)" if args.grad_accumulation == "auto" else "")
         + (", activation checkpointing" if training.activation_checkpointing else "")
         + (f", semi-synchronous (DiLoCo) every {training.sync_every} steps" if training.sync_every else "")
+        + (f", DiLoCo workers of {training.diloco_worker_size} partition groups"
+           if training.diloco_worker_size != 1 else "")
     )
     print()
     print(result.table(top, show_infeasible=args.show_infeasible))

@@ -29,7 +29,9 @@ elements gathered and ``R_u`` trainable elements reduced (both padded to the sha
   every ``H``-th optimizer step one message of every unit's ``R_u / P`` parameter-delta shard packed
   together (``param_bytes`` per element, or the compressed pair above) is averaged across the
   replication group -- :attr:`ScheduledCollective.every_steps` ``= H``, so per optimizer step it
-  carries ``1 / H`` of its bytes on average.
+  carries ``1 / H`` of its bytes on average. Two-level DiLoCo (``worker_size = K`` partitions per worker):
+  the boundary hop above runs every step across the ``K`` replicas of a worker, and the outer message
+  every ``H`` steps across the workers (``outer_replication``).
 
 A partition (or parameter group) spanning nodes of ``m`` ranks with hierarchical collectives runs
 each all-gather as an inter-node stage on ``1/m`` of the buffer among same-local-rank peers, then
@@ -56,7 +58,9 @@ Phase = Literal["forward", "backward", "boundary", "post_step"]
 #: * ``param_group`` -- the smaller group parameters reshard to after forward (hpZ);
 #: * ``*_across_nodes`` / ``*_within_node`` -- the two stages of a hierarchical collective on the
 #:   partition or parameter group (same-local-rank peers on each node; the group's ranks on one node);
-#: * ``replication`` -- the ranks holding the same shard in different partitions;
+#: * ``replication`` -- the ranks holding the same shard in different partitions (with two-level DiLoCo: in the
+#:   partitions of one DiLoCo worker);
+#: * ``outer_replication`` -- two-level DiLoCo: the ranks at the same place in every worker (the outer round);
 #: * ``optim_shard`` -- replicas that split optimizer states among themselves (``OS > P``);
 #: * ``optim_replica`` -- ranks holding the same optimizer-state slice (``OS > P``, ``W > OS``).
 GroupRole = Literal[
@@ -67,6 +71,7 @@ GroupRole = Literal[
     "param_group_across_nodes",
     "param_group_within_node",
     "replication",
+    "outer_replication",
     "optim_shard",
     "optim_replica",
 ]
@@ -117,9 +122,17 @@ class StepLayout:
     #: semi-synchronous replica groups (``cross_replica_sync="diloco"``): optimizer steps between two outer
     #: synchronisations (DiLoCo's H); ``None``: a hop across replicas at every optimizer step
     sync_every: Optional[int] = None
+    #: two-level DiLoCo: partition groups per DiLoCo worker, synchronised every step (1: flat DiLoCo)
+    worker_size: int = 1
 
     def __post_init__(self) -> None:
         check_grad_accumulation(self.grad_accumulation)
+        replicas = self.world_size // self.partition_size
+        if self.worker_size < 1 or replicas % self.worker_size or (self.worker_size > 1 and self.sync_every is None):
+            raise ValueError(
+                f"worker_size={self.worker_size} must divide the {replicas} partition groups, and above 1 needs "
+                "sync_every (two-level DiLoCo)."
+            )
         if min(self.partition_size, self.world_size, self.accumulation) < 1 or self.world_size % self.partition_size:
             raise ValueError(
                 f"partition_size={self.partition_size} must divide world_size={self.world_size}, and accumulation="
@@ -138,6 +151,21 @@ class StepLayout:
     @property
     def optim(self) -> int:
         return self.partition_size if self.optim_degree is None else self.optim_degree
+
+    @property
+    def step_replicas(self) -> int:
+        """Replicas the boundary hop runs across every step: a worker's (two-level DiLoCo), none (flat DiLoCo:
+        1), else every partition group."""
+        if self.sync_every is not None:
+            return self.worker_size
+        return self.world_size // self.partition_size
+
+    @property
+    def outer_replicas(self) -> int:
+        """Replicas DiLoCo's outer round averages: the workers (1 when every step is synchronous)."""
+        if self.sync_every is None:
+            return 1
+        return self.world_size // self.partition_size // self.worker_size
 
 
 @dataclass(frozen=True)
@@ -259,7 +287,7 @@ def _gradient_reductions(unit: UnitSize, layout: StepLayout) -> list[ScheduledCo
         layout,
         "partition",
     )
-    if layout.sync_every is not None:
+    if layout.step_replicas == 1 and layout.sync_every is not None:
         return entries  # no hop across replicas on any step: the outer synchronisation (:func:`_outer_sync`)
     if layout.cross_replica_bytes is not None and layout.optim == layout.partition_size:
         if layout.cross_replica_per_unit:
@@ -277,7 +305,8 @@ def _cross_replica_reductions(unit: UnitSize, layout: StepLayout, reduced: Numbe
     shard = _div(reduced, p)
     if optim == p:
         return _issued(ScheduledCollective(
-            "boundary", "grad all-reduce across replicas", "all_reduce", "replication", w // p, shard, 1, False
+            "boundary", "grad all-reduce across replicas", "all_reduce", "replication", layout.step_replicas, shard,
+            1, False,
         ), layout)
     return [
         *_issued(ScheduledCollective(
@@ -295,12 +324,16 @@ def _cross_replica_reductions(unit: UnitSize, layout: StepLayout, reduced: Numbe
     ]
 
 
-def _compressed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> list[ScheduledCollective]:
+def _compressed_cross_replica(
+    units: Sequence[UnitSize], layout: StepLayout, outer: bool = False
+) -> list[ScheduledCollective]:
     """The compressed hop across replicas (``cross_replica_bytes``, ``OS = P``) of ``units``: one
     reduce-scatter and one all-gather per optimizer step of their ``R_u / P`` shards packed together, the
-    total padded to whole blocks of ``cross_replica_block`` elements for each replica."""
+    total padded to whole blocks of ``cross_replica_block`` elements for each replica -- across the replicas of
+    every step's hop, or (``outer``) DiLoCo's outer round's."""
     p = layout.partition_size
-    replicas = layout.world_size // p
+    replicas = layout.outer_replicas if outer else layout.step_replicas
+    role: GroupRole = "outer_replication" if outer and layout.worker_size > 1 else "replication"
     if layout.cross_replica_bytes is None or layout.optim != p or replicas <= 1:
         return []
     packed = sum(_div(unit.reduce_numel, p) for unit in units)
@@ -309,7 +342,7 @@ def _compressed_cross_replica(units: Sequence[UnitSize], layout: StepLayout) -> 
     return [
         ScheduledCollective(
             "boundary", f"compressed grad {kind.replace('_', '-')} across replicas", kind,  # type: ignore[arg-type]
-            "replication", replicas, payload, 1, False,
+            role, replicas, payload, 1, False,
         )
         for kind in ("reduce_scatter", "all_gather")
     ]
@@ -321,7 +354,7 @@ def _outer_sync(units: Sequence[UnitSize], layout: StepLayout) -> list[Scheduled
     of ``param_bytes`` per element, or a compressed wire's reduce-scatter and all-gather
     (:func:`_compressed_cross_replica`'s padding)."""
     assert layout.sync_every is not None
-    replicas = layout.world_size // layout.partition_size
+    replicas = layout.outer_replicas
     if replicas <= 1:
         return []
     every = layout.sync_every
@@ -331,12 +364,14 @@ def _outer_sync(units: Sequence[UnitSize], layout: StepLayout) -> list[Scheduled
                 "post_step", entry.what.replace("grad", "param delta") + f" every {every} steps", entry.kind,
                 entry.group, entry.group_size, entry.payload_bytes, entry.calls, False, every,
             )
-            for entry in _compressed_cross_replica(units, layout)
+            for entry in _compressed_cross_replica(units, layout, outer=True)
         ]
     packed = sum(_div(unit.reduce_numel, layout.partition_size) for unit in units)
+    role: GroupRole = "outer_replication" if layout.worker_size > 1 else "replication"
+    across = "across workers" if layout.worker_size > 1 else "across replicas"
     return [
         ScheduledCollective(
-            "post_step", f"param delta all-reduce across replicas every {every} steps", "all_reduce", "replication",
+            "post_step", f"param delta all-reduce {across} every {every} steps", "all_reduce", role,
             replicas, _exact(packed * layout.param_bytes), 1, False, every,
         )
     ]
@@ -350,11 +385,14 @@ def step_schedule(units: Sequence[UnitSize], layout: StepLayout) -> list[Schedul
         schedule += _parameter_gathers(unit, layout)
         if unit.reduce_numel:
             schedule += _gradient_reductions(unit, layout)
+    outer = []
     if layout.sync_every is not None:
-        return schedule + _outer_sync([unit for unit in units if unit.reduce_numel], layout)
+        outer = _outer_sync([unit for unit in units if unit.reduce_numel], layout)
+        if layout.step_replicas == 1:
+            return schedule + outer
     if layout.cross_replica_per_unit:
-        return schedule
-    return schedule + _compressed_cross_replica(units, layout)
+        return schedule + outer
+    return schedule + _compressed_cross_replica(units, layout) + outer
 
 
 def check_streaming_options(every: int, fragments: Any, delay: Any, alpha: Any) -> None:

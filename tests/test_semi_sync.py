@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, Subset
 from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
 from lightning_mics.layout import resolve_layout
-from lightning_mics.hop2.diloco import default_outer_optimizer, fragment_bounds
+from lightning_mics.hop2.diloco import default_outer_optimizer
+from lightning_mics.hop2.fragments import fragment_bounds, module_fragments
 from lightning_mics.accounting import CROSS_REPLICA, INTRA_PARTITION, analytic_comm_bytes
 from lightning_mics.shards import fsdp_unit_shapes
 from lightning_mics.telemetry import TrainingTelemetry
@@ -131,7 +132,7 @@ def streaming_reference(
     cfg: RunConfig, epochs: int, every: int, fragments: int, delay: int, alpha: float
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Streaming DiLoCo in one process (torchft's ``DiLoCo`` with ``fragment_sync_delay`` and
-    ``fragment_update_alpha``): the trained parameters cut by :func:`fragment_bounds`; every ``every / fragments``
+    ``fragment_update_alpha``): the trained parameters cut along the blocks (:func:`module_fragments`); every ``every / fragments``
     steps one fragment, in turn: ``delay`` steps before its turn the replicas' pseudo-gradients of it are averaged,
     at its turn the outer optimizer steps its global copy with that average and each replica's fragment becomes
     ``(1 - alpha) * global + alpha * local``."""
@@ -142,7 +143,9 @@ def streaming_reference(
     global_model = copy.deepcopy(base)
     global_params = trainable(global_model)
     outer_optimizer = default_outer_optimizer(global_params)
-    bounds = fragment_bounds([p.numel() for p in global_params], fragments)
+    names = [n for n, p in global_model.named_parameters() if p.requires_grad]
+    units = [f"blocks.{i}" for i in range(len(global_model.blocks))]  # the FSDP units, as the strategy wraps them
+    members, _ = module_fragments(names, [p.numel() for p in global_params], fragments, units)
     cadence = every // fragments
     tokens, targets = make_dataset(cfg.num_samples).tensors
     per_rank = [rank_samples(cfg, rank) for rank in range(WORLD)]
@@ -160,24 +163,22 @@ def streaming_reference(
             with torch.no_grad():
                 if counter == cadence - delay:
                     fragment = synced % fragments
-                    start, stop = bounds[fragment]
                     replicas = [trainable(m) for m in models]
                     pending = (fragment, [
                         torch.stack([global_params[i] - replica[i] for replica in replicas]).mean(0)
-                        for i in range(start, stop)
+                        for i in members[fragment]
                     ])
                 if counter == cadence:
                     assert pending is not None
                     fragment, averaged = pending
-                    start, stop = bounds[fragment]
-                    for i, value in zip(range(start, stop), averaged):
+                    for i, value in zip(members[fragment], averaged):
                         global_params[i].grad = value
                     outer_optimizer.step()
                     outer_optimizer.zero_grad()
                     for model in models:
                         mine = trainable(model)
-                        for i in range(start, stop):
-                            mine[i].copy_(alpha * mine[i] + (1 - alpha) * global_params[i])
+                        for i in members[fragment]:
+                            mine[i].copy_(torch.lerp(global_params[i], mine[i], alpha))  # torchft's form
                     counter, synced, pending = 0, synced + 1, None
     named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
     return named(global_model), [named(m) for m in models]
@@ -276,6 +277,7 @@ def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
     results["streaming"] = strip_prefix(full_parameters(module))
     results["streaming_global"] = strip_prefix(_anchors(trainer))
     results["streaming_outer_steps"] = trainer.strategy.engine.semi_sync.syncs[0].outer_steps
+    results["streaming_fragments"] = [(sync.names, sync.fragments) for sync in trainer.strategy.engine.semi_sync.syncs]
     # stopped after one epoch (step 3: fragment 1's average in flight), saved, resumed to the end
     path = str(Path(root, "streaming.ckpt"))
     module = PerRankData(STREAM_CFG)
@@ -362,6 +364,9 @@ def test_streaming_diloco_matches_a_hand_written_one_and_resumes_mid_flight(rank
         assert max_difference(result["streaming_global"], trained(global_model)) < TOLERANCE
         assert max_difference(result["streaming"], replicas[_replica_of(rank)]) < TOLERANCE
         assert result["streaming_saved_in_flight"]
+        # the fragments follow the FSDP units (blocks): the cut falls between two blocks
+        ((names, cut),) = result["streaming_fragments"]
+        assert [[names[i] for i in f] for f in cut][1][0] == "model.blocks.1.mix.weight"
         assert max_difference(result["streaming_resumed"], result["streaming"]) == 0
 
 

@@ -103,7 +103,7 @@ def attach(
         return dict(
             diloco.attach(
                 optimizers, modules, layout, attached, options.outer_optimizer, replica_group,
-                round_quorum, streaming,
+                round_quorum, streaming, options.fragment_modules,
             )
         )
     inner: dict[int, StepHook] = {}
@@ -112,6 +112,6 @@ def attach(
     if layout.settings.hop2.outer_every is None:
         return inner
     outer = diloco.attach(
-        optimizers, modules, layout, attached, options.outer_optimizer, None, None, streaming
+        optimizers, modules, layout, attached, options.outer_optimizer, None, None, streaming, options.fragment_modules
     )
     return {key: InnerThenOuter(inner.get(key), sync) for key, sync in outer.items()}

@@ -45,10 +45,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_mics.hop2.diloco_options import DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM, OuterOptimizerFactory
+from lightning_mics.hop2.fragments import Fragment, module_fragments, named_fragments
 from lightning_mics.shards import laid_out_like
 
 if TYPE_CHECKING:
@@ -60,28 +62,6 @@ log = logging.getLogger("lightning_mics")
 def default_outer_optimizer(params: list[Tensor]) -> Optimizer:
     """DiLoCo's outer optimizer: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``."""
     return torch.optim.SGD(params, lr=DILOCO_OUTER_LR, momentum=DILOCO_OUTER_MOMENTUM, nesterov=True)
-
-
-def fragment_bounds(numels: Sequence[int], fragments: int) -> list[tuple[int, int]]:
-    """Cut parameters of ``numels`` elements (in order) into ``fragments`` contiguous runs of about equal elements:
-    ``(start, stop)`` index ranges, none empty. Run on the global sizes, so every rank and replica cuts alike."""
-    if fragments > len(numels):
-        raise ValueError(
-            f"num_fragments={fragments} is more than the {len(numels)} trained parameter tensors of this optimizer: "
-            "lower it."
-        )
-    total = sum(numels)
-    bounds, start, running = [], 0, 0
-    for index, numel in enumerate(numels):
-        running += numel
-        still_to_cut = fragments - 1 - len(bounds)
-        after = len(numels) - index - 1  # tensors after this one: each later fragment needs one
-        reached_its_share = running >= total * (len(bounds) + 1) / fragments
-        if still_to_cut and after >= still_to_cut and (reached_its_share or after == still_to_cut):
-            bounds.append((start, index + 1))
-            start = index + 1
-    bounds.append((start, len(numels)))
-    return bounds
 
 
 def _local(t: Tensor) -> Tensor:
@@ -136,14 +116,24 @@ class OuterSync:
         fragments: int = 1,
         delay: int = 0,
         alpha: float = 0.0,
+        fragment_modules: Optional[Sequence[str]] = None,
+        unit_names: Sequence[str] = (),
     ) -> None:
         self.names = list(names)
         self.params = list(params)
         self.transport = transport
         self.round = round
         self.counter = counter
-        #: (start, stop) ranges of ``params``, synchronised in turn
-        self.fragments = fragment_bounds([p.numel() for p in self.params], fragments) if self.params else [(0, 0)]
+        #: indices into ``params`` of each fragment, synchronised in turn
+        self.fragments: list[Fragment] = [list(range(len(self.params)))]
+        #: why the fragments are cut by element count rather than along modules (``None``: they are not)
+        self.fragment_fallback: Optional[str] = None
+        if fragment_modules:
+            self.fragments = named_fragments(self.names, fragment_modules)
+        elif self.params and fragments > 1:
+            self.fragments, self.fragment_fallback = module_fragments(
+                self.names, [p.numel() for p in self.params], fragments, unit_names
+            )
         #: inner steps between two fragment synchronisations
         self.cadence = every // len(self.fragments)
         self.delay = delay
@@ -185,10 +175,9 @@ class OuterSync:
         if self.inner_steps >= self.cadence:
             self.finish_fragment()
 
-    def members(self, fragment: Optional[int]) -> range:
+    def members(self, fragment: Optional[int]) -> Sequence[int]:
         """The indices of ``fragment``'s parameters (``None``: all of them)."""
-        start, stop = (0, len(self.params)) if fragment is None else self.fragments[fragment]
-        return range(start, stop)
+        return range(len(self.params)) if fragment is None else self.fragments[fragment]
 
     @torch.no_grad()
     def pseudo_gradient(self, fragment: Optional[int] = None) -> Tensor:
@@ -254,8 +243,8 @@ class OuterSync:
         self.outer.zero_grad(set_to_none=True)
         for i in members:
             param, anchor = _local(self.params[i]), _local(self.anchors[i])
-            if self.alpha:
-                param.lerp_(anchor, 1.0 - self.alpha)  # alpha * local + (1 - alpha) * global
+            if self.alpha:  # global + alpha * (local - global), in torchft's form (the same bits)
+                param.copy_(torch.lerp(anchor, param, self.alpha))
             else:
                 param.copy_(anchor)
         self.inner_steps = 0
@@ -391,11 +380,13 @@ class SemiSync:
         replica_group: Optional[ReplicaGroup] = None,
         quorum: Optional[Callable[[], None]] = None,
         streaming: tuple[int, int, float] = (1, 0, 0.0),
+        fragment_modules: Optional[Sequence[str]] = None,
     ) -> dict[int, OuterSync]:
         """One :class:`OuterSync` per optimizer, over the parameters it steps (all of them in ``modules``' one
         model); returns them by ``id(optimizer)`` for the engine's step hooks. With fault tolerance
         (``replica_group``): the average goes through torchft, after ``quorum()`` -- the engine's, run once per
-        round (:class:`OuterSync`). ``streaming``: ``(num_fragments, fragment_sync_delay, fragment_update_alpha)``."""
+        round (:class:`OuterSync`). ``streaming``: ``(num_fragments, fragment_sync_delay, fragment_update_alpha)``;
+        ``fragment_modules``: the modules of each fragment (``None``: cut along the model's FSDP units)."""
         from lightning_mics.hop2.transport import ManagedTransport, ProcessGroupTransport
         from lightning_mics.wrapping import RootUnit
 
@@ -434,6 +425,7 @@ class SemiSync:
             round_quorum = partial(self._round_quorum, quorum)
 
         name_of = {id(p): name for name, p in module.named_parameters()}
+        unit_names = [name for name, m in module.named_modules() if isinstance(m, FSDPModule)]
         hooks: dict[int, OuterSync] = {}
         for optimizer in optimizers:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -445,9 +437,11 @@ class SemiSync:
                 )
             sync = OuterSync(
                 [name_of[id(p)] for p in params], params, transport, settings.hop2.sync_every, factory, round_quorum,
-                counter, *streaming,
+                counter, *streaming, fragment_modules=fragment_modules, unit_names=unit_names,
             )
             sync.run = self
+            if sync.fragment_fallback is not None:
+                log.warning("streaming DiLoCo: %s", sync.fragment_fallback)
             self.syncs.append(sync)
             self.optimizers.append(optimizer)
             hooks[id(optimizer)] = sync
@@ -533,11 +527,12 @@ def attach(
     replica_group: Optional[ReplicaGroup] = None,
     quorum: Optional[Callable[[], None]] = None,
     streaming: tuple[int, int, float] = (1, 0, 0.0),
+    fragment_modules: Optional[Sequence[str]] = None,
 ) -> dict[int, OuterSync]:
     """The step hooks of ``optimizers``: :meth:`SemiSync.attach` on the run the hooks already ``attached`` belong
     to (one per engine: its one model), or on a new one."""
     run = run_of(attached.values()) or SemiSync()
-    return run.attach(optimizers, modules, layout, factory, replica_group, quorum, streaming)
+    return run.attach(optimizers, modules, layout, factory, replica_group, quorum, streaming, fragment_modules)
 
 
 def run_of(hooks: Iterable[object]) -> Optional[SemiSync]:

@@ -7,7 +7,7 @@ combinations they refuse are DiLoCo's (docs/semi-sync.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -65,6 +65,7 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {options.outer_optimizer!r}."
         )
     check_streaming_options(every, options.num_fragments, options.fragment_sync_delay, options.fragment_update_alpha)
+    _check_fragment_modules(options)
     ft = options.fault_tolerance
     worker = options.diloco_worker_size
     if worker is not None and worker != "region" and (isinstance(worker, bool) or not isinstance(worker, int)
@@ -72,6 +73,11 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
         raise ValueError(
             f"diloco_worker_size={worker!r} must be a positive number of partition groups per DiLoCo worker, 'region' "
             "(one worker per region, ranks_per_region) or None (each partition group its own worker)."
+        )
+    if worker not in (None, 1) and options.partition_size == "auto":
+        raise ValueError(
+            f"diloco_worker_size={worker!r} (two-level DiLoCo) with partition_size='auto' is not planned at set-up: "
+            "give partition_size (lightning-mics plan --nodes-per-region ... --diloco-worker-size ... weighs them)."
         )
     if ft is not None and worker not in (None, 1):
         raise ValueError(
@@ -112,7 +118,31 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
 
 
 #: Streaming DiLoCo's options and the values that mean "plain DiLoCo" (the whole model synchronised at once).
-STREAMING_DEFAULTS: dict[str, Any] = {"num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+STREAMING_DEFAULTS: dict[str, Any] = {
+    "num_fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0, "fragment_modules": None,
+}
+
+
+def _check_fragment_modules(options: MiCSOptions) -> None:
+    """``fragment_modules``: distinct module names, one per fragment (stored as a tuple: Hydra gives a ListConfig)."""
+    names = options.fragment_modules
+    if names is None:
+        return
+    if isinstance(names, str) or not isinstance(names, Sequence) or not all(
+        isinstance(n, str) and n for n in names
+    ):
+        raise ValueError(
+            f"fragment_modules must be a list of module names (as in named_modules()), one per fragment, got {names!r}."
+        )
+    names = tuple(names)
+    if len(set(names)) != len(names):
+        raise ValueError(f"fragment_modules names a module more than once: {list(names)}.")
+    if len(names) != options.num_fragments:
+        raise ValueError(
+            f"fragment_modules names {len(names)} module(s), one per fragment: set num_fragments={len(names)} "
+            f"(it is {options.num_fragments})."
+        )
+    object.__setattr__(options, "fragment_modules", names)
 
 
 def describe_outer_optimizer(factory: Optional[OuterOptimizerFactory]) -> str:

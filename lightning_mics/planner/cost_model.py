@@ -123,17 +123,27 @@ class GroupShape:
 
     size: int
     per_node: int
+    #: regions the group spans (its ring crosses the region links when above 1)
+    regions: int = 1
+    #: ranks per region, where the cluster has regions
+    ranks_per_region: Optional[int] = None
 
     @property
     def nodes(self) -> int:
         return self.size // self.per_node
 
     @classmethod
-    def strided(cls, size: int, stride: int, ranks_per_node: int) -> GroupShape:
+    def strided(
+        cls, size: int, stride: int, ranks_per_node: int, ranks_per_region: Optional[int] = None
+    ) -> GroupShape:
         """The group ``{base + j * stride : j < size}`` under the contiguous rank layout: with a stride
-        smaller than a node, ``ranks_per_node / stride`` members share each node."""
+        smaller than a node, ``ranks_per_node / stride`` members share each node; with regions of
+        ``ranks_per_region`` ranks, ``ranks_per_region / stride`` members share each region."""
         per_node = min(size, max(1, ranks_per_node // stride))
-        return cls(size=size, per_node=per_node)
+        if ranks_per_region is None:
+            return cls(size=size, per_node=per_node)
+        per_region = min(size, max(1, ranks_per_region // stride))
+        return cls(size=size, per_node=per_node, regions=-(-size // per_region), ranks_per_region=ranks_per_region)
 
 
 @dataclass(frozen=True)
@@ -177,16 +187,32 @@ def collective_cost(
         )
     concurrent_groups = cluster.gpus_per_node / m  # groups of this shape sharing one node's NIC
     if hierarchical and m > 1:
-        inter = ring_cost(
-            payload_bytes / m, k, cluster.inter_node_latency, cluster.inter_node_bandwidth / cluster.gpus_per_node
+        bandwidth, latency = _across_regions(
+            cluster.inter_node_bandwidth / cluster.gpus_per_node, cluster.inter_node_latency, k, group, cluster
         )
+        inter = ring_cost(payload_bytes / m, k, latency, bandwidth)
         intra = ring_cost(payload_bytes, m, cluster.intra_node_latency, cluster.intra_node_bandwidth)
         egress = concurrent_groups * (k - 1) / k * payload_bytes
         return CollectiveCost(passes * (inter + intra), passes * egress)
-    edge_bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / concurrent_groups)
-    ring = ring_cost(payload_bytes, n, cluster.inter_node_latency, edge_bandwidth)
+    edge_bandwidth, latency = _across_regions(
+        min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / concurrent_groups),
+        cluster.inter_node_latency, n, group, cluster,
+    )
+    ring = ring_cost(payload_bytes, n, latency, edge_bandwidth)
     egress = concurrent_groups * (n - 1) / n * payload_bytes
     return CollectiveCost(passes * ring, passes * egress)
+
+
+def _across_regions(
+    bandwidth: float, latency: float, ring_size: int, group: GroupShape, cluster: ClusterSpec
+) -> tuple[float, float]:
+    """A ring edge's bandwidth and latency where ``group``'s ring of ``ring_size`` ranks crosses the links between
+    regions: every such ring of the region's ranks shares one region link, so each gets ``region_bandwidth`` over
+    their number -- a region's ranks over the ring's members in one region."""
+    if group.regions <= 1 or cluster.region_bandwidth is None or group.ranks_per_region is None:
+        return bandwidth, latency
+    crossing_rings = group.ranks_per_region / max(1.0, ring_size / group.regions)
+    return min(bandwidth, cluster.region_bandwidth / crossing_rings), max(latency, cluster.region_latency)
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -215,15 +241,18 @@ class Collective:
         return one * (self.count / self.every_steps)
 
 
-def _group_shape(role: str, size: int, layout: ShardingDegrees) -> GroupShape:
-    """Where the ranks of a :data:`~lightning_mics.schedule.GroupRole` sit, under the contiguous layout."""
+def _group_shape(
+    role: str, size: int, layout: ShardingDegrees, worker_size: int = 1, ranks_per_region: Optional[int] = None
+) -> GroupShape:
+    """Where the ranks of a :data:`~lightning_mics.schedule.GroupRole` sit, under the contiguous layout
+    (``worker_size``: partition groups per two-level DiLoCo worker; ``ranks_per_region``: the cluster's regions)."""
     r, g, os_ = layout.ranks_per_node, layout.grads, layout.optim
-    if role.endswith("_across_nodes"):
-        return GroupShape(size=size, per_node=1)
+    if role.endswith("_across_nodes"):  # same-local-rank peers: one per node, a node's ranks apart
+        return GroupShape.strided(size, r, r, ranks_per_region)
     if role.endswith("_within_node") or role in ("partition", "param_group"):
-        return GroupShape.strided(size, 1, r)
-    stride = {"replication": g, "optim_shard": g, "optim_replica": os_}[role]
-    return GroupShape.strided(size, stride, r)
+        return GroupShape.strided(size, 1, r, ranks_per_region)
+    stride = {"replication": g, "outer_replication": g * worker_size, "optim_shard": g, "optim_replica": os_}[role]
+    return GroupShape.strided(size, stride, r, ranks_per_region)
 
 
 def layout_schedule(
@@ -233,6 +262,8 @@ def layout_schedule(
     grad_accumulation: GradAccumulation = "sharded",
     hierarchical: bool = False,
     cross_replica_bytes: Optional[float] = None,
+    ranks_per_region: Optional[int] = None,
+    worker_size: int = 1,
 ) -> list[Collective]:
     """The collectives one rank issues per micro-step and per optimizer step:
     :func:`lightning_mics.schedule.step_schedule` for ``model.num_units`` equal units (the last, the
@@ -244,6 +275,8 @@ def layout_schedule(
     partition collectives spanning nodes run in MiCS's two stages (listed as two collectives).
     ``cross_replica_bytes``: bytes per element of a compressed cross-replica hop (``cross_replica_dtype``;
     :attr:`lightning_mics.wire.WireFormat.element_bytes`: 2 for bf16, 1 + 4 / 256 for int8).
+    ``ranks_per_region``: the cluster's regions, whose links a group spanning them crosses; ``worker_size``:
+    partition groups per two-level DiLoCo worker (:func:`diloco_worker_size`).
     """
     psi, units, b = float(model.params), model.num_units, training.bytes
     unit = psi / units
@@ -261,6 +294,7 @@ def layout_schedule(
         param_bytes=b.param_bytes,
         cross_replica_bytes=cross_replica_bytes,
         sync_every=training.sync_every,
+        worker_size=worker_size,
     )
     merged: dict[tuple[str, str, str, str], Collective] = {}
     for entry in step_schedule(sizes, step):
@@ -270,7 +304,7 @@ def layout_schedule(
             known = merged[key]
             merged[key] = replace(known, payload_bytes=known.payload_bytes + total, count=known.count + entry.calls)
         else:
-            group = _group_shape(entry.group, entry.group_size, layout)
+            group = _group_shape(entry.group, entry.group_size, layout, worker_size, ranks_per_region)
             merged[key] = Collective(
                 entry.phase, entry.what, entry.kind, group, total, entry.calls, entry.every_micro_step, entry.group,
                 entry.every_steps,
@@ -409,6 +443,8 @@ class LayoutEstimate:
     #: semi-synchronous replica groups (DiLoCo's H): the cross-replica synchronisation every this many steps,
     #: priced per step as ``1 / H`` of it (it runs after the step, fully exposed); ``None``: synchronous
     sync_every: Optional[int] = None
+    #: two-level DiLoCo: partition groups per DiLoCo worker (1: flat DiLoCo, or synchronous)
+    diloco_worker_size: int = 1
 
     @property
     def fits(self) -> bool:
@@ -425,8 +461,15 @@ class LayoutEstimate:
             + (" hier" if self.hierarchical else "")
             + (" unsharded-acc" if self.grad_accumulation == "unsharded" else "")
             + (" cpu-offload" if self.cpu_offload else "")
-            + (f" diloco H={self.sync_every}" if self.sync_every is not None else "")
+            + self._diloco_text
         )
+
+    @property
+    def _diloco_text(self) -> str:
+        if self.sync_every is None:
+            return ""
+        worker = f" workers of {self.diloco_worker_size} groups" if self.diloco_worker_size > 1 else ""
+        return f" diloco H={self.sync_every}{worker}"
 
     @property
     def layout_text(self) -> str:
@@ -435,7 +478,7 @@ class LayoutEstimate:
             f"{self.layout.kind}: {self.layout.label}"
             + (" hier" if self.hierarchical else "")
             + (" cpu-offload" if self.cpu_offload else "")
-            + (f" diloco H={self.sync_every}" if self.sync_every is not None else "")
+            + self._diloco_text
         )
 
     @property
@@ -461,6 +504,7 @@ class LayoutEstimate:
             "grad_accumulation": self.grad_accumulation,
             "cpu_offload": self.cpu_offload,
             "sync_every": self.sync_every,
+            "diloco_worker_size": self.diloco_worker_size,
             "busy_fraction": self.busy_fraction,
             "host_copy_s": self.host_copy_s,
             "host_memory_bytes": self.memory.host,
@@ -507,8 +551,10 @@ def estimate(
     a = training.accumulation
     tokens_micro = training.micro_batch * model.seq_len
     compute_micro = _compute_s_per_micro_step(model, training, cluster)
+    worker_size = diloco_worker_size(layout, cluster, training)
     schedule = layout_schedule(
-        layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes
+        layout, model, training, grad_accumulation, use_hierarchical and spans, cross_replica_bytes,
+        cluster.ranks_per_region, worker_size,
     )
     comm, first_forward = _costs_by_phase(schedule, cluster)
     copies = host_copies(layout, model, training, cluster, grad_accumulation)
@@ -534,7 +580,35 @@ def estimate(
         cpu_offload=training.cpu_offload,
         host_copy_s=copies.total_s(a),
         sync_every=training.sync_every,
+        diloco_worker_size=worker_size,
     )
+
+
+def diloco_worker_size(layout: ShardingDegrees, cluster: ClusterSpec, training: TrainingSpec) -> int:
+    """Partition groups per DiLoCo worker of ``layout`` (``TrainingSpec.diloco_worker_size``, ``"region"``: a
+    region's), validated as the strategy's topology validates it: whole nodes, dividing the partition groups,
+    tiling a region."""
+    worker = training.diloco_worker_size
+    g, replicas = layout.grads, layout.world_size // layout.grads
+    if worker == "region":
+        region = cluster.ranks_per_region
+        if region is None:
+            raise ValueError("diloco_worker_size='region' needs a cluster with regions (nodes_per_region).")
+        if region % g:
+            raise ValueError(f"a region of {region} ranks does not hold whole partitions of {g}.")
+        worker = region // g
+    assert isinstance(worker, int)
+    if worker == 1:
+        return 1
+    ranks = worker * g
+    region = cluster.ranks_per_region
+    if replicas % worker or ranks % layout.ranks_per_node or (region is not None and region % ranks):
+        raise ValueError(
+            f"a DiLoCo worker of {worker} partition groups of {g} ranks does not tile whole nodes of "
+            f"{layout.ranks_per_node}, the {replicas} partition groups"
+            + (f" and regions of {region} ranks" if region is not None else "")
+        )
+    return worker
 
 
 def _resolved(layout: Union[ShardingDegrees, ShardingSpec], cluster: ClusterSpec) -> ShardingDegrees:

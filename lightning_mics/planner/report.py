@@ -28,6 +28,13 @@ class SemiSyncAdvice:
 
     synchronous: LayoutEstimate  #: the best synchronous layout (the plan's winner)
     semi_sync: LayoutEstimate  #: the best layout with DiLoCo at :attr:`sync_every`
+    #: ranks per region where the cluster has several regions (the plan then weighs workers of a region first)
+    synchronous_region_ranks: Optional[int] = None
+
+    @property
+    def two_level(self) -> bool:
+        """Synchronous inside each DiLoCo worker of several partition groups, DiLoCo across workers."""
+        return self.semi_sync.diloco_worker_size > 1
 
     @property
     def sync_every(self) -> int:
@@ -42,13 +49,34 @@ class SemiSyncAdvice:
             f"replica groups would keep them {100 * semi.busy_fraction:.0f}% busy ({semi.name}, "
             f"{semi.step_time_s:.3g} s/step, {best.step_time_s / semi.step_time_s:.2f}x the "
             f"tokens/s): MiCSStrategy(cross_replica_sync='diloco', sync_every={self.sync_every}, "
-            f"partition_size={semi.layout.partition_size}). DiLoCo is not synchronous training -- measure the loss it "
-            "reaches (docs/semi-sync.md)."
+            f"partition_size={semi.layout.partition_size}"
+            + (", diloco_worker_size='region'" if self.two_level else "")
+            + f"). {self._levels()}DiLoCo is not synchronous training -- measure the loss it reaches "
+            "(docs/semi-sync.md)."
+        )
+
+    def _levels(self) -> str:
+        """Which levels synchronise how: where the cluster has regions, whether the DiLoCo workers are its regions
+        (a hop 2 or the partition's collectives every step inside each, DiLoCo only across regions)."""
+        semi, region = self.semi_sync, self.synchronous_region_ranks
+        if region is None:
+            return ""
+        worker_ranks = semi.layout.grads * semi.diloco_worker_size
+        if worker_ranks == region:
+            inside = (
+                f"DiLoCo workers of {semi.diloco_worker_size} partition groups, a hop 2 at every step between them"
+                if semi.diloco_worker_size > 1 else "one partition group sharding the model states across the region"
+            )
+            return f"Two-level: synchronous inside each region ({inside}), DiLoCo across regions only. "
+        return (
+            f"Flat: DiLoCo workers of {worker_ranks} ranks, smaller than a region of {region} -- even inside a region "
+            "the links cannot carry a per-step hop 2 while the GPUs stay busy. "
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "sync_every": self.sync_every,
+            "diloco_worker_size": self.semi_sync.diloco_worker_size,
             "synchronous_busy_fraction": self.synchronous.busy_fraction,
             "semi_sync": self.semi_sync.to_dict(),
         }
@@ -135,6 +163,8 @@ class Plan:
         if training.sync_every is not None:
             arguments["cross_replica_sync"] = repr("diloco")
             arguments["sync_every"] = str(training.sync_every)
+            if training.diloco_worker_size != 1:
+                arguments["diloco_worker_size"] = repr(training.diloco_worker_size)
             if training.num_fragments != 1:
                 arguments["num_fragments"] = str(training.num_fragments)
             if training.fragment_sync_delay:
@@ -217,6 +247,12 @@ class Plan:
             )
         if self.semi_sync_advice is not None:
             lines.append(self.semi_sync_advice.explain())
+        elif best.sync_every is None and self.cluster.regions > 1 and best.busy_fraction >= BUSY_ENOUGH:
+            lines.append(
+                f"  {self.cluster.regions} regions of {self.cluster.nodes_per_region} nodes: the links between them "
+                f"carry a hop 2 at every step with the GPUs computing {100 * best.busy_fraction:.0f}% of it -- "
+                "synchronous MiCS, no DiLoCo needed."
+            )
         world, node = self.cluster.world_size, min(self.cluster.gpus_per_node, self.cluster.world_size)
         rivals: list[tuple[str, LayoutEstimate]] = []
         if len(self.ranked) > 1:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional, Union
 
 from lightning_mics.accumulation import GRAD_ACCUMULATION_MODES, GradAccumulation, check_grad_accumulation
-from lightning_mics.planner.cost_model import LayoutEstimate, estimate
+from lightning_mics.planner.cost_model import LayoutEstimate, diloco_worker_size, estimate
 from lightning_mics.planner.report import BUSY_ENOUGH, Plan, SemiSyncAdvice, gib_text, leanest
 from lightning_mics.planner.specs import ClusterSpec, ModelSpec, TrainingSpec
 from lightning_mics.planner.ties import MEMORY_TIE_TOLERANCE, TIE_TOLERANCE, near_ties, tie_break_winner
@@ -78,6 +78,15 @@ def plan(
                 f"no layout of partition size {partition_size} keeps optimizer states sharded like the gradients, "
                 "which cpu_offload and sync_every need."
             )
+    if training.diloco_worker_size != 1:  # two-level DiLoCo: only layouts whose partitions tile the workers
+        layouts = [layout for layout in layouts if _tiles_workers(layout, cluster, training)]
+        if not layouts:
+            raise ValueError(
+                f"no layout's partition groups tile DiLoCo workers of diloco_worker_size="
+                f"{training.diloco_worker_size!r} on {cluster.nodes} nodes of {cluster.gpus_per_node} GPUs"
+                + (f" in regions of {cluster.nodes_per_region} nodes" if cluster.nodes_per_region else "")
+                + "."
+            )
     modes: tuple[GradAccumulation, ...] = (
         GRAD_ACCUMULATION_MODES if grad_accumulation == "auto" else (grad_accumulation,)  # type: ignore[assignment]
     )
@@ -128,20 +137,32 @@ def _semi_sync_advice(
     """The semi-synchronous layout with the smallest H that keeps the GPUs busy (:data:`BUSY_ENOUGH`), when the
     best synchronous one does not; ``None`` when no H does (then intra-partition traffic or memory, not the link
     across replicas, holds the step back) or no layout has replicas to synchronise."""
-    for every in ADVISED_SYNC_EVERY:
-        try:
-            semi = plan(
-                cluster, model, replace(training, sync_every=every), uniform_only, hierarchical,
-                grad_accumulation=grad_accumulation, partition_size=partition_size,
-                cross_replica_bytes=cross_replica_bytes,
-            ).winner
-        except ValueError:  # no layout keeps optimizer states sharded like the gradients
-            return None
-        if semi.layout.grads == semi.layout.world_size:
-            return None  # one replica: there is nothing to synchronise, semi-synchronous or not
-        if semi.fits and semi.busy_fraction >= BUSY_ENOUGH and semi.step_time_s < synchronous.step_time_s:
-            return SemiSyncAdvice(synchronous, semi)
+    # two-level first (synchronous inside each region, DiLoCo across regions: the fewest workers drift), then flat
+    workers: tuple[Union[int, Literal["region"]], ...] = ("region", 1) if cluster.regions > 1 else (1,)
+    region = cluster.ranks_per_region if cluster.regions > 1 else None
+    for worker in workers:
+        for every in ADVISED_SYNC_EVERY:
+            try:
+                semi = plan(
+                    cluster, model, replace(training, sync_every=every, diloco_worker_size=worker), uniform_only,
+                    hierarchical, grad_accumulation=grad_accumulation, partition_size=partition_size,
+                    cross_replica_bytes=cross_replica_bytes,
+                ).winner
+            except ValueError:  # no layout keeps optimizer states sharded like the gradients or tiles the workers
+                break
+            if semi.layout.grads == semi.layout.world_size:
+                return None  # one replica: there is nothing to synchronise, semi-synchronous or not
+            if semi.fits and semi.busy_fraction >= BUSY_ENOUGH and semi.step_time_s < synchronous.step_time_s:
+                return SemiSyncAdvice(synchronous, semi, region)
     return None
+
+
+def _tiles_workers(layout: ShardingDegrees, cluster: ClusterSpec, training: TrainingSpec) -> bool:
+    try:
+        diloco_worker_size(layout, cluster, training)
+    except ValueError:
+        return False
+    return True
 
 
 def _candidate_layouts(

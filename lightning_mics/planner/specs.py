@@ -7,7 +7,7 @@ so that ``lightning-mics plan --cluster p3dn`` needs no measurement.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from lightning_mics.schedule import check_streaming_options
 
@@ -82,6 +82,12 @@ class ClusterSpec:
     #: ``memory_bandwidth`` plays on the GPU. 10 GB/s assumes torch's CPU Adam (several passes over the
     #: states, each rank a share of the host's cores and memory channels): an assumption, not measured.
     host_memory_bandwidth: float = 10 * GB
+    #: Regions (zones, data centres) of ``nodes_per_region`` nodes each, joined by links of ``region_bandwidth``
+    #: bytes/s each way between two regions (shared by every rank of a region) and ``region_latency``; ``None``:
+    #: one region, every node on the same network
+    nodes_per_region: Optional[int] = None
+    region_bandwidth: Optional[float] = None
+    region_latency: float = 1e-3
     name: str = "custom"
 
     def __post_init__(self) -> None:
@@ -112,6 +118,16 @@ class ClusterSpec:
                 "ClusterSpec.reduce_scatter_algorithm must be 'ring' or 'all_reduce', "
                 f"got {self.reduce_scatter_algorithm!r}."
             )
+        regions = self.nodes_per_region
+        if (regions is None) != (self.region_bandwidth is None):
+            raise ValueError("ClusterSpec: nodes_per_region and region_bandwidth are given together (or neither).")
+        if regions is not None:
+            if isinstance(regions, bool) or not isinstance(regions, int) or regions < 1 or self.nodes % regions:
+                raise ValueError(
+                    f"ClusterSpec.nodes_per_region={regions!r} must be a positive int dividing nodes={self.nodes}."
+                )
+            if not self.region_bandwidth > 0 or self.region_latency < 0:
+                raise ValueError("ClusterSpec.region_bandwidth must be positive and region_latency >= 0.")
         if not 0.0 <= self.memory_reserve_fraction < 1.0:
             raise ValueError(
                 f"ClusterSpec.memory_reserve_fraction must lie in [0, 1), got {self.memory_reserve_fraction!r}."
@@ -120,6 +136,14 @@ class ClusterSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def ranks_per_region(self) -> Optional[int]:
+        return None if self.nodes_per_region is None else self.nodes_per_region * self.gpus_per_node
+
+    @property
+    def regions(self) -> int:
+        return 1 if self.nodes_per_region is None else self.nodes // self.nodes_per_region
 
     def with_nodes(self, nodes: int) -> ClusterSpec:
         return replace(self, nodes=nodes)
@@ -295,6 +319,9 @@ class TrainingSpec:
     num_fragments: int = 1
     #: streaming DiLoCo (``fragment_sync_delay``): inner steps each fragment's average runs behind
     fragment_sync_delay: int = 0
+    #: two-level DiLoCo (``diloco_worker_size``): partition groups per DiLoCo worker, synchronised every step;
+    #: ``"region"``: a region's (:attr:`ClusterSpec.nodes_per_region`), whatever the layout's partition size
+    diloco_worker_size: Union[int, Literal["region"]] = 1
 
     def __post_init__(self) -> None:
         for name in ("micro_batch", "accumulation"):
@@ -308,6 +335,11 @@ class TrainingSpec:
             raise ValueError("TrainingSpec: num_fragments and fragment_sync_delay (streaming DiLoCo) need sync_every.")
         if every is not None:
             check_streaming_options(every, self.num_fragments, self.fragment_sync_delay, 0.0)
+        worker = self.diloco_worker_size
+        if worker != "region" and (isinstance(worker, bool) or not isinstance(worker, int) or worker < 1):
+            raise ValueError(f"TrainingSpec.diloco_worker_size={worker!r} must be a positive int or 'region'.")
+        if worker != 1 and every is None:
+            raise ValueError("TrainingSpec.diloco_worker_size (two-level DiLoCo) needs sync_every.")
         if every is not None and self.cpu_offload:
             raise ValueError("TrainingSpec: sync_every (DiLoCo) with cpu_offload is not built; drop one of the two.")
         if not isinstance(self.cpu_offload, bool):
