@@ -51,10 +51,10 @@ script's intro) and run `python .ci/tests_page.py`; `tests/test_tests_page.py` f
 ## How the suite runs
 
 `python -m pytest tests -q` (the README's test command; `.ci/run` runs it) runs everything on CPU with gloo, starting
-up to 8 ranks on one machine, on two pytest-xdist workers that each take whole groups (`addopts = "--durations=30 -n 2
---dist loadgroup"` in `pyproject.toml`; `tests/conftest.py` makes each file a group, so a module's fixtures start
-their ranks once, and each smoke run of `tests/test_entry_points.py` a group of its own, so the two workers share
-them). One worker's heartbeat and socket waits leave the cores to the other; `-n 0` runs everything in one process. Every run ends with its 30 slowest
+up to 8 ranks on one machine, on two pytest-xdist workers that each take whole files (`addopts = "--durations=30 -n 2
+--dist loadfile"` in `pyproject.toml`: a module's fixtures start their ranks once; the minutes-long smoke runs sit in
+files of their own, `tests/test_entry_points*.py`, so that the two workers share them). One worker's heartbeat and
+socket waits leave the cores to the other; `-n 0` runs everything in one process. Every run ends with its 30 slowest
 tests. The longest tests are the benchmarks' and examples' smoke runs (`tests/test_entry_points.py`, each started as
 a user starts it) and the fault-tolerance groups, which wait out heartbeat timeouts, kills and restarts. Skipped
 without their hardware or extras: the CUDA- and multi-GPU-only tests, an NCCL-only options check, the litgpt and

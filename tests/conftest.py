@@ -1,6 +1,5 @@
-"""The suite's shared set-up: tests/ on ``sys.path`` (the spawned ranks import its helpers too), the xdist groups
-the two workers share the suite by, and an autouse fixture that undoes what a test's in-process Lightning code
-leaves in ``os.environ``."""
+"""The suite's shared set-up: tests/ on ``sys.path`` (the spawned ranks import its helpers too), and an autouse
+fixture that undoes what a test's in-process Lightning code leaves in ``os.environ``."""
 
 import os
 import sys
@@ -23,15 +22,3 @@ def _restore_environment():
         os.environ.clear()
         os.environ.update(saved)
 
-
-#: Files of independent smoke runs (no shared fixtures): each test is an xdist group of its own, so that the two
-#: workers share these minutes-long runs instead of one worker taking the whole file.
-SPREAD_FILES = frozenset({"test_entry_points.py"})
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test's xdist group (``--dist loadgroup`` in pyproject.toml): its file -- a module's fixtures then start
-    their ranks once, on one worker -- or, in :data:`SPREAD_FILES`, the test itself."""
-    for item in items:
-        group = item.nodeid if item.path.name in SPREAD_FILES else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(name=group))
