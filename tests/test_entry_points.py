@@ -1,7 +1,7 @@
 """Every benchmark and example not run end to end elsewhere, through its real main path, as a user starts it (a
-subprocess, in its smoke mode), checked on what it printed and wrote: the fault-tolerance, emulated-cluster (also
-``--scaling``, with ``compare_planner.py``: ``test_entry_points_emulated.py``), telemetry-cost, exact-sum and ring
-benchmarks, ``profile_breakdown.py`` and ``examples/plots.py``.
+subprocess, in its smoke mode), checked on what it printed and wrote: the fault-tolerance, telemetry-cost,
+exact-sum and ring benchmarks, ``profile_breakdown.py`` and ``examples/plots.py`` (the emulated cluster's smoke runs
+are in ``test_entry_points_emulated.py``).
 
 A benchmark that crashes on main is a defect even when the library's tests pass: ``fault_tolerance.py`` did,
 for a day, with nothing noticing. Each script here runs in its smoke mode (``--smoke``: the whole main path,

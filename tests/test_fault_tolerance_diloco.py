@@ -60,12 +60,19 @@ def _global_state(trainer: Any) -> dict[str, Any]:
         "momentum": momentum,
         "outer_steps": sync.outer_steps,
         "dropped_rounds": sync.dropped_rounds,
+        "fragments": [[sync.names[i] for i in fragment] for fragment in sync.fragments],
         "heals": trainer.strategy.engine.semi_sync.heals,
     }
 
 
-def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: int, role: str, marks: str) -> Any:
+def _run_group(
+    rank: int, group: int, address: str, cfg: RunConfig, min_groups: int, role: str, marks: str,
+    streaming: Optional[dict[str, Any]] = None,
+) -> Any:
     import lightning.pytorch as pl
+
+    options = streaming or {"sync_every": EVERY}
+    round_steps = options["sync_every"] // options.get("num_fragments", 1)  # steps between two synchronisations
 
     class Record(pl.Callback):
         """Per step: (global step, groups in the last quorum). ``doomed``: rank 1 dies mid-round after a round
@@ -90,7 +97,7 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
             manager = trainer.strategy.engine.replica_group.manager
             self.steps.append((trainer.global_step, manager.num_participants()))
             together = any(live == GROUPS for _, live in self.steps)
-            if role == "doomed" and rank == 1 and together and trainer.global_step % EVERY == 1:
+            if role == "doomed" and rank == 1 and together and trainer.global_step % round_steps == 1:
                 os._exit(1)  # a node lost mid-round, after a round with the other group
             if role == "survivor" and together and manager.num_participants() == 1:
                 Path(marks, f"alone{rank}").write_text(str(trainer.global_step))
@@ -103,7 +110,7 @@ def _run_group(rank: int, group: int, address: str, cfg: RunConfig, min_groups: 
     )
     record = Record()
     module = Fp64Module(cfg)
-    strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", sync_every=EVERY)
+    strategy = MiCSStrategy(fault_tolerance=ft, cross_replica_sync="diloco", **options)
     kwargs = trainer_kwargs(cfg) | {"devices": GROUP_WORLD, "callbacks": [record], "plugins": [fp64_precision()]}
     trainer = pl.Trainer(strategy=strategy, **kwargs)
     trainer.fit(module)
@@ -200,6 +207,43 @@ def test_a_lost_group_misses_rounds_and_a_restarted_one_heals_the_outer_state_to
             assert torch.equal(value, back["params"][name]), name
         for name, value in kept["anchors"].items():  # the trained parameters (the frozen gate has no outer copy)
             assert torch.equal(value, kept["params"][name]), name
+
+
+#: streaming DiLoCo: H=4 in 2 fragments, each average started one inner step before it lands, global values taken
+STREAMING = {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.0}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+def test_streaming_diloco_with_a_lost_group_heals_at_a_fragments_quorum() -> None:
+    """Streaming DiLoCo under fault tolerance runs one quorum per fragment, when its average starts (as torchft
+    does): a group lost mid-round misses fragments, the survivor commits them alone, and the restarted group heals
+    at a fragment's quorum -- the last-synchronised model, the outer momentum and which fragment is next -- and from
+    then on holds the survivor's global state bit for bit; the fragment synchronised last is the global one."""
+    alone, healed = lose_and_restart_group_1(
+        _run_group, lambda address, out, role: (address, LONG_RUN, 1, role, out, STREAMING), "alone{rank}",
+        join_timeout_ms=3000,
+    )
+    syncs = LONG_RUN.steps // (STREAMING["sync_every"] // STREAMING["num_fragments"])
+    for rank in range(GROUP_WORLD):
+        kept, back = alone[rank], healed[rank]
+        assert kept["global_step"] == back["global_step"] == LONG_RUN.steps
+        participants = [live for _, live in kept["steps"]]
+        assert GROUPS in participants and 1 in participants[participants.index(GROUPS) :]
+        assert participants[-1] == GROUPS
+        assert kept["outer_steps"] + kept["dropped_rounds"] == syncs  # every fragment committed or dropped
+        assert kept["heals"] == 0 and back["heals"] >= 1
+        assert kept["outer_steps"] == back["outer_steps"]  # the healed group knows which fragment is next
+        assert len(kept["fragments"]) == 2 and kept["fragments"] == back["fragments"]
+        for name, shard in kept["anchor_shards"].items():
+            assert torch.equal(shard, back["anchor_shards"][name]), name
+        assert kept["momentum"] and kept["momentum"].keys() == back["momentum"].keys()
+        for name, buffer in kept["momentum"].items():
+            assert torch.equal(buffer, back["momentum"][name]), name
+        last = kept["fragments"][(kept["outer_steps"] - 1) % 2]  # the fragment the last step synchronised
+        for name in (n.removeprefix("model.") for n in last):
+            assert torch.equal(kept["params"][name], back["params"][name]), name
+            assert torch.equal(kept["params"][name], kept["anchors"][name]), name
 
 
 def _resume_in_one_group(rank: int, group: int, address: str, root: str) -> dict[str, Any]:

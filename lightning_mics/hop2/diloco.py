@@ -260,13 +260,16 @@ class OuterSync:
 
     def heal_state(self) -> dict[str, Any]:
         """What a joining group takes from this one (this rank's shards): the last-synchronised copy, the outer
-        optimizer's state and the round's inner-step count."""
+        optimizer's state, the round's inner-step count and the rounds so far (streaming: which fragment is next).
+        A group joins at a round's quorum, which comes before that round's average starts and after the previous
+        one landed (``delay`` is below the cadence), so no average is in flight to hand over."""
         from lightning_mics.fault_tolerance.heal_state import local_state, optimizer_local_state
 
         return {
             "anchors": [local_state(a) for a in self.anchors],
             "outer": optimizer_local_state(self.outer),
             "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,  # streaming: which fragment synchronises next
         }
 
     @torch.no_grad()
@@ -286,6 +289,7 @@ class OuterSync:
         for group, peer in zip(self.outer.param_groups, state["outer"]["param_groups"]):
             group.update({key: value for key, value in peer.items() if key != "params"})
         self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state.get("outer_steps", self.outer_steps))
 
     @staticmethod
     def _received(value: Any, anchor: Tensor, local: Tensor) -> Any:

@@ -85,11 +85,6 @@ def check_semi_sync_options(options: MiCSOptions) -> None:
             "groups are whole partition groups, each its own DiLoCo worker. Drop fault_tolerance, or use flat "
             "DiLoCo with it (diloco_worker_size=None)."
         )
-    if ft is not None and streaming:
-        raise ValueError(
-            f"{', '.join(streaming)} (streaming DiLoCo) with fault_tolerance is not built yet: drop fault_tolerance, "
-            "or synchronise the whole model at once (leave them at their defaults)."
-        )
     if ft is not None:
         check_exact_trajectory(ft, "diloco")
         if ft.keep_trajectory:
