@@ -171,7 +171,7 @@ class OuterSync:
         step without streaming) synchronise it."""
         self.inner_steps += 1
         if self.inner_steps == self.cadence - self.delay:
-            self.start_fragment(self.outer_steps % len(self.fragments))
+            self.start_fragment()
         if self.inner_steps >= self.cadence:
             self.finish_fragment()
 
@@ -187,11 +187,14 @@ class OuterSync:
         return torch.cat(pieces) if pieces else torch.zeros(0)
 
     @torch.no_grad()
-    def start_fragment(self, fragment: int, sent: Optional[Tensor] = None) -> None:
+    def start_fragment(self, fragment: Optional[int] = None, sent: Optional[Tensor] = None) -> None:
         """Take ``fragment``'s pseudo-gradient (or ``sent``, one taken before a checkpoint) and start its average
-        across replicas; it runs while the next ``delay`` inner steps compute. With fault tolerance the round's
-        quorum comes first (a joining group heals there and sends zeros, counted as no contribution)."""
+        across replicas; it runs while the next ``delay`` inner steps compute. ``None``: the fragment whose turn it
+        is, read after the round's quorum -- with fault tolerance the quorum comes first, and a joining group heals
+        there (and then sends zeros, counted as no contribution), taking from a live group which fragment is next."""
         contributes = self.round() if self.round is not None else True
+        if fragment is None:
+            fragment = self.outer_steps % len(self.fragments)
         sent = self.pseudo_gradient(fragment) if sent is None else sent
         if not contributes:
             sent.zero_()
