@@ -34,6 +34,11 @@ and one all-reduce of every rank's parameter-delta shards across the replicas af
 same bytes as one synchronous hop 2 (one fp32 value per parameter element of the shard), counted ``1 / H`` per
 optimizer step (:attr:`RingCollective.every_steps`). A measured window of whole rounds gives that average.
 
+Two-level DiLoCo rows (``diloco_worker_size``) take it the same way: a hop 2 at every step across each worker's
+partition groups (``replication``), and the outer all-reduce every ``H`` steps across the workers
+(``outer_replication``). On a cluster with regions the bytes crossing node links split into those between nodes of
+one region and those crossing a region link (:func:`level_wire_bytes`).
+
 Payload bytes are counted; TCP/IP/Ethernet framing (about 1% with 9000-byte frames) and control
 messages (barriers, Lightning's per-batch flag broadcast) are not, which is why measured counters
 sit slightly above these numbers.
@@ -120,6 +125,46 @@ def gloo_wire_bytes(collective: RingCollective, cluster: ClusterShape) -> WireBy
     return WireBytes(crossing * per_edge, (n - crossing) * per_edge).scaled(collective.count / collective.every_steps)
 
 
+@dataclass(frozen=True)
+class LevelBytes:
+    """Bytes that cross node links, by level: between nodes of one region, and across a region link."""
+
+    inside_region: float = 0.0
+    across_regions: float = 0.0
+
+    @property
+    def inter_node(self) -> float:
+        return self.inside_region + self.across_regions
+
+
+def level_wire_bytes(collectives: Iterable[RingCollective], cluster: ClusterShape, nodes_per_region: int) -> LevelBytes:
+    """Each collective's ring edges between different nodes (as :func:`gloo_wire_bytes` counts them), split by
+    whether the two nodes share a region of ``nodes_per_region`` consecutive nodes. A crossing byte leaves its
+    node's uplink once and, across regions, its region's link once."""
+    inside = across = 0.0
+    for collective in collectives:
+        ranks, n = collective.ranks, len(collective.ranks)
+        if n < 2 or collective.payload_bytes == 0:
+            continue
+        kind = "all_reduce" if collective.via_all_reduce else collective.kind
+        per_edge = _RING_EDGE_SHARE[kind](n) * collective.payload_bytes * collective.count / collective.every_steps
+        for a, b in ((ranks[i], ranks[(i + 1) % n]) for i in range(n)):
+            node_a, node_b = cluster.node_of(a), cluster.node_of(b)
+            if node_a == node_b:
+                continue
+            if node_a // nodes_per_region == node_b // nodes_per_region:
+                inside += per_edge
+            else:
+                across += per_edge
+    return LevelBytes(inside, across)
+
+
+def expected_level_bytes(spec: StrategySpec, cluster: ClusterShape, setup: TrainingSetup,
+                         nodes_per_region: int) -> LevelBytes:
+    """:func:`level_wire_bytes` of one optimizer step of ``spec`` (averaged over whole rounds of ``sync_every``)."""
+    return level_wire_bytes(step_collectives(spec, cluster, setup), cluster, nodes_per_region)
+
+
 def total_wire_bytes(collectives: Iterable[RingCollective], cluster: ClusterShape) -> WireBytes:
     total = WireBytes()
     for collective in collectives:
@@ -168,8 +213,16 @@ def fsdp1_unit_numel(unit: UnitShapes, shard_size: int, element_bytes: int = 4) 
 
 # ------------------------------------------------------------------------------------ schedules
 def _groups_of_role(role: str, topology: MiCSTopology, optim_degree: Optional[int] = None) -> list[tuple[int, ...]]:
-    """Every group of a :data:`~lightning_mics.schedule.GroupRole`, as concrete ranks in ring order."""
+    """Every group of a :data:`~lightning_mics.schedule.GroupRole`, as concrete ranks in ring order. Two-level
+    DiLoCo: ``replication`` is each worker's (same shard index, the worker's partition groups: the replicate
+    dimension of its plane of the (worker, replicate, shard) mesh), ``outer_replication`` the ranks at the same
+    place in every worker."""
     m = topology.ranks_per_node
+    if role == "replication" and topology.two_level:
+        p = topology.partition_size
+        return [tuple(worker[shard::p]) for worker in topology.worker_groups for shard in range(p)]
+    if role == "outer_replication":
+        return [tuple(g) for g in topology.outer_replication_groups]
     if role == "partition":
         return [tuple(g) for g in topology.partition_groups]
     if role == "partition_across_nodes":  # same-local-rank peers of each partition
@@ -246,7 +299,7 @@ def step_collectives(
     """Every collective (on every group) of one optimizer step of ``spec``; fp32 throughout."""
     if spec.family == "deepspeed":
         return deepspeed_mics_collectives(spec, cluster, setup, element_bytes)
-    topology = MiCSTopology.create(cluster.world_size, cluster.ranks_per_node, spec.partition_size)
+    topology = spec.topology(cluster)
     p, fsdp1 = topology.partition_size, spec.family == "fsdp1"
     numel = fsdp1_unit_numel if fsdp1 else fsdp2_unit_numel
     units = [
@@ -265,6 +318,7 @@ def step_collectives(
         gather_bytes=element_bytes,
         reduce_bytes=element_bytes,
         sync_every=spec.sync_every,  # DiLoCo: no hop 2; one parameter-delta all-reduce every H steps
+        worker_size=topology.worker_size,  # two-level: hop 2 every step inside a worker, the outer round across
     )
     collectives: list[RingCollective] = []
     for entry in step_schedule(units, layout):

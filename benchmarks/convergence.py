@@ -17,6 +17,8 @@ The mode's modules:
 * :mod:`benchmarks.convergence_analysis` -- the pure analysis of those records (each seed's ratios, their spread,
   the headline, the planner's H) and ``convergence.json``;
 * :mod:`benchmarks.convergence_report` -- its tables, docs block and chart;
+* :mod:`benchmarks.convergence_regions` -- ``--regions``: two-level DiLoCo against flat DiLoCo and ``mics-auto``,
+  each DiLoCo row at the planner's H for the cluster with its regions, and ``convergence_regions.json``;
 * :func:`benchmarks.emulated_modes.run_convergence` -- the run: one cluster, every ratio, seed and row.
 
 This file: ``python benchmarks/convergence.py RESULTS.json`` computes a results file's analysis again from its
@@ -33,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.convergence_analysis import build_convergence_report  # noqa: E402
+from benchmarks.convergence_regions import build_regions_report  # noqa: E402
 from benchmarks.convergence_report import draw_convergence, format_convergence_table  # noqa: E402
 
 ANALYSIS_KEYS = ("comparison", "summary", "headline", "seed_check", "reference_wire_fraction")
@@ -45,7 +48,8 @@ def reanalyse(report: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("this convergence.json has no held-out evaluation points (written before they were "
                          "recorded): run `emulated_cluster.py --convergence` again.")
     points = [{k: v for k, v in point.items() if k not in ANALYSIS_KEYS} for point in report["points"]]
-    fresh = build_convergence_report(points, report["command"], report["settings"])
+    build = build_regions_report if report.get("regions") else build_convergence_report  # --regions: two-level's
+    fresh = build(points, report["command"], report["settings"])
     return {**{k: v for k, v in report.items() if k not in fresh}, **fresh}
 
 

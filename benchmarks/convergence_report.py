@@ -1,7 +1,8 @@
-"""The tables, docs block and chart of a ``--convergence`` report (the one
+"""The tables, docs blocks and chart of a ``--convergence`` report (the one
 :func:`benchmarks.convergence_analysis.build_convergence_report` builds): what ``emulated_cluster.py --convergence``
-and ``convergence.py`` print (:func:`format_convergence_table`), the block ``benchmarks/figures.py`` renders into
-docs/semi-sync.md (:func:`figure_markdown`) and ``convergence.png`` (:func:`draw_convergence`). Formatting only:
+and ``convergence.py`` print (:func:`format_convergence_table`), the blocks ``benchmarks/figures.py`` renders into
+docs/semi-sync.md (:func:`figure_markdown`; with ``--regions`` :func:`regions_figure_markdown`) and
+``convergence.png`` (:func:`draw_convergence`). Formatting only:
 the numbers are the report's, the chart's curves its records' (:func:`heldout_curve`).
 """
 
@@ -116,6 +117,52 @@ def figure_markdown(report: Optional[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: What the docs' two-level block says before ``--convergence --regions 2`` has run.
+REGIONS_NOT_MEASURED = (
+    "**Not measured yet.** Run `sudo \"$(command -v python)\" benchmarks/emulated_cluster.py --convergence "
+    "--regions 2` (it writes `convergence_regions.json` and `.png` beside the other results), then "
+    "`python benchmarks/figures.py` to render its numbers here.\n"
+)
+
+
+def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
+    """The block ``benchmarks/figures.py`` renders into docs/semi-sync.md from ``convergence_regions.json``: the
+    links and each mode's H, the table, two-level DiLoCo's three ratios against their targets, the bytes per level
+    against the model, and the chart (:data:`REGIONS_NOT_MEASURED` without a report)."""
+    if report is None:
+        return REGIONS_NOT_MEASURED
+    regions, point = report.get("regions") or {}, report["points"][0]
+    every, rows = report.get("sync_every") or {}, report.get("rows_by_mode") or {}
+    lines = [
+        (f"{regions.get('regions')} regions of {regions.get('nodes_per_region')} nodes, node links "
+         f"1/{point['bandwidth_ratio']:g} and region links 1/{regions.get('region_bandwidth_ratio', 0):g} of loopback "
+         f"({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
+         f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {len(report.get('seeds', []))} "
+         f"seeds; the planner names flat DiLoCo H = {every.get('flat')} (`{rows.get('flat')}`) and two-level "
+         f"H = {every.get('two_level')} (`{rows.get('two_level')}`)."),
+        "",
+        format_convergence_table({"points": report["points"][:1]}, markdown=True),
+        "",
+        "| two-level DiLoCo, mean over the seeds | value | per seed | target | met |",
+        "|---|---:|---:|---:|:-:|",
+    ]
+    for key, limit in (report.get("targets") or {}).items():
+        per_seed = " / ".join(_fmt(s.get(key), "{:.3f}") for s in report.get("seeds", []))
+        met = (report.get("targets_met") or {}).get(key)
+        lines.append(f"| {key} | {_fmt(report.get(key), '{:.3f}')} | {per_seed} | <= {limit:g} | "
+                     f"{'yes' if met else 'no'} |")
+    levels = report.get("bytes_per_level") or []
+    worst = {level: max((100 * abs(e[level]["error"]) for e in levels if e[level]["error"] is not None), default=None)
+             for level in ("inside_region", "across_regions")}
+    met = "met" if report.get("bytes_per_level_within_target") else "not met"
+    lines += ["", (f"Bytes per level against the byte model, worst run: inside a region "
+                   f"{_fmt(worst['inside_region'], '{:.1f}')} %, across regions "
+                   f"{_fmt(worst['across_regions'], '{:.1f}')} % (target within 10 %: {met})."),
+              "", "![Held-out loss of the global models against tokens and training wall-clock, with regions]"
+                  "(../benchmarks/results/convergence_regions.png)"]
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(value: Optional[float], pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
@@ -171,8 +218,12 @@ def draw_convergence(report: dict[str, Any], path: Path) -> Optional[Path]:
         left.set_xlabel("tokens (thousands, all ranks)")
         right.set_xlabel("training wall-clock (s, evaluations excluded)")
         rate = point["network"]["inter_node_rate_bytes_per_s"]
-        left.set_title(f"inter-node link 1/{point['bandwidth_ratio']:g} of loopback ({rate / 1e6:,.1f} MB/s)",
-                       fontsize=9)
+        regions = point.get("regions")
+        region_text = "" if not regions else (
+            f"; {regions['regions']} regions, region links 1/{regions['region_bandwidth_ratio']:g} "
+            f"({regions['region_rate_bytes_per_s'] / 1e6:,.1f} MB/s)")
+        left.set_title(f"inter-node link 1/{point['bandwidth_ratio']:g} of loopback ({rate / 1e6:,.1f} MB/s)"
+                       + region_text, fontsize=9)
         right.set_title(f"time to mics-auto's final held-out loss, ratio {point['bandwidth_ratio']:g}", fontsize=9)
         right.legend(fontsize=6)
     fig.suptitle(textwrap.fill(f"Held-out loss against tokens and wall-clock: {report['command']}", 120), fontsize=9)

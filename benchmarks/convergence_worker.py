@@ -36,6 +36,7 @@ from benchmarks.convergence_setup import (
 )
 from benchmarks.emulated_probes import counters, local_tensor
 from benchmarks.emulated_strategies import measured_trainer, planner_choice
+from benchmarks.netns_regions import region_deltas
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
 from examples.models import GPTConfig, GPTLightningModule
 from lightning_mics.planner import device_memory_bytes, live
@@ -259,6 +260,12 @@ def summarize_convergence(
         """Each node's counter growth from the start barrier to the barrier after the last step."""
         return [r["end_counters"][counter] - r["start_counters"][counter] for r in leaders]
 
+    # the region links' counters (a cluster with regions) are global: rank 0's readings at the two barriers
+    across = region_deltas(per_rank[0]["start_counters"], per_rank[0]["end_counters"])
+    regions = {} if across is None else {"across_region_rx_bytes": sum(across["rx"]),
+                                         "across_region_tx_bytes_per_region": across["tx"],
+                                         "across_region_rx_bytes_per_region": across["rx"],
+                                         "diloco_worker_size": spec.diloco_worker_size}
     return {
         "strategy": spec.name,
         "family": spec.family,
@@ -281,4 +288,5 @@ def summarize_convergence(
         "inter_node_tx_bytes_per_node": grown("uplink_tx"),
         "inter_node_rx_bytes_per_node": grown("uplink_rx"),
         "loopback_bytes": sum(grown("lo_tx")),
+        **regions,
     }

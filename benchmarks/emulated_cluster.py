@@ -7,6 +7,9 @@ shaped "nodes" made of network namespaces.
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --smoke [--scaling]  # the main path, ~1 min
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence  # held-out loss vs wall-clock, ~20 min
     sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence --smoke  # its main path, ~1.5 min
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --convergence --regions 2  # two-level DiLoCo
+    sudo "$(command -v python)" benchmarks/emulated_cluster.py --bandwidth-ratio 24 --regions 2 \
+        --region-bandwidth-ratio 240 --strategies mics-auto,mics-diloco,mics-diloco-two-level-h8  # bytes per level
 
 Steps: build the namespaces (:mod:`benchmarks.netns`), measure the intra-node (loopback)
 throughput, shape every node link to ``1 / --bandwidth-ratio`` of it (15: the cloud ratio of the
@@ -19,7 +22,10 @@ alone needs (:func:`benchmarks.emulated_analysis.add_wire_floor`). ``--scaling``
 counts with the same per-rank batch (:mod:`benchmarks.scaling`). ``--convergence`` trains the synchronous
 reference (``mics-auto``) and semi-synchronous DiLoCo rows (H = 8, 32 and the planner's H) on learnable data for
 several seeds and compares the held-out loss of their synchronised models against tokens and wall-clock
-(:mod:`benchmarks.convergence`).
+(:mod:`benchmarks.convergence`). ``--regions N`` splits the nodes into N regions joined by links of their own,
+``1 / --region-bandwidth-ratio`` of the loopback throughput (:mod:`benchmarks.netns_regions`); every row's bytes are
+then measured and modelled at both levels, and ``--convergence --regions N`` compares two-level DiLoCo with flat
+DiLoCo and ``mics-auto`` (:mod:`benchmarks.convergence_regions`).
 Namespaces, links and rank processes are removed on every exit path (errors and Ctrl-C included).
 
 This file is the entry point and the command line: the presets, the options and their checks (:func:`parse_args`).
@@ -49,6 +55,16 @@ from benchmarks.convergence_setup import (  # noqa: E402
     SMOKE_CONVERGENCE_SEEDS,
     SMOKE_CONVERGENCE_STRATEGIES,
     ConvergenceSettings,
+)
+from benchmarks.convergence_regions import (  # noqa: E402
+    DEFAULT_REGION_BANDWIDTH_RATIO,
+    NODES_PER_REGION,
+    PLANNED_ROWS,
+    REGION_CONVERGENCE_MICRO_BATCH,
+    REGION_CONVERGENCE_RATIOS,
+    REGION_CONVERGENCE_STRATEGIES,
+    REPORT_NAME,
+    TWO_LEVEL_ROW,
 )
 from benchmarks.emulated_modes import run_convergence, run_scaling, run_single  # noqa: E402
 
@@ -114,6 +130,13 @@ CONVERGENCE = Preset(d_model=128, n_layers=2, n_heads=4, seq_len=8, warmup_steps
 #: model, 16 steps.
 SMOKE_CONVERGENCE = Preset(d_model=128, n_layers=2, n_heads=4, seq_len=8, warmup_steps=0, measured_steps=16,
                            probe_seconds=0.3, run_timeout_s=240)
+#: --convergence --regions N --smoke: twice as many ranks on the same cores, so half the steps (the DiLoCo rows still
+#: train at least two evaluation intervals; their budget is whole rounds of the planner's H)
+SMOKE_REGION_CONVERGENCE = replace(SMOKE_CONVERGENCE, measured_steps=8)
+#: --convergence --regions N --smoke: one seed, and region links 1/120 of loopback rather than 1/240, so that the
+#: planner's H -- and with it a two-level row's budget of whole rounds -- stays small (the smoke measures nothing)
+SMOKE_REGION_CONVERGENCE_SEEDS = (0,)
+SMOKE_REGION_BANDWIDTH_RATIO = 120.0
 CONVERGENCE_RANKS_PER_NODE = 2
 #: --convergence's micro-batch per rank (the throughput rows use 1): a global batch of 512 tokens per step, so
 #: that the loss of a step says something about the model
@@ -188,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2; --convergence: the "
                                                   f"token budget, {CONVERGENCE.measured_steps})")
     add_link_arguments(parser)
+    parser.add_argument("--regions", type=int, default=1,
+                        help="split the nodes evenly into this many regions, each on a bridge of its own, joined by "
+                             "one shaped link per region (default 1: one bridge; --nodes then defaults to "
+                             f"{NODES_PER_REGION} per region). With --convergence: mics-auto, flat and two-level "
+                             f"DiLoCo at the planner's H ({','.join(REGION_CONVERGENCE_STRATEGIES)}); writes "
+                             f"{REPORT_NAME}.json and .png")
+    parser.add_argument("--region-bandwidth-ratio", type=float,
+                        help="region link rate = measured per-node loopback throughput / this, as --bandwidth-ratio "
+                             f"sets the node links (default {DEFAULT_REGION_BANDWIDTH_RATIO:g}; --convergence --smoke "
+                             f"{SMOKE_REGION_BANDWIDTH_RATIO:g}; needs --regions 2 or more)")
     parser.add_argument("--run-timeout", type=int, help="seconds one strategy may run before it is stopped")
     parser.add_argument("--output-dir", type=Path, help="where the JSON and PNG go (default: benchmarks/results, "
                                                         "with --scaling benchmarks/results/scaling)")
@@ -241,16 +274,20 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--smoke and --quick exclude each other: --smoke is the shorter of the two.")
     if args.fork_server is None:
         args.fork_server = args.smoke or args.convergence
+    _check_region_flags(parser, args)
     if args.convergence:
         _check_convergence_flags(parser, args)
         preset = SMOKE_CONVERGENCE if args.smoke else CONVERGENCE
+        if args.smoke and args.regions > 1:
+            preset = SMOKE_REGION_CONVERGENCE
     else:
         preset = SMOKE if args.smoke else QUICK if args.quick else FULL
         for flag in ("convergence_ratios", "seeds", "eval_every"):
             if getattr(args, flag) is not None:
                 parser.error(f"--{flag.replace('_', '-')} only applies with --convergence.")
     if args.micro_batch is None:
-        args.micro_batch = CONVERGENCE_MICRO_BATCH if args.convergence else 1
+        args.micro_batch = 1 if not args.convergence else \
+            REGION_CONVERGENCE_MICRO_BATCH if args.regions > 1 else CONVERGENCE_MICRO_BATCH
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
                           ("seq_len", preset.seq_len), ("warmup_steps", preset.warmup_steps),
                           ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
@@ -268,19 +305,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         )
         args.link = link_request(args, args.setup, preset.probe_seconds)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()] if args.strategies else None
-        if names is None and args.convergence:
+        if names is None and args.convergence and args.regions > 1:
+            names = list(REGION_CONVERGENCE_STRATEGIES)
+        elif names is None and args.convergence:
             names = list(SMOKE_CONVERGENCE_STRATEGIES if args.smoke else CONVERGENCE_STRATEGIES)
         elif names is None and args.smoke:
             names = list(SMOKE_SCALING_STRATEGIES if args.scaling else SMOKE_STRATEGIES)
         elif args.scaling and names is None:
             names = list(SCALING_STRATEGIES)
+        if TWO_LEVEL_ROW in (names or ()) and not (args.convergence and args.regions > 1):
+            raise ValueError(f"{TWO_LEVEL_ROW} needs --convergence and --regions 2 or more (its H is the planner's "
+                             "for the cluster with its regions).")
         args.planner_row = bool(args.convergence and PLANNED_ROW in names)
-        if args.planner_row:  # resolved once a mics-auto run has measured the cluster (run_convergence)
-            names = [n for n in names if n != PLANNED_ROW]
+        #: --convergence --regions: the rows the planner resolves per mode (flat and two-level DiLoCo)
+        args.planned_rows = [n for n in names if n in PLANNED_ROWS] if args.convergence and args.regions > 1 else []
+        if args.planned_rows:  # one planner for both modes (regions_planner_answer), not the one-region one
+            args.planner_row = False
+        if args.planner_row or args.planned_rows:  # resolved once a mics-auto run has measured the cluster
+            names = [n for n in names if n not in PLANNED_ROWS]
         args.points = []
         for nodes in args.node_counts:  # every node count must run every named strategy
             shape = ClusterShape(nodes, args.ranks_per_node)
-            specs = [_with_outer_lr(spec, shape, args.outer_lr) for spec in select_strategies(shape, names)]
+            args.nodes_per_region = None if args.regions == 1 else _nodes_per_region(nodes, args.regions)
+            ranks_per_region = None if args.nodes_per_region is None else args.nodes_per_region * args.ranks_per_node
+            specs = [_with_outer_lr(spec, shape, args.outer_lr)
+                     for spec in select_strategies(shape, names, ranks_per_region)]
             if not args.convergence:  # --convergence trains on generated sequences, not the corpus
                 for spec in specs:
                     replace(args.setup, measured_steps=measured_steps_for(spec, args.setup.measured_steps)) \
@@ -309,10 +358,36 @@ def _check_convergence_flags(parser: argparse.ArgumentParser, args: argparse.Nam
             parser.error(f"--convergence and {flag} exclude each other: {instead}.")
 
 
+def _check_region_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--regions`` and ``--region-bandwidth-ratio``: what they refuse, and the region link's default ratio."""
+    if args.regions < 1:
+        parser.error(f"--regions must be a positive int, got {args.regions}.")
+    if args.regions == 1:
+        if args.region_bandwidth_ratio is not None:
+            parser.error("--region-bandwidth-ratio needs --regions 2 or more (one region has no region links).")
+        return
+    if args.scaling:
+        parser.error("--regions and --scaling exclude each other: give the nodes with --nodes.")
+    if args.region_bandwidth_ratio is None:
+        smoke = args.smoke and args.convergence
+        args.region_bandwidth_ratio = SMOKE_REGION_BANDWIDTH_RATIO if smoke else DEFAULT_REGION_BANDWIDTH_RATIO
+    if not args.region_bandwidth_ratio > 0:
+        parser.error(f"--region-bandwidth-ratio must be positive, got {args.region_bandwidth_ratio}.")
+
+
+def _nodes_per_region(nodes: int, regions: int) -> int:
+    if nodes % regions or nodes == regions:
+        raise ValueError(f"--regions {regions} must split the {nodes} nodes evenly into regions of at least two "
+                         f"nodes (e.g. --nodes {NODES_PER_REGION * regions}).")
+    return nodes // regions
+
+
 def _with_outer_lr(spec: StrategySpec, shape: ClusterShape, outer_lr: Optional[float]) -> StrategySpec:
-    """A semi-synchronous row with ``--outer-lr`` (same name and H); other rows unchanged."""
+    """A semi-synchronous row with ``--outer-lr`` (same name and H, and workers); other rows unchanged."""
     if outer_lr is None or not spec.semi_synchronous:
         return spec
+    if spec.two_level:
+        return replace(spec, outer_lr=outer_lr)
     return diloco_spec(shape, spec.sync_every or 1, outer_lr, name=spec.name)
 
 
@@ -331,29 +406,35 @@ def _convergence_settings(args: argparse.Namespace) -> ConvergenceSettings:
         heldout_samples=SMOKE_CONVERGENCE_HELDOUT if args.smoke else CONVERGENCE_HELDOUT,
         eval_every=args.eval_every or (SMOKE_CONVERGENCE_EVAL_EVERY if args.smoke else CONVERGENCE_EVAL_EVERY),
         diloco_budget=args.diloco_budget,
-        seeds=args.seeds or (SMOKE_CONVERGENCE_SEEDS if args.smoke else CONVERGENCE_SEEDS),
+        seeds=args.seeds or (CONVERGENCE_SEEDS if not args.smoke else
+                             SMOKE_REGION_CONVERGENCE_SEEDS if args.regions > 1 else SMOKE_CONVERGENCE_SEEDS),
         window=SMOKE_CONVERGENCE_WINDOW if args.smoke else CONVERGENCE_WINDOW,
     )
     settings.check(shape.world_size)
-    args.ratios = args.convergence_ratios or (SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS)
+    defaults = REGION_CONVERGENCE_RATIOS if args.regions > 1 else \
+        SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS
+    args.ratios = args.convergence_ratios or defaults
     return settings
 
 
 def _resolve_mode(args: argparse.Namespace) -> None:
     """The node counts, ranks per node and output folder of a single run, a ``--scaling`` or a ``--convergence``
     run."""
+    nodes = 2 if args.regions == 1 else NODES_PER_REGION * args.regions
     if args.convergence:
-        args.node_counts = (2 if args.nodes is None else args.nodes,)
+        args.node_counts = (nodes if args.nodes is None else args.nodes,)
         if args.ranks_per_node is None:
             args.ranks_per_node = CONVERGENCE_RANKS_PER_NODE
-        if args.output_dir is None:
+        if args.output_dir is None and args.regions > 1:  # convergence_regions.json beside the other results
+            args.output_dir = RESULTS_DIR / "convergence_regions_smoke" if args.smoke else RESULTS_DIR
+        elif args.output_dir is None:
             args.output_dir = RESULTS_DIR / ("convergence_smoke" if args.smoke else "convergence")
         return
     if not args.scaling:
         if args.scaling_nodes is not None:
             raise ValueError("--scaling-nodes only applies with --scaling: add --scaling, "
                              "or use --nodes N for one run.")
-        args.node_counts = (2 if args.nodes is None else args.nodes,)
+        args.node_counts = (nodes if args.nodes is None else args.nodes,)
         if args.ranks_per_node is None:
             args.ranks_per_node = SMOKE_RANKS_PER_NODE if args.smoke else 4
         args.output_dir = RESULTS_DIR if args.output_dir is None else args.output_dir

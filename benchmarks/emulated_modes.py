@@ -5,8 +5,9 @@ held-out loss against wall-clock (:func:`run_convergence`).
 Each builds the emulated cluster (:class:`~benchmarks.netns.EmulatedCluster`, torn down on every exit path), sets
 up its links (:mod:`benchmarks.emulated_network`), runs the rows (:mod:`benchmarks.emulated_rows`), checks their
 records against the models (:mod:`benchmarks.emulated_analysis`), prints as it goes and writes the mode's JSON,
-chart and tables. Here, apart from the command line, because this is the part that needs root and takes minutes:
-the command line and everything below it are tested without either.
+chart and tables; with ``--regions`` the cluster has a region level (:mod:`benchmarks.netns_regions`) and every
+record its bytes at both levels. Here, apart from the command line, because this is the part that needs root and
+takes minutes: the command line and everything below it are tested without either.
 """
 
 from __future__ import annotations
@@ -24,14 +25,30 @@ from typing import Any, Optional
 from benchmarks.convergence_analysis import build_convergence_report
 from benchmarks.convergence_report import draw_convergence, format_convergence_table
 from benchmarks.convergence_setup import PLANNED_ROW, REFERENCE, ConvergenceSettings, MarkovChain
+from benchmarks.convergence_regions import (
+    PLANNED_ROWS,
+    REGION_TARGETS,
+    REPORT_NAME,
+    build_regions_report,
+    regions_planner_answer,
+    resolve_region_rows,
+)
+from benchmarks.convergence_regions import planner_digest as region_planner_digest
 from benchmarks.emulated_analysis import (
+    LEVEL_BYTES_TARGET,
     add_convergence_expectations,
     add_expectations,
     add_wire_floor,
     convergence_planner,
     planned_spec,
 )
-from benchmarks.emulated_network import NetworkSettings, reshape_link, set_up_network
+from benchmarks.emulated_network import (
+    NetworkSettings,
+    RegionSettings,
+    reshape_link,
+    set_up_network,
+    set_up_regions,
+)
 from benchmarks.emulated_report import (
     all_ran,
     convergence_line,
@@ -49,19 +66,23 @@ from benchmarks.scenarios import StrategySpec
 
 
 def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
-    """Build the cluster of ``args.cluster``, run ``args.specs`` on it, tear it down; return the report
-    (the ``emulated_cluster.json`` schema, which compare_planner.py reads)."""
+    """Build the cluster of ``args.cluster`` (with ``--regions`` its region level, the region links shaped and
+    recorded in ``settings.regions``), run ``args.specs`` on it, tear it down; return the report (the
+    ``emulated_cluster.json`` schema, which compare_planner.py reads)."""
     load_before = os.getloadavg()
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
           f"on {os.cpu_count()} cores")
     records: list[dict[str, Any]] = []
     started = time.monotonic()
-    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
+    regions: Optional[RegionSettings] = None
+    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu, nodes_per_region=args.nodes_per_region) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
         if args.fork_server:
             cluster.start_fork_server()  # it imports while the links are probed
         network = set_up_network(cluster, args.cluster,
                                  replace(args.link, fixed_rate_bytes_per_s=args.fixed_rate_bytes_per_s))
+        if args.nodes_per_region is not None:
+            regions = set_up_regions(cluster, network, args.region_bandwidth_ratio, args.link.probe_seconds)
         for index, spec in enumerate(args.specs):
             print(f"[{index + 1}/{len(args.specs)}] {spec.name}: {spec.description} ...", flush=True)
             reason = skip_reason(spec)
@@ -84,7 +105,7 @@ def measure_point(args: argparse.Namespace, command: str) -> dict[str, Any]:
                     "load_before": load_before, "load_after": load_after},
         "network": asdict(network),
         "cluster": asdict(args.cluster),
-        "settings": cpu,
+        "settings": cpu if regions is None else {**cpu, "regions": asdict(regions)},
         "setup": {**asdict(setup), "model_params": setup.model.num_params,
                   "tokens_per_step": setup.tokens_per_step(args.cluster)},
         "results": records,
@@ -138,7 +159,13 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
     links shaped to ``1 / ratio`` of it and, for every seed, ``mics-auto`` first (its set-up measures the cluster the
     planner's H is computed for, once per ratio from the first seed's run) and then every DiLoCo row, the planner's
     included. ``convergence.json`` is rewritten after every seed (a late failure keeps the earlier ones); then the
-    chart and the tables."""
+    chart and the tables.
+
+    With ``--regions`` (``args.nodes_per_region``): the cluster has its region level, the region links are shaped
+    once (``--region-bandwidth-ratio``, the same at every ratio of the node links), and after the first seed's
+    ``mics-auto`` the planner names an H for flat and for two-level DiLoCo on the measured cluster with its regions
+    (:func:`_plan_region_rows`); every seed then runs those rows, and the report is ``convergence_regions.json``
+    (:func:`benchmarks.convergence_regions.build_regions_report`)."""
     settings: ConvergenceSettings = args.convergence_settings
     setup = args.setup
     chain = MarkovChain(setup.model.vocab_size, settings.successors, settings.data_seed)
@@ -169,15 +196,22 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
     }
     output_dir: Path = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
-    json_path = output_dir / "convergence.json"
+    with_regions = args.nodes_per_region is not None
+    name = REPORT_NAME if with_regions else "convergence"
+    build = build_regions_report if with_regions else build_convergence_report
+    if with_regions:
+        described["regions"] = {"regions": args.regions, "nodes_per_region": args.nodes_per_region,
+                                "region_bandwidth_ratio": args.region_bandwidth_ratio}
+    json_path = output_dir / f"{name}.json"
     points: list[dict[str, Any]] = []
     started = time.monotonic()
-    rows = len(args.specs) + int(args.planner_row)
+    rows = len(args.specs) + (len(args.planned_rows) if with_regions else int(args.planner_row))
     print(f"convergence: {rows} rows x {len(settings.seeds)} seeds x {len(args.ratios)} ratios; mics-auto "
           f"{settings.steps} steps of {tokens_per_step} tokens, DiLoCo rows >= {settings.diloco_budget:g}x; loss floor "
           f"(entropy rate) {chain.entropy_rate:.3f}", flush=True)
     index = 0
-    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu) as cluster, \
+    regions: Optional[RegionSettings] = None
+    with EmulatedCluster(args.cluster.num_nodes, mtu=args.mtu, nodes_per_region=args.nodes_per_region) as cluster, \
             tempfile.TemporaryDirectory(prefix="micsbench-") as tmp:
         if args.fork_server:
             cluster.start_fork_server()  # it imports while the links are probed
@@ -188,13 +222,20 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
             if network is None:
                 network = set_up_network(cluster, args.cluster, replace(args.link, bandwidth_ratio=ratio))
                 current = network
+                if with_regions:  # the region links keep this rate at every ratio of the node links
+                    regions = set_up_regions(cluster, network, args.region_bandwidth_ratio, args.link.probe_seconds)
+                    described["regions"].update(region_rate_bytes_per_s=regions.region_rate_bytes_per_s,
+                                                region_measured_bytes_per_s=regions.region_measured_bytes_per_s)
             else:
                 current = reshape_link(cluster, network, ratio, args.link.probe_seconds)
             planner: dict[str, Any] = {"row": None, "sync_every": None, "from_seed": None, "per_seed": []}
             point: dict[str, Any] = {"bandwidth_ratio": ratio, "network": asdict(current), "load_before": load_before,
                                      "planner": planner, "runs": []}
+            if regions is not None:
+                point["regions"] = asdict(regions)
             points.append(point)
             planned: Optional[StrategySpec] = None
+            resolved: list[tuple[str, Optional[StrategySpec]]] = []
             for seed in settings.seeds:
                 queue = list(args.specs)  # mics-auto first (_convergence_settings)
                 while queue:
@@ -208,6 +249,16 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
                     point["runs"].append(add_convergence_expectations(record, spec, args, steps))
                     print("    " + convergence_line(record), flush=True)
                     if spec.name != REFERENCE:
+                        continue
+                    if regions is not None:  # the planner's H for each mode; every seed runs the same rows
+                        resolved = _plan_region_rows(record, args, planner, current, regions, seed, resolved)
+                        waiting = [(placeholder, None) for placeholder in args.planned_rows] if not resolved else []
+                        for placeholder, row in resolved or waiting:
+                            if row is not None:
+                                queue.append(row)
+                                continue
+                            why = "the planner names no H for this mode" if resolved else "no planner answer yet"
+                            point["runs"].append({"strategy": placeholder, "seed": seed, "status": f"skipped: {why}"})
                         continue
                     answer = convergence_planner(record, args)
                     planner["per_seed"].append({"seed": seed, **_planner_digest(answer)})
@@ -226,23 +277,48 @@ def run_convergence(args: argparse.Namespace, command: str) -> int:
                     elif planned is not None and planned.name not in [s.name for s in args.specs]:
                         queue.append(planned)
                 point["load_after"] = os.getloadavg()
-                report = build_convergence_report(points, command, described)
+                report = build(points, command, described)
                 report.setdefault("settings", {}).update(cluster.cpu_settings())
                 report["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
                 report["total_s"] = time.monotonic() - started
                 json_path.write_text(json.dumps(report, indent=2))
-    chart = draw_convergence(report, output_dir / "convergence.png")
+    chart = draw_convergence(report, output_dir / f"{name}.png")
     print(f"\nwrote {json_path}" + (f" and {chart}" if chart else "") + f"; total {time.monotonic() - started:.0f} s")
     print("\n" + format_convergence_table(report))
     print("\n" + format_convergence_table(report, markdown=True))
-    means = ", ".join(f"{k} = {_or_none(report.get(k))}" for k in ("time_to_sync_final_loss_ratio",
-                                                                     "final_loss_ratio"))
+    keys = tuple(REGION_TARGETS) if with_regions else ("time_to_sync_final_loss_ratio", "final_loss_ratio")
+    means = ", ".join(f"{k} = {_or_none(report.get(k))}" for k in keys)
     print(f"\nratio {report['headline_bandwidth_ratio']:g}, {report.get('headline_strategy')} (the planner's H = "
           f"{report.get('planner_sync_every')}), mean over {len(settings.seeds)} seeds: {means}; targets met: "
           f"{report.get('targets_met')}; seeds distinct: {report.get('seeds_distinct')}")
+    if with_regions:
+        print(f"H per mode: {report.get('sync_every')}; bytes per level within "
+              f"{LEVEL_BYTES_TARGET:.0%} of the model: {report.get('bytes_per_level_within_target')}")
     ran = all(r.get("status") == "ok" for point in points for r in point["runs"]
-              if not (r["strategy"] == PLANNED_ROW and is_skipped(r)))
+              if not (r["strategy"] in PLANNED_ROWS and is_skipped(r)))
     return 0 if ran else 1
+
+
+def _plan_region_rows(record: dict[str, Any], args: argparse.Namespace, planner: dict[str, Any],
+                      network: NetworkSettings, regions: RegionSettings, seed: int,
+                      resolved: list[tuple[str, Optional[StrategySpec]]]) -> list[tuple[str, Optional[StrategySpec]]]:
+    """After a ``mics-auto`` run on a cluster with regions: the planner's answer for each mode
+    (:func:`benchmarks.convergence_regions.regions_planner_answer`) into ``planner``, and -- from the first seed
+    with an answer -- the rows it resolves to (``resolved`` kept after that: every seed runs the same rows)."""
+    answer = regions_planner_answer(record, args.setup, regions.nodes_per_region,
+                                    network.inter_node_measured_bytes_per_s, regions.region_measured_bytes_per_s)
+    planner["per_seed"].append({"seed": seed, **region_planner_digest(answer)})
+    if planner["from_seed"] is not None or answer is None:
+        return resolved
+    ranks_per_region = regions.nodes_per_region * args.cluster.ranks_per_node
+    resolved = resolve_region_rows(answer, args.planned_rows, args.cluster, ranks_per_region, args.outer_lr)
+    names = {PLANNED_ROWS[placeholder]: None if row is None else row.name for placeholder, row in resolved}
+    planner.update(answer, from_seed=seed, rows=names, row=names.get("two_level"),
+                   flat_sync_every=(answer["modes"]["flat"] or {}).get("sync_every"),
+                   two_level_sync_every=(answer["modes"]["two_level"] or {}).get("sync_every"))
+    print(f"    planner (cluster with regions): flat DiLoCo H = {planner['flat_sync_every']}, two-level H = "
+          f"{planner['two_level_sync_every']}; the library's advice H = {answer['advice_sync_every']}", flush=True)
+    return resolved
 
 
 def _planner_digest(answer: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The emulated cluster's network: its links' command-line options, the loopback calibration, the shaping of
-the node links and the measurement of the shaped link.
+the node links and the measurement of the shaped link -- and, on a cluster with regions, of the region links
+(:func:`set_up_regions`, :class:`RegionSettings`).
 
 Both benchmarks on the emulated network (``emulated_cluster.py``, ``fault_tolerance.py``) build their links with
 :func:`add_link_arguments`, :func:`link_request` and :func:`set_up_network`, so a setting added for one cannot be
@@ -170,6 +171,32 @@ def measure_gloo_loopback(cluster: EmulatedCluster, shape: ClusterShape, setup: 
     finally:
         for proc in procs:
             cluster.stop(proc)
+
+
+@dataclass(frozen=True)
+class RegionSettings:
+    """The region level of a cluster with regions (``--regions``): how many, their size and their links' rate."""
+
+    regions: int
+    nodes_per_region: int
+    region_bandwidth_ratio: float  #: region link rate = the per-node loopback throughput / this
+    region_rate_bytes_per_s: float  #: the configured tbf rate of every region link, per direction
+    region_measured_bytes_per_s: float  #: one TCP stream from the last region to node 0, across a region link
+
+
+def set_up_regions(cluster: EmulatedCluster, network: NetworkSettings, ratio: float, seconds: float) -> RegionSettings:
+    """Shape every region link to ``1 / ratio`` of the loopback throughput ``network`` measured (as the node links
+    are ``1 / --bandwidth-ratio`` of it) and measure one TCP stream across a region link; print as it goes."""
+    layout = cluster.regions
+    if layout is None:
+        raise ValueError("set_up_regions needs a cluster with regions (nodes_per_region).")
+    rate = network.loopback_per_node_bytes_per_s / ratio
+    cluster.shape_regions(LinkShape(rate))
+    measured = cluster.measure_throughput([(cluster.num_nodes - 1, 0)], seconds)[0]
+    print(f"region links ({layout.regions} regions of {layout.nodes_per_region} nodes): tbf {_gbit(rate)} per "
+          f"direction (1/{ratio:g} of the per-node {network.calibration} loopback throughput); one TCP stream from "
+          f"node {cluster.num_nodes - 1} to node 0 measures {_gbit(measured)}")
+    return RegionSettings(layout.regions, layout.nodes_per_region, ratio, rate, measured)
 
 
 def _gbit(bytes_per_s: float) -> str:

@@ -20,6 +20,7 @@ What is measured, per optimizer step (the window from one optimizer step to the 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from benchmarks.netns_regions import REGION_COUNTERS_ENV, region_counters, region_deltas
 from benchmarks.scenarios import ClusterShape, StrategySpec, TrainingSetup
 
 UPLINK = "uplink"
@@ -43,9 +45,10 @@ def _counter(ifname: str, direction: str = "tx") -> int:
 
 def counters() -> dict[str, float]:
     """Time and the byte counters at a step boundary: the uplink in both directions (each is its own
-    tbf-shaped queue, so the wire floor needs the busier one) and loopback."""
+    tbf-shaped queue, so the wire floor needs the busier one) and loopback; on a cluster with regions also every
+    region link's (``region<r>_tx`` / ``_rx``, read from the switch namespace: :mod:`benchmarks.netns_regions`)."""
     return {"time": time.perf_counter(), "uplink_tx": _counter(UPLINK), "uplink_rx": _counter(UPLINK, "rx"),
-            "lo_tx": _counter("lo")}
+            "lo_tx": _counter("lo"), **region_counters(os.environ.get(REGION_COUNTERS_ENV))}
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -148,6 +151,14 @@ def summarize(
     step_time = statistics.mean(step_times) if spec.semi_synchronous else statistics.median(step_times)
     tokens_per_step = setup.tokens_per_step(cluster)
     held = [max(r["held_grad_bytes"]) for r in per_rank if r["held_grad_bytes"]]
+    boundaries = rank0["boundaries"][setup.warmup_steps:]
+    across = region_deltas(boundaries[0], boundaries[-1])  # the region links' counters are global: rank 0's
+    measured = max(len(boundaries) - 1, 1)
+    regions = {} if across is None else {
+        "across_region_rx_bytes_per_step": sum(across["rx"]) / measured,
+        "across_region_tx_bytes_per_step_per_region": [b / measured for b in across["tx"]],
+        "across_region_rx_bytes_per_step_per_region": [b / measured for b in across["rx"]],
+    }
     return {
         "strategy": spec.name,
         "family": spec.family,
@@ -181,4 +192,5 @@ def summarize(
         "import_rss_bytes": max(r["import_rss_bytes"] for r in per_rank),
         "model_state_bytes_per_rank": [r["model_state_bytes"] for r in per_rank],
         "grad_bytes_during_accumulation": max(held) if held else None,
+        **regions,
     }

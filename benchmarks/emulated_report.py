@@ -142,7 +142,21 @@ def one_line(record: dict[str, Any]) -> str:
     return (f"step {record['step_time_s']:.2f} s, {record['tokens_per_s']:,.0f} tokens/s, inter-node "
             f"{_mb(record['inter_node_bytes_per_step'])} MB/step (expected "
             f"{_mb(record['expected_inter_node_bytes_per_step'])}), wire floor {floor} s (step {ratio}), "
-            f"peak RSS {_mb(record['peak_mem_bytes'])} MB ({record.get('wall_s', 0):.0f} s)")
+            f"peak RSS {_mb(record['peak_mem_bytes'])} MB ({record.get('wall_s', 0):.0f} s)" + level_text(record))
+
+
+def level_text(record: dict[str, Any]) -> str:
+    """With regions: the bytes per level, measured against the model (``""`` without regions)."""
+    levels = record.get("bytes_per_level")
+    if not levels:
+        return ""
+
+    def cell(level: str) -> str:
+        entry = levels[level]
+        error = "-" if entry["error"] is None else f"{entry['error']:+.1%}"
+        return f"{_mb(entry['measured'])} MB (model {_mb(entry['expected'])}, {error})"
+
+    return f"; inside regions {cell('inside_region')}, across regions {cell('across_regions')}"
 
 
 def convergence_line(record: dict[str, Any]) -> str:
@@ -154,7 +168,8 @@ def convergence_line(record: dict[str, Any]) -> str:
             f"held-out {evals[0]['heldout_loss']:.3f} -> {evals[-1]['heldout_loss']:.3f} "
             f"({sum(e['computed'] for e in evals)} of {len(evals)} evaluations computed, {record['eval_s']:.1f} s "
             f"taken out), inter-node {_mb(record.get('inter_node_bytes'))} MB (expected "
-            f"{_mb(record.get('expected_inter_node_bytes'))}) ({record.get('wall_s', 0):.0f} s with start-up)")
+            f"{_mb(record.get('expected_inter_node_bytes'))}) ({record.get('wall_s', 0):.0f} s with start-up)"
+            + level_text(record))
 
 
 def all_ran(records: list[dict[str, Any]]) -> bool:

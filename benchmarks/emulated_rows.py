@@ -21,6 +21,7 @@ from typing import Any, Optional
 from benchmarks.convergence_setup import ConvergenceSettings
 from benchmarks.emulated_network import MASTER_PORT_BASE
 from benchmarks.netns import UPLINK, EmulatedCluster, RankProcess, rank_environment
+from benchmarks.netns_regions import REGION_COUNTERS_ENV
 from benchmarks.scenarios import StrategySpec, measured_steps_for
 
 
@@ -54,6 +55,8 @@ def run_strategy(
     output = work_dir / f"{spec.name}.result.json"
     base_env = rank_environment(MASTER_ADDR=cluster.node_address(0), MASTER_PORT=str(MASTER_PORT_BASE + index),
                                 WORLD_SIZE=str(shape.world_size), GLOO_SOCKET_IFNAME=UPLINK)
+    if cluster.regions is not None:  # where the ranks read the region links' counters
+        base_env[REGION_COUNTERS_ENV] = cluster.region_counter_file or ""
     procs: list[tuple[int, RankProcess, Path]] = []
     started = time.monotonic()
     try:

@@ -74,6 +74,8 @@ def build_strategy(spec: StrategySpec, cluster: ClusterShape) -> Strategy:
         semi_sync: dict[str, Any] = {}
         if spec.semi_synchronous:  # DiLoCo: the outer optimizer is the library's default unless outer_lr is given
             semi_sync = {"cross_replica_sync": "diloco", "sync_every": spec.sync_every}
+            if spec.diloco_worker_size is not None:  # two-level DiLoCo: workers of a region's partition groups
+                semi_sync.update(diloco_worker_size=spec.diloco_worker_size, ranks_per_region=spec.ranks_per_region)
             if spec.outer_lr is not None:
                 semi_sync["outer_optimizer"] = functools.partial(
                     torch.optim.SGD, lr=spec.outer_lr, momentum=0.9, nesterov=True

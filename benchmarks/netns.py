@@ -1,21 +1,34 @@
 """An emulated cloud cluster on one Linux host: network namespaces as nodes, a bridge as the switch,
-``tc tbf`` as the NICs' line rate.
+``tc tbf`` as the NICs' line rate -- and, with ``nodes_per_region``, regions joined by slower links of their own.
 
-Layout (N nodes)::
+Layout (N nodes, one region)::
 
     <prefix>-node0                 <prefix>-switch                 <prefix>-node1
     lo (ranks of node 0 talk here) br0                              lo
     uplink 198.18.0.1/24 ==veth==  port0 ─┤br0├─ port1  ==veth==   uplink 198.18.0.2/24
            tbf (egress)                   tbf (egress, toward the node)
 
+With regions (``nodes_per_region=2``, 4 nodes; :mod:`benchmarks.netns_regions`)::
+
+    node0, node1 ==veth== port0, port1 ─┤rbr0├─ rlink0 ==veth== rcore0 ─┐
+                                                tbf (region 0 sends)    tbf (region 0 receives)
+                                                                        ├─ br0 (core bridge)
+    node2, node3 ==veth== port2, port3 ─┤rbr1├─ rlink1 ==veth== rcore1 ─┘
+
+  the nodes of one region share their region's bridge, so traffic between them crosses only their own node links;
+  traffic between regions crosses the node links and both regions' links, each shaped at its own rate
+  (:meth:`EmulatedCluster.shape`, :meth:`EmulatedCluster.shape_regions`) and counted
+  (:meth:`EmulatedCluster.region_link_bytes`; the ranks read the same counters through
+  :attr:`EmulatedCluster.region_counter_file`).
+
 * Every address comes from the benchmarking range 198.18.0.0/15 (RFC 2544) and lives only inside
   namespaces created here; the switch sits in its own namespace, so the host's network namespace,
-  interfaces and routes are never touched.
+  interfaces and routes are never touched. The region bridges and links live in the switch namespace too.
 * Ranks on one node reach each other through their namespace's ``lo`` (the kernel delivers
   traffic to a local address locally), so only inter-node traffic crosses -- and is shaped and
   counted on -- the ``uplink`` veth.
 * Both directions of every node link are shaped: the node side limits what the node sends, the
-  switch side what it receives.
+  switch side what it receives. The same holds for every region link.
 * Every node has CPUs of its own: its processes run in a cpu cgroup capped at (host cores / nodes)
   (:mod:`benchmarks.cpu_quota`), so a lost node's CPU is not lent to the survivors and a starting node
   imports on its own budget. Where the host cannot give quotas the cluster runs without them and says so
@@ -42,6 +55,7 @@ from typing import IO, Any, Optional, Union
 
 from benchmarks.cpu_quota import CpuQuotaUnavailable, NodeCpuQuotas, join
 from benchmarks.fork_server import PRELOAD, ForkedProcess, ForkServer
+from benchmarks.netns_regions import RegionLayout, region_layout, region_link
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: RFC 2544 benchmarking range; the nodes take the first addresses of its first /24.
@@ -137,7 +151,7 @@ class EmulatedCluster:
     :meth:`spawn` (by their process ids)."""
 
     def __init__(self, num_nodes: int, mtu: int = 9000, prefix: str | None = None,
-                 cpu_quota: bool = True) -> None:
+                 cpu_quota: bool = True, nodes_per_region: int | None = None) -> None:
         if num_nodes < 2:
             raise ValueError(f"An emulated cluster needs at least 2 nodes, got {num_nodes}.")
         if num_nodes > NODE_SUBNET.num_addresses - 2:
@@ -146,6 +160,9 @@ class EmulatedCluster:
             raise ValueError(f"--mtu must lie between 1280 and 65535, got {mtu}.")
         self.num_nodes = num_nodes
         self.mtu = mtu
+        #: the region level (``None``: one region, every node on the one bridge)
+        self.regions: RegionLayout | None = region_layout(num_nodes, nodes_per_region)
+        self._region_holder: subprocess.Popen[bytes] | None = None
         self.prefix = prefix if prefix is not None else f"{DEFAULT_PREFIX}{os.getpid()}"
         self._processes: list[RankProcess] = []
         self._created = False
@@ -241,14 +258,19 @@ class EmulatedCluster:
         sw = self.switch_namespace
         for name in self.namespaces:
             _run(["ip", "netns", "add", name])
-        _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
-        _run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
+        if self.regions is None:
+            _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", BRIDGE, "up"])
+        else:  # a bridge per region, joined to the core bridge by one link per region
+            for command in self.regions.switch_commands(sw, self.mtu):
+                _run(command)
         for node in range(self.num_nodes):
             ns, port = self.node_namespace(node), f"port{node}"
             # Both ends are created directly inside their namespaces: nothing appears on the host.
             _run(["ip", "link", "add", "name", UPLINK, "netns", ns, "mtu", str(self.mtu),
                   "type", "veth", "peer", "name", port, "netns", sw, "mtu", str(self.mtu)])
-            _run(["ip", "-n", sw, "link", "set", port, "master", BRIDGE])
+            bridge = BRIDGE if self.regions is None else self.regions.port_bridge(node)
+            _run(["ip", "-n", sw, "link", "set", port, "master", bridge])
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.node_address(node)}/{NODE_SUBNET.prefixlen}", "dev", UPLINK])
             _run(["ip", "-n", ns, "link", "set", UPLINK, "up"])
@@ -256,9 +278,13 @@ class EmulatedCluster:
         self._wait_until_reachable()
 
     def _wait_until_reachable(self, timeout_s: float = 10.0) -> None:
-        """The bridge forwards once its ports leave the listening state; wait for a ping."""
+        """The bridge forwards once its ports leave the listening state; wait for a ping (to node 1, and with
+        regions to the last node too: across the region links)."""
         deadline = time.monotonic() + timeout_s
-        target = self.node_address(1)
+        for target_node in sorted({1, self.num_nodes - 1} if self.regions is not None else {1}):
+            self._wait_for(self.node_address(target_node), deadline)
+
+    def _wait_for(self, target: str, deadline: float) -> None:
         while True:
             probe = _run(["ip", "netns", "exec", self.node_namespace(0), sys.executable, "-c",
                           f"import socket; s = socket.socket(); s.settimeout(0.5); "
@@ -267,7 +293,7 @@ class EmulatedCluster:
             if probe.stdout.strip() == "111":
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"node 0 cannot reach node 1 ({target}) through the bridge: {probe.stdout!r}")
+                raise RuntimeError(f"node 0 cannot reach {target} through the bridges: {probe.stdout!r}")
             time.sleep(0.2)
 
     def shape(self, shape: LinkShape) -> None:
@@ -276,6 +302,43 @@ class EmulatedCluster:
             _run(["tc", "-n", self.node_namespace(node), "qdisc", "replace", "dev", UPLINK, "root", *shape.tbf_args()])
             _run(["tc", "-n", self.switch_namespace, "qdisc", "replace", "dev", f"port{node}", "root",
                   *shape.tbf_args()])
+
+    def shape_regions(self, shape: LinkShape) -> None:
+        """Apply the line rate to both directions of every region link (what a region sends to the others, and
+        what it receives from them)."""
+        if self.regions is None:
+            raise ValueError("shape_regions: this cluster has one region (pass nodes_per_region).")
+        for device in self.regions.shaped_devices():
+            _run(["tc", "-n", self.switch_namespace, "qdisc", "replace", "dev", device, "root", *shape.tbf_args()])
+
+    def region_link_bytes(self, region: int) -> dict[str, int]:
+        """The kernel's byte counters of region ``region``'s link: ``tx_bytes`` what it sent to the other regions,
+        ``rx_bytes`` what it received from them."""
+        if self.regions is None or not 0 <= region < self.regions.regions:
+            raise ValueError(f"region {region} is not one of this cluster's regions.")
+        device = region_link(region)
+        out = _run(["ip", "netns", "exec", self.switch_namespace, "cat",
+                    f"/sys/class/net/{device}/statistics/tx_bytes",
+                    f"/sys/class/net/{device}/statistics/rx_bytes"]).stdout.split()
+        return {"tx_bytes": int(out[0]), "rx_bytes": int(out[1])}
+
+    @property
+    def region_counter_file(self) -> str | None:
+        """Where a rank reads the region links' counters (``benchmarks.netns_regions.region_counters``):
+        ``/proc/<pid>/net/dev`` of a process this cluster keeps asleep in the switch namespace (started on first
+        use, stopped at teardown). ``None`` without regions."""
+        if self.regions is None:
+            return None
+        if self._region_holder is None or self._region_holder.poll() is not None:
+            self._region_holder = self.spawn_in(self.switch_namespace, ["sleep", "infinity"],
+                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            path = Path(f"/proc/{self._region_holder.pid}/net/dev")
+            deadline = time.monotonic() + 10
+            while region_link(0) not in path.read_text():  # until `ip netns exec` has entered the namespace
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the switch namespace's counter holder did not start")
+                time.sleep(0.02)
+        return f"/proc/{self._region_holder.pid}/net/dev"
 
     def teardown(self) -> None:
         """Stop the processes started here, then delete the namespaces (which removes the veths,
@@ -288,6 +351,7 @@ class EmulatedCluster:
             _terminate_sessions([server.process])
             shutil.rmtree(server.socket_path.parent, ignore_errors=True)
         self._processes.clear()
+        self._region_holder = None
         if self._created:
             for name in self._existing_namespaces():
                 _run(["ip", "netns", "del", name], check=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from examples.models import GPTConfig
 from lightning_mics.topology import MiCSTopology
@@ -70,6 +70,10 @@ class StrategySpec:
             synchronous.
         outer_lr: the learning rate of DiLoCo's outer Nesterov SGD (momentum 0.9); ``None``: the library's
             default (0.7, the DiLoCo paper's).
+        diloco_worker_size: two-level DiLoCo (``MiCSStrategy(diloco_worker_size=...)``): partition groups per
+            DiLoCo worker, synchronised every step, or ``"region"``; ``None``: flat DiLoCo (or synchronous).
+        ranks_per_region: the emulated cluster's ranks per region (``MiCSStrategy(ranks_per_region=...)``), which
+            ``diloco_worker_size="region"`` reads; ``None``: no regions.
     """
 
     name: str
@@ -86,6 +90,8 @@ class StrategySpec:
     cross_replica_overlap: bool = True
     sync_every: Optional[int] = None
     outer_lr: Optional[float] = None
+    diloco_worker_size: Optional[Union[int, str]] = None
+    ranks_per_region: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.sync_every is not None:
@@ -94,6 +100,10 @@ class StrategySpec:
             if self.family != "mics" or self.planned:
                 raise ValueError(f"{self.name}: semi-synchronous rows need an explicit MiCS layout (family 'mics', "
                                  "not planned: the strategy refuses sharding='auto' with DiLoCo).")
+        if self.diloco_worker_size is not None and self.sync_every is None:
+            raise ValueError(f"{self.name}: diloco_worker_size (two-level DiLoCo) needs sync_every.")
+        if self.diloco_worker_size == "region" and self.ranks_per_region is None:
+            raise ValueError(f"{self.name}: diloco_worker_size='region' needs ranks_per_region.")
         if self.outer_lr is not None and (self.sync_every is None or not self.outer_lr > 0):
             raise ValueError(f"{self.name}: outer_lr needs sync_every (a DiLoCo row) and must be positive, "
                              f"got {self.outer_lr!r}.")
@@ -118,6 +128,11 @@ class StrategySpec:
             hierarchical=bool(record.get("hierarchical")),
         )
 
+    @property
+    def two_level(self) -> bool:
+        """Two-level DiLoCo: a hop 2 at every step inside each worker, DiLoCo's outer round across workers."""
+        return self.diloco_worker_size not in (None, 1)
+
     def replication_degree(self, cluster: ClusterShape) -> int:
         return cluster.world_size // self.partition_size
 
@@ -127,6 +142,12 @@ class StrategySpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StrategySpec:
         return cls(**data)
+
+    def topology(self, cluster: ClusterShape) -> MiCSTopology:
+        """The row's MiCS topology on ``cluster``: partitions, and for two-level DiLoCo its workers and regions."""
+        worker = self.diloco_worker_size if self.sync_every is not None else None
+        return MiCSTopology.create(cluster.world_size, cluster.ranks_per_node, self.partition_size, worker,
+                                   self.ranks_per_region)
 
 
 def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
@@ -197,6 +218,7 @@ def default_strategies(cluster: ClusterShape) -> list[StrategySpec]:
 #: DiLoCo's H of the ``mics-diloco`` row; ``mics-diloco-h<H>`` names any other.
 DILOCO_SYNC_EVERY = 8
 _DILOCO_NAME = re.compile(r"mics-diloco-h(\d+)")
+_TWO_LEVEL_NAME = re.compile(r"mics-diloco-two-level-h(\d+)")
 
 
 def diloco_spec(cluster: ClusterShape, sync_every: int = DILOCO_SYNC_EVERY, outer_lr: Optional[float] = None,
@@ -219,6 +241,23 @@ def diloco_spec(cluster: ClusterShape, sync_every: int = DILOCO_SYNC_EVERY, oute
     )
 
 
+def two_level_spec(cluster: ClusterShape, sync_every: int, ranks_per_region: int, outer_lr: Optional[float] = None,
+                   name: Optional[str] = None) -> StrategySpec:
+    """Two-level DiLoCo on :func:`diloco_spec`'s layout (partition = one node): every partition group of a region is
+    one DiLoCo worker (``diloco_worker_size="region"``), whose replicas run hop 2 at every step on the region's
+    network; only the workers -- the regions -- average their parameter deltas, every ``sync_every`` steps, across
+    the region links."""
+    flat = diloco_spec(cluster, sync_every, outer_lr)
+    name = name or f"mics-diloco-two-level-h{sync_every}"
+    regions, nodes = cluster.world_size // ranks_per_region, ranks_per_region // cluster.ranks_per_node
+    return replace(
+        flat, name=name, diloco_worker_size="region", ranks_per_region=ranks_per_region,
+        description=f"two-level DiLoCo (H={sync_every}): mics-zero2's layout; the {nodes} partition groups (nodes) of "
+                    f"each region are one worker with a hop 2 at every step, the {regions} workers average their "
+                    f"parameter deltas every {sync_every} optimizer steps",
+    )
+
+
 def optional_strategies(cluster: ClusterShape) -> list[StrategySpec]:
     """Rows run only when named (``--strategies``): the semi-synchronous ``mics-diloco`` (H = 8; any H as
     ``mics-diloco-h<H>``). Not in the default set: it is not synchronous training (its loss is another
@@ -226,9 +265,11 @@ def optional_strategies(cluster: ClusterShape) -> list[StrategySpec]:
     return [diloco_spec(cluster)]
 
 
-def select_strategies(cluster: ClusterShape, names: Optional[list[str]]) -> list[StrategySpec]:
+def select_strategies(cluster: ClusterShape, names: Optional[list[str]],
+                      ranks_per_region: Optional[int] = None) -> list[StrategySpec]:
     """The default strategies, or the subset named (in the given order), which may include the optional rows
-    (:func:`optional_strategies`, and ``mics-diloco-h<H>`` for any H >= 1). Unknown names are an error."""
+    (:func:`optional_strategies`, ``mics-diloco-h<H>`` for any H >= 1 and, on a cluster with regions of
+    ``ranks_per_region`` ranks, ``mics-diloco-two-level-h<H>``). Unknown names are an error."""
     defaults = {spec.name: spec for spec in default_strategies(cluster)}
     if not names:
         return list(defaults.values())
@@ -237,11 +278,14 @@ def select_strategies(cluster: ClusterShape, names: Optional[list[str]]) -> list
         match = _DILOCO_NAME.fullmatch(name)
         if match and name not in available and int(match.group(1)) >= 1:
             available[name] = diloco_spec(cluster, int(match.group(1)), name=name)
+        match = _TWO_LEVEL_NAME.fullmatch(name)
+        if match and ranks_per_region is not None and int(match.group(1)) >= 1:
+            available[name] = two_level_spec(cluster, int(match.group(1)), ranks_per_region, name=name)
     unknown = [n for n in names if n not in available]
     if unknown:
         raise ValueError(
             f"Unknown strategy name(s) {unknown} for {cluster.num_nodes} nodes. Choose from: {', '.join(available)} "
-            "(and mics-diloco-h<H> for DiLoCo every H steps)."
+            "(and mics-diloco-h<H> for DiLoCo every H steps; with --regions mics-diloco-two-level-h<H>)."
         )
     return [available[n] for n in names]
 
