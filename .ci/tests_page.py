@@ -227,11 +227,20 @@ def counts_line(summary: dict) -> str:
     return ", ".join(parts) or "no tests"
 
 
+#: The markers around the summary: its figures come from pytest's own output (docs/tests-summary.json), so
+#: tests/test_docs.py's hand-typed-figure scan skips what lies between them (tests/test_tests_page.py checks it).
+GENERATED_BEGIN, GENERATED_END = "<!-- generated:tests-summary -->", "<!-- /generated -->"
+
+
 def render_summary(summary: dict | None) -> list[str]:
     lines = ["## The last full run", ""]
     if summary is None:
         return lines + [f"No full-suite summary recorded yet; run {RECORD_COMMANDS}.", ""]
-    lines += [
+    return lines + [GENERATED_BEGIN, *_summary_lines(summary), GENERATED_END, ""]
+
+
+def _summary_lines(summary: dict) -> list[str]:
+    lines = [
         (f"`python -m pytest tests -q`, read from its JUnit XML: **{counts_line(summary)}** ({summary['tests']} tests "
          f"in {len(summary['files'])} files) in {_minutes(summary['time_s'])}."),
         "",

@@ -399,6 +399,9 @@ MEASURED = re.compile(
     rf"\d+\.\d+{_GAP}(?:×|x\b|%|s\b|ms\b|GiB|MiB|MB|GB|samples/s|tokens/s)|\b\d+(?:\.\d+)?{_GAP}%"
 )
 FIGURE_BLOCK = re.compile(r"<!-- figures:[\w-]+ -->\n.*?<!-- /figures -->", re.DOTALL)
+#: what a script writes from a tool's own output and a test regenerates to compare (docs/tests.md's last run, from
+#: pytest's JUnit XML by .ci/tests_page.py, which tests/test_tests_page.py checks): not typed, so not scanned
+GENERATED_BLOCK = re.compile(r"<!-- generated:[\w-]+ -->\n.*?<!-- /generated -->", re.DOTALL)
 # `code`, ``code``: within one paragraph (a code span may wrap onto the next line, never past a blank one)
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(?:(?!\n[ \t]*\n).)+?(?<!`)\1(?!`)", re.DOTALL)
 
@@ -433,6 +436,7 @@ def hand_typed_figures(text: str, allowed: Optional[Iterable[str]] = None) -> li
     inline code and link targets, and outside the ``allowed`` phrases (default: :data:`NOT_MEASURED`)."""
     allowed = list(NOT_MEASURED) if allowed is None else list(allowed)
     text = FIGURE_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    text = GENERATED_BLOCK.sub(lambda m: "\n" * m.group(0).count("\n"), text)
     prose = "\n".join(split_fences(text)[0])
     skipped = [m.span() for m in CODE_SPAN.finditer(prose)] + [m.span() for m in LINK_TARGET.finditer(prose)]
     skipped += [m.span() for phrase in allowed for m in _phrase(phrase).finditer(prose)]
@@ -453,6 +457,7 @@ def test_figure_scanner_catches_typed_measurements_and_skips_blocks_code_and_all
         "`0.86 MB inline` and `a span that\nwraps 7.0 GB` stay; [a link](results/lr0.3%/x.md); 1.003 and 12 steps pass.\n"
         "The target of 1.5x stays, as does the target\nof 1.5x across a line break.\n"
         "A figure wrapped as 3.07\n× is caught.\n"
+        "<!-- generated:tests-summary -->\nwritten from pytest's output: 9.99 s\n<!-- /generated -->\n"
     )
     assert hand_typed_figures(page, allowed=["target of 1.5x"]) == [
         (1, "1.31×"), (1, "4.88 s"), (2, "45.6 GiB"), (2, "2 %"), (2, "0.254x"), (2, "12.5%"), (13, "3.07\n×")]
