@@ -161,9 +161,10 @@ class MiCSOptions:
 
     num_fragments: int = 1
     """With ``cross_replica_sync="diloco"``: streaming DiLoCo (Douillard et al. 2025; torchft's ``num_fragments``)
-    -- the trained parameters split into this many fragments (contiguous, about equal elements), synchronised in
-    turn, one every ``sync_every / num_fragments`` steps (each fragment every ``sync_every``): the same bytes per
-    step, ``1 / num_fragments`` of them at a time. Must divide ``sync_every``."""
+    -- the trained parameters split into this many fragments (cut between the model's FSDP units at about equal
+    elements, or as ``fragment_modules`` names them), synchronised in turn, one every ``sync_every /
+    num_fragments`` steps (each fragment every ``sync_every``): the same bytes per step, ``1 / num_fragments`` of
+    them at a time. Must divide ``sync_every``."""
 
     fragment_sync_delay: int = 0
     """With ``cross_replica_sync="diloco"``: streaming DiLoCo's tau -- a fragment's average starts this many inner
