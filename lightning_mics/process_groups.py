@@ -42,12 +42,18 @@ def build_device_mesh(
     """
     if topology.replication_degree == 1:
         return init_device_mesh(device_type, (topology.partition_size,), mesh_dim_names=(SHARD_DIM,))
+    return _mesh_with_timeouts(device_type, topology.mesh_shape, (REPLICATE_DIM, SHARD_DIM), backend, timeout)
+
+
+def _mesh_with_timeouts(
+    device_type: str, shape: tuple[int, ...], dims: tuple[str, ...], backend: str, timeout: Optional[timedelta]
+) -> DeviceMesh:
+    """``init_device_mesh`` with the collective ``timeout`` on every dimension's group, each dimension's options an
+    object of its own (:func:`build_device_mesh` says why)."""
     kwargs: dict[str, Any] = {}
     if compat.backend_options(backend, timeout) is not None:
-        kwargs["backend_override"] = {
-            dim: (backend, compat.backend_options(backend, timeout)) for dim in (REPLICATE_DIM, SHARD_DIM)
-        }
-    return init_device_mesh(device_type, topology.mesh_shape, mesh_dim_names=(REPLICATE_DIM, SHARD_DIM), **kwargs)
+        kwargs["backend_override"] = {dim: (backend, compat.backend_options(backend, timeout)) for dim in dims}
+    return init_device_mesh(device_type, shape, mesh_dim_names=dims, **kwargs)
 
 
 def build_layout_meshes(
@@ -60,10 +66,7 @@ def build_layout_meshes(
     if not topology.two_level or topology.num_workers == 1:
         return build_device_mesh(topology, device_type, backend, timeout), None
     dims = (WORKER_DIM, REPLICATE_DIM, SHARD_DIM)
-    kwargs: dict[str, Any] = {}
-    if compat.backend_options(backend, timeout) is not None:
-        kwargs["backend_override"] = {dim: (backend, compat.backend_options(backend, timeout)) for dim in dims}
-    mesh = init_device_mesh(device_type, topology.worker_mesh_shape, mesh_dim_names=dims, **kwargs)
+    mesh = _mesh_with_timeouts(device_type, topology.worker_mesh_shape, dims, backend, timeout)
     return mesh[REPLICATE_DIM, SHARD_DIM], mesh[WORKER_DIM]
 
 

@@ -1,13 +1,17 @@
-"""Shared pieces of the GPT / main-job tests: a very small GPT, a quick multi-rank fit, paths."""
+"""Shared pieces of the GPT / main-job and entry-point tests: a very small GPT, a quick multi-rank fit, paths, a
+script run from the repository root, the root-only marker."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
+from distributed import run_script
 
 from examples.models import ByteCorpusDataModule, GPTConfig, GPTLightningModule
 
@@ -15,6 +19,16 @@ REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
 TRAIN_SCRIPT = REPO / "examples" / "train.py"
 CLI_CONFIG = REPO / "examples" / "cli_config.yaml"
+
+needs_root = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="the emulated cluster's network namespaces, veths and tc need root (CI runs as root)",
+)
+
+
+def run_from_repo(*args: str, timeout: float) -> str:
+    """``python <args>`` from the repository root (:func:`distributed.run_script`), as the docs run them."""
+    return run_script(*args, timeout=timeout, cwd=REPO)
 
 #: Small enough for several fits in one test on 2 cores; odd sizes (d_model 20) exercise FSDP padding.
 SMALL_GPT = GPTConfig(seq_len=16, d_model=20, n_layers=2, n_heads=2)

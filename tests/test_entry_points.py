@@ -32,27 +32,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from distributed import run_script
-from lm_jobs import REPO
+from lm_jobs import REPO, needs_root, run_from_repo
 
 pytestmark = pytest.mark.entry_point
 
-needs_root = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0,
-    reason="the emulated cluster's network namespaces, veths and tc need root (CI runs as root)",
-)
-
-
-def _run(*args: str, timeout: float) -> str:
-    """``python <args>`` from the repository root (:func:`distributed.run_script`)."""
-    return run_script(*args, timeout=timeout, cwd=REPO)
 
 
 # ------------------------------------------------------------------------------------ emulated cluster
@@ -62,7 +51,7 @@ def _run(*args: str, timeout: float) -> str:
 def test_fault_tolerance_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     """Every run (plain, fault-tolerant, a node killed and restarted, restart from checkpoint), and the JSON
     keys the docs quote; the groups bit-identical and the rejoin healed bit-identically."""
-    output = _run("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=300)
+    output = run_from_repo("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=300)
     results = json.loads((tmp_path / "fault_tolerance.json").read_text())
     assert results["no_failure"]["max_abs_diff_between_groups"] == 0
     assert results["no_failure"]["overhead"] > 0
@@ -79,7 +68,7 @@ def test_fault_tolerance_benchmark_runs_its_main_path(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 def test_telemetry_cost_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     table = tmp_path / "cost.json"
-    output = _run("benchmarks/telemetry_cost.py", "--smoke", "--json", str(table), timeout=150)
+    output = run_from_repo("benchmarks/telemetry_cost.py", "--smoke", "--json", str(table), timeout=150)
     rows = json.loads(table.read_text())["rows"]
     assert set(rows) == {"none", "sampled (default)", "every step"}
     assert all(row["steps"] > 0 and row["median_ms"] > 0 for row in rows.values())
@@ -89,7 +78,7 @@ def test_telemetry_cost_benchmark_runs_its_main_path(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_exact_sum_cpu_benchmark_times_every_variant(tmp_path: Path) -> None:
-    output = _run("benchmarks/exact_sum_cpu.py", "--smoke", "--messages", "3", "--numel", "1000",
+    output = run_from_repo("benchmarks/exact_sum_cpu.py", "--smoke", "--messages", "3", "--numel", "1000",
                   "--output", str(tmp_path / "cpu.json"), timeout=130)
     variants = json.loads((tmp_path / "cpu.json").read_text())["variants"]
     assert set(variants) == {"all_reduce", "chain", "one_gather"}, output[-2000:]
@@ -103,7 +92,7 @@ def test_exact_sum_cpu_benchmark_times_every_variant(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_ring_reduce_scatter_benchmark_checks_and_times_both(tmp_path: Path) -> None:
-    output = _run("benchmarks/ring_reduce_scatter.py", "--ranks", "2", "--sizes-kb", "16", "--repeats", "2",
+    output = run_from_repo("benchmarks/ring_reduce_scatter.py", "--ranks", "2", "--sizes-kb", "16", "--repeats", "2",
                   timeout=100)
     row = re.search(r"^\s*2\s+16\s+(\S+)\s+(\S+)\s+(\S+)x$", output, re.MULTILINE)
     assert row is not None, output[-2000:]
@@ -121,7 +110,7 @@ def test_profile_breakdown_reads_py_spy_profiles_from_the_command_line(tmp_path:
     }
     for name, lines in samples.items():
         (tmp_path / f"{name}.txt").write_text("".join(f"{stack} {count}\n" for stack, count in lines))
-    table = _run("benchmarks/profile_breakdown.py", str(tmp_path / "mics.txt"), str(tmp_path / "ddp.txt"),
+    table = run_from_repo("benchmarks/profile_breakdown.py", str(tmp_path / "mics.txt"), str(tmp_path / "ddp.txt"),
                  timeout=60)
     assert table.splitlines()[0] == "| where the time goes | mics | ddp |"
     assert "| forward compute | 75% | 50% |" in table
@@ -143,6 +132,6 @@ def test_plots_script_draws_a_run_log(tmp_path: Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=["step", "train/loss", "perf/tokens_per_s"])
         writer.writeheader()
         writer.writerows({"step": s, "train/loss": 5.0 - s / 10, "perf/tokens_per_s": 1000 + s} for s in range(6))
-    output = _run("examples/plots.py", str(metrics), timeout=100)
+    output = run_from_repo("examples/plots.py", str(metrics), timeout=100)
     assert output.strip().splitlines()[-1] == str(tmp_path / "training.png")
     assert (tmp_path / "training.png").read_bytes().startswith(b"\x89PNG")

@@ -9,26 +9,15 @@ A file of their own, beside ``test_entry_points.py``'s other smoke runs, so that
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
-from distributed import run_script
-from lm_jobs import REPO
+from lm_jobs import needs_root, run_from_repo
 
 pytestmark = pytest.mark.entry_point
 
-needs_root = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0,
-    reason="the emulated cluster's network namespaces, veths and tc need root (CI runs as root)",
-)
-
-
-def _run(*args: str, timeout: float) -> str:
-    """``python <args>`` from the repository root (:func:`distributed.run_script`)."""
-    return run_script(*args, timeout=timeout, cwd=REPO)
 
 
 @needs_root
@@ -42,7 +31,7 @@ def test_emulated_cluster_smoke_and_compare_planner_on_its_results(tmp_path: Pat
     from benchmarks.emulated_cluster import SMOKE_STRATEGIES
 
     profiles = tmp_path / "profiles" if shutil.which("py-spy") else None
-    output = _run("benchmarks/emulated_cluster.py", "--smoke", "--output-dir", str(tmp_path),
+    output = run_from_repo("benchmarks/emulated_cluster.py", "--smoke", "--output-dir", str(tmp_path),
                   *(["--profile-dir", str(profiles)] if profiles else []), timeout=270)
     report = json.loads((tmp_path / "emulated_cluster.json").read_text())
     rows = {row["strategy"]: row for row in report["results"]}
@@ -56,19 +45,19 @@ def test_emulated_cluster_smoke_and_compare_planner_on_its_results(tmp_path: Pat
     assert (tmp_path / "emulated_cluster.png").stat().st_size > 0
 
     results = str(tmp_path / "emulated_cluster.json")
-    compared = json.loads(_run("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute",
+    compared = json.loads(run_from_repo("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute",
                                "--json", timeout=60))
     assert [row["strategy"] for row in compared["rows"]] == list(SMOKE_STRATEGIES)
     for row in compared["rows"]:
         assert row["predicted_step_time_s"] > 0
         assert row["predicted_inter_node_bytes"] == pytest.approx(row["measured_inter_node_bytes"], rel=0.05)
-    text = _run("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute", timeout=60)
+    text = run_from_repo("benchmarks/compare_planner.py", "--results", results, "--calibrated-compute", timeout=60)
     assert "planner's choice" in text and "(live calibration)" in text
 
     if profiles is not None:
         files = sorted(profiles.glob("*.txt"))
         assert [f.stem for f in files] == sorted(SMOKE_STRATEGIES)
-        table = _run("benchmarks/profile_breakdown.py", *map(str, files), timeout=60)
+        table = run_from_repo("benchmarks/profile_breakdown.py", *map(str, files), timeout=60)
         assert table.startswith("| where the time goes |") and "forward compute" in table
 
 
@@ -80,7 +69,7 @@ def test_emulated_cluster_scaling_smoke_and_compare_planner_per_point(tmp_path: 
     ``compare_planner.py`` fits a compute rate per point and predicts every (nodes, strategy)."""
     from benchmarks.emulated_cluster import SMOKE_SCALING_NODES, SMOKE_SCALING_STRATEGIES
 
-    output = _run("benchmarks/emulated_cluster.py", "--smoke", "--scaling", "--output-dir", str(tmp_path),
+    output = run_from_repo("benchmarks/emulated_cluster.py", "--smoke", "--scaling", "--output-dir", str(tmp_path),
                   timeout=270)
     report = json.loads((tmp_path / "scaling.json").read_text())
     assert report["nodes"] == list(SMOKE_SCALING_NODES)
@@ -94,7 +83,7 @@ def test_emulated_cluster_scaling_smoke_and_compare_planner_per_point(tmp_path: 
     assert "kept for every node count" in output
 
     points = len(SMOKE_SCALING_NODES) * len(SMOKE_SCALING_STRATEGIES)
-    text = _run("benchmarks/compare_planner.py", "--results", str(tmp_path / "scaling.json"), "--fit-compute",
+    text = run_from_repo("benchmarks/compare_planner.py", "--results", str(tmp_path / "scaling.json"), "--fit-compute",
                 timeout=60)
     assert re.search(rf"\d+/{points} \(nodes, strategy\) points within \+-20%", text), text
     assert text.count("(fitted)") == len(SMOKE_SCALING_NODES)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import copy
 import functools
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from diloco_reference import PerRankData, diloco_reference, max_difference, rank_samples, trainable, trained
+from diloco_reference import global_model as _anchors
 from distributed import run_ranks
 from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset, strip_prefix, trainer_kwargs
-from torch.utils.data import DataLoader, Subset
 
 from lightning_mics import MiCSFabricStrategy, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2 import decide_hop2
@@ -53,20 +54,7 @@ STREAM_EPOCHS = 3
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the data: rank k's micro-batch i is samples [(i * WORLD + k) * mb, ... + mb) of make_dataset, every epoch alike
-
-
-def rank_samples(cfg: RunConfig, rank: int) -> list[int]:
-    micro_batches = cfg.steps * cfg.accumulate
-    return [(i * WORLD + rank) * cfg.micro_batch + j for i in range(micro_batches) for j in range(cfg.micro_batch)]
-
-
-class PerRankData(ToyModule):
-    """``ToyModule`` reading its rank's fixed samples (``use_distributed_sampler=False``), so the reference knows
-    which samples each replica group trained on in every epoch."""
-
-    def train_dataloader(self) -> DataLoader:
-        indices = rank_samples(self.cfg, self.trainer.global_rank)
-        return DataLoader(Subset(make_dataset(self.cfg.num_samples), indices), batch_size=self.cfg.micro_batch)
+# (diloco_reference.rank_samples)
 
 
 def fit(
@@ -83,49 +71,6 @@ def fit(
 
 # ---------------------------------------------------------------------------------------------------------------------
 # the hand-written reference
-
-
-def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-@functools.lru_cache(maxsize=None)
-def diloco_reference(
-    cfg: RunConfig, epochs: int, every: int, outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """DiLoCo in one process: (the global parameters after the last outer step, each replica group's parameters
-    at the end). Replica group ``r`` is ranks ``r*P .. r*P+P-1``; its gradient is the mean over their samples."""
-    torch.manual_seed(cfg.seed)
-    base = ToyLM()
-    models = [copy.deepcopy(base) for _ in range(REPLICAS)]
-    inner = [torch.optim.SGD(trainable(m), lr=cfg.lr, momentum=cfg.momentum) for m in models]
-    global_model = copy.deepcopy(base)
-    outer_optimizer = outer(trainable(global_model))
-    tokens, targets = make_dataset(cfg.num_samples).tensors
-    per_rank = [rank_samples(cfg, rank) for rank in range(WORLD)]
-    per_micro = cfg.micro_batch
-    step = 0
-    for _ in range(epochs):
-        for s in range(cfg.steps):
-            for r, (model, optimizer) in enumerate(zip(models, inner)):
-                optimizer.zero_grad()
-                for a in range(cfg.accumulate):
-                    i = s * cfg.accumulate + a
-                    rows = [x for k in range(r * PARTITION, (r + 1) * PARTITION) for x in per_rank[k][i * per_micro : (i + 1) * per_micro]]
-                    (lm_loss(model, (tokens[rows], targets[rows])) / cfg.accumulate).backward()
-                optimizer.step()
-            step += 1
-            if step % every == 0:
-                with torch.no_grad():
-                    for g, *replica in zip(trainable(global_model), *(trainable(m) for m in models)):
-                        g.grad = torch.stack([g - p for p in replica]).mean(0)
-                    outer_optimizer.step()
-                    outer_optimizer.zero_grad()
-                    for model in models:
-                        for g, p in zip(trainable(global_model), trainable(model)):
-                            p.copy_(g)
-    named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
-    return named(global_model), [named(m) for m in models]
 
 
 def streaming_reference(
@@ -186,28 +131,12 @@ def streaming_reference(
 
 def synchronous_reference(cfg: RunConfig, epochs: int) -> dict[str, torch.Tensor]:
     """Plain data-parallel SGD on the same samples: the mean gradient over every rank's samples."""
-    _, replicas = diloco_reference(cfg, epochs, 1, OUTER_SGD_LR1)  # H=1, outer SGD lr 1: the same trajectory
+    _, replicas = diloco_reference(cfg, epochs, 1, PARTITION, OUTER_SGD_LR1)  # H=1, outer SGD lr 1: the same trajectory
     return replicas[0]
-
-
-def trained(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The parameters DiLoCo synchronises: those the optimizer steps (the frozen gate of block 1 is not)."""
-    return {name: value for name, value in params.items() if name != "blocks.1.gate.weight"}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # what the ranks run
-
-
-def _anchors(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-    """The last-synchronised parameters (the global model), unsharded."""
-    (sync,) = trainer.strategy.engine.semi_sync.syncs
-    return {name: a.full_tensor().detach().clone() for name, a in zip(sync.names, sync.anchors)}
 
 
 def _scenarios(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -340,7 +269,7 @@ def test_h1_with_plain_sgd_and_outer_sgd_lr1_equals_synchronous_training(ranks: 
 def test_h4_outer_steps_match_a_hand_written_diloco(ranks: list[dict[str, Any]]) -> None:
     """Two outer Nesterov steps (after steps 4 and 8) and two inner steps since: each replica group holds its own
     parameters, and the last-synchronised copy is the reference's global model."""
-    global_model, replicas = diloco_reference(MOMENTUM_SGD, EPOCHS, EVERY, default_outer_optimizer)
+    global_model, replicas = diloco_reference(MOMENTUM_SGD, EPOCHS, EVERY, PARTITION, default_outer_optimizer)
     assert max_difference(replicas[0], replicas[1]) > 1e-3  # mid-round the groups have drifted apart
     for rank, result in enumerate(ranks):
         assert result["h4_outer_steps"] == 2
@@ -357,7 +286,7 @@ def test_streaming_diloco_matches_a_hand_written_one_and_resumes_mid_flight(rank
     every, fragments, delay, alpha = (STREAMING[k] for k in ("sync_every", "num_fragments", "fragment_sync_delay",
                                                               "fragment_update_alpha"))
     global_model, replicas = streaming_reference(STREAM_CFG, STREAM_EPOCHS, every, fragments, delay, alpha)
-    plain_global, _ = diloco_reference(STREAM_CFG, STREAM_EPOCHS, every, default_outer_optimizer)
+    plain_global, _ = diloco_reference(STREAM_CFG, STREAM_EPOCHS, every, PARTITION, default_outer_optimizer)
     assert max_difference(trained(global_model), trained(plain_global)) > 1e-3  # streaming is its own algorithm
     for rank, result in enumerate(ranks):
         assert result["streaming_outer_steps"] == STREAM_EPOCHS * STREAM_CFG.steps // (every // fragments)

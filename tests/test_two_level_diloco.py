@@ -9,17 +9,17 @@ worker's four ranks' samples, the workers' parameter deltas averaged every H ste
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from diloco_reference import PerRankData, diloco_reference, max_difference, rank_samples, trained
+from diloco_reference import global_model as _anchors
 from distributed import run_ranks
-from toy import RunConfig, ToyLM, ToyModule, full_parameters, lm_loss, make_dataset, strip_prefix, trainer_kwargs
-from torch.utils.data import DataLoader, Subset
+from toy import RunConfig, ToyModule, full_parameters, lm_loss, make_dataset, strip_prefix, trainer_kwargs
 
 from lightning_mics import MiCSFabricStrategy, MiCSOptions, MiCSStrategy, ShardingSpec
 from lightning_mics.hop2.diloco import default_outer_optimizer
@@ -38,85 +38,11 @@ OUTER_SGD_LR1 = functools.partial(torch.optim.SGD, lr=1.0)
 TWO_LEVEL = {"cross_replica_sync": "diloco", "sync_every": EVERY, "diloco_worker_size": WORKER}
 
 
-def rank_samples(cfg: RunConfig, rank: int) -> list[int]:
-    micro_batches = cfg.steps * cfg.accumulate
-    return [(i * WORLD + rank) * cfg.micro_batch + j for i in range(micro_batches) for j in range(cfg.micro_batch)]
-
-
-class PerRankData(ToyModule):
-    """``ToyModule`` reading its rank's fixed samples, so the reference knows what each worker trained on."""
-
-    def train_dataloader(self) -> DataLoader:
-        indices = rank_samples(self.cfg, self.trainer.global_rank)
-        return DataLoader(Subset(make_dataset(self.cfg.num_samples), indices), batch_size=self.cfg.micro_batch)
-
-
 def fit(module: ToyModule, cfg: RunConfig, epochs: int, ckpt_path: Optional[str] = None, **options: Any) -> pl.Trainer:
     kwargs = {**trainer_kwargs(cfg), "max_steps": -1, "max_epochs": epochs, "use_distributed_sampler": False}
     trainer = pl.Trainer(strategy=MiCSStrategy(ranks_per_node=RANKS_PER_NODE, **options), **kwargs)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer
-
-
-def trainable(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-@functools.lru_cache(maxsize=None)
-def two_level_reference(
-    cfg: RunConfig, epochs: int, every: int, ranks_per_worker: int,
-    outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """Two-level DiLoCo in one process: (the global parameters after the last outer step, each worker's parameters
-    at the end). Worker ``w`` is ranks ``w * n .. w * n + n - 1`` (``n = ranks_per_worker``): synchronous inside --
-    its gradient the mean over its ranks' samples, one inner optimizer -- and every ``every`` steps the workers'
-    deltas are averaged and the outer optimizer steps the global copy, which every worker takes."""
-    torch.manual_seed(cfg.seed)
-    base = ToyLM()
-    workers = WORLD // ranks_per_worker
-    models = [copy.deepcopy(base) for _ in range(workers)]
-    inner = [torch.optim.SGD(trainable(m), lr=cfg.lr, momentum=cfg.momentum) for m in models]
-    global_model = copy.deepcopy(base)
-    outer_optimizer = outer(trainable(global_model))
-    tokens, targets = make_dataset(cfg.num_samples).tensors
-    per_rank = [rank_samples(cfg, rank) for rank in range(WORLD)]
-    mb, step = cfg.micro_batch, 0
-    for _ in range(epochs):
-        for s in range(cfg.steps):
-            for w, (model, optimizer) in enumerate(zip(models, inner)):
-                optimizer.zero_grad()
-                for a in range(cfg.accumulate):
-                    i = s * cfg.accumulate + a
-                    ranks = range(w * ranks_per_worker, (w + 1) * ranks_per_worker)
-                    rows = [x for k in ranks for x in per_rank[k][i * mb : (i + 1) * mb]]
-                    (lm_loss(model, (tokens[rows], targets[rows])) / cfg.accumulate).backward()
-                optimizer.step()
-            step += 1
-            if step % every == 0:
-                with torch.no_grad():
-                    for g, *replica in zip(trainable(global_model), *(trainable(m) for m in models)):
-                        g.grad = torch.stack([g - p for p in replica]).mean(0)
-                    outer_optimizer.step()
-                    outer_optimizer.zero_grad()
-                    for model in models:
-                        for g, p in zip(trainable(global_model), trainable(model)):
-                            p.copy_(g)
-    named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
-    return named(global_model), [named(m) for m in models]
-
-
-def trained(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: value for name, value in params.items() if name != "blocks.1.gate.weight"}
-
-
-def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[n].float() - b[n].float()).abs().max()) for n in a)
-
-
-def _anchors(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
-    (sync,) = trainer.strategy.engine.semi_sync.syncs
-    return {name: a.full_tensor().detach().clone() for name, a in zip(sync.names, sync.anchors)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,9 +149,9 @@ def test_two_workers_of_two_groups_match_a_hand_written_two_level_diloco(ranks: 
     """Synchronous inside each worker every step, outer Nesterov across workers after steps 4 and 8: each worker's
     parameters and the global copy equal the reference, through the engine's hop 2 and FSDP2's, and through
     Fabric; the partition groups of one worker hold the same parameters, the two workers differ mid-round."""
-    global_model, workers = two_level_reference(CFG, EPOCHS, EVERY, WORKER * PARTITION, default_outer_optimizer)
+    global_model, workers = diloco_reference(CFG, EPOCHS, EVERY, WORKER * PARTITION, default_outer_optimizer)
     assert max_difference(workers[0], workers[1]) > 1e-3
-    flat_global, _ = two_level_reference(CFG, EPOCHS, EVERY, PARTITION, default_outer_optimizer)
+    flat_global, _ = diloco_reference(CFG, EPOCHS, EVERY, PARTITION, default_outer_optimizer)
     assert max_difference(trained(global_model), trained(flat_global)) > 1e-3  # not flat DiLoCo's numbers
     for rank, result in enumerate(ranks):
         assert result["outer_steps"] == 2
