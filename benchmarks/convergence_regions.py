@@ -38,18 +38,23 @@ TWO_LEVEL_ROW = "mics-diloco-two-level-planned"
 #: The rows the planner resolves after the first ``mics-auto`` run, and the search each one's H comes from.
 PLANNED_ROWS = {PLANNED_ROW: "flat", TWO_LEVEL_ROW: "two_level"}
 REGION_CONVERGENCE_STRATEGIES = (REFERENCE, PLANNED_ROW, TWO_LEVEL_ROW)
-#: Node links 1/6 of loopback, region links 1/240: a zone's network fast enough that a hop 2 at every step between
-#: the nodes of a region keeps the ranks computing, as the planner prices it (at 1/24, and often at 1/10, that hop
-#: alone costs about as much as the compute the planner sees in a step of this model -- the achieved rate of
-#: mics-auto's micro-steps -- and it names two-level DiLoCo no H or the largest one), and a link between regions 40
-#: times slower than it.
-REGION_CONVERGENCE_RATIOS = (6.0,)
+#: Node links 1/24 of loopback, region links 1/240 (the issue's cluster): a zone's network on which a hop 2 at every
+#: step between the nodes of a region costs less than the step's compute, as the planner prices it, and a link between
+#: regions ten times slower than it.
+REGION_CONVERGENCE_RATIOS = (24.0,)
 DEFAULT_REGION_BANDWIDTH_RATIO = 240.0
 #: Two nodes per region unless --nodes says otherwise.
 NODES_PER_REGION = 2
-#: With four nodes of two ranks the micro-batch halves, so that a step is 512 tokens as in the one-region mode (and
-#: its budget, 256 steps, the same 131,072 tokens).
-REGION_CONVERGENCE_MICRO_BATCH = 2
+#: Each rank trains the one-region mode's micro-batch (4 sequences of 8 tokens): 4 nodes of two ranks make a step of
+#: 1,024 tokens, so the budget is 128 steps for the one-region mode's 131,072 tokens. (At a micro-batch of 2 the
+#: planner prices the compute of a step at about what the hop 2 inside a region costs on the 1/24 link, and it names
+#: two-level DiLoCo only its largest H.)
+REGION_CONVERGENCE_MICRO_BATCH = 4
+REGION_CONVERGENCE_STEPS = 128
+#: --smoke: node links 1/6 of loopback and a micro-batch of 2, so that the planner's H -- and with it a DiLoCo row's
+#: budget of whole rounds -- stays small and the main path runs in about a minute (the smoke measures nothing).
+SMOKE_REGION_CONVERGENCE_RATIOS = (6.0,)
+SMOKE_REGION_CONVERGENCE_MICRO_BATCH = 2
 REPORT_NAME = "convergence_regions"
 #: Two-level DiLoCo's targets: the means over the seeds.
 REGION_TARGETS = {

@@ -62,6 +62,9 @@ from benchmarks.convergence_regions import (  # noqa: E402
     PLANNED_ROWS,
     REGION_CONVERGENCE_MICRO_BATCH,
     REGION_CONVERGENCE_RATIOS,
+    REGION_CONVERGENCE_STEPS,
+    SMOKE_REGION_CONVERGENCE_MICRO_BATCH,
+    SMOKE_REGION_CONVERGENCE_RATIOS,
     REGION_CONVERGENCE_STRATEGIES,
     REPORT_NAME,
     TWO_LEVEL_ROW,
@@ -133,6 +136,9 @@ SMOKE_CONVERGENCE = Preset(d_model=128, n_layers=2, n_heads=4, seq_len=8, warmup
 #: --convergence --regions N --smoke: twice as many ranks on the same cores, so half the steps (the DiLoCo rows still
 #: train at least two evaluation intervals; their budget is whole rounds of the planner's H)
 SMOKE_REGION_CONVERGENCE = replace(SMOKE_CONVERGENCE, measured_steps=8)
+#: --convergence --regions N: the one-region mode's tokens in steps of twice as many ranks
+#: (:data:`~benchmarks.convergence_regions.REGION_CONVERGENCE_STEPS`)
+REGION_CONVERGENCE = replace(CONVERGENCE, measured_steps=REGION_CONVERGENCE_STEPS)
 #: --convergence --regions N --smoke: one seed, and region links 1/120 of loopback rather than 1/240, so that the
 #: planner's H -- and with it a two-level row's budget of whole rounds -- stays small (the smoke measures nothing)
 SMOKE_REGION_CONVERGENCE_SEEDS = (0,)
@@ -202,14 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "library's, 0.7 as in the DiLoCo paper)")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per optimizer step (default 4)")
     parser.add_argument("--micro-batch", type=int,
-                        help=f"samples per micro-batch per rank (default 1; --convergence {CONVERGENCE_MICRO_BATCH})")
+                        help=f"samples per micro-batch per rank (default 1; --convergence {CONVERGENCE_MICRO_BATCH}, "
+                             f"--convergence --regions --smoke {SMOKE_REGION_CONVERGENCE_MICRO_BATCH})")
     parser.add_argument("--d-model", type=int, help="model width (default: 512, quick: 256)")
     parser.add_argument("--layers", type=int, help="transformer blocks (default: 4, quick: 2)")
     parser.add_argument("--heads", type=int, help="attention heads (default: 8, quick: 4)")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default 8: little compute per byte moved)")
     parser.add_argument("--warmup-steps", type=int, help="optimizer steps run but not measured (default 1)")
     parser.add_argument("--steps", type=int, help="measured optimizer steps (default: 5, quick: 2; --convergence: the "
-                                                  f"token budget, {CONVERGENCE.measured_steps})")
+                                                  f"token budget, {CONVERGENCE.measured_steps}; with --regions "
+                                                  f"{REGION_CONVERGENCE.measured_steps})")
     add_link_arguments(parser)
     parser.add_argument("--regions", type=int, default=1,
                         help="split the nodes evenly into this many regions, each on a bridge of its own, joined by "
@@ -278,8 +286,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.convergence:
         _check_convergence_flags(parser, args)
         preset = SMOKE_CONVERGENCE if args.smoke else CONVERGENCE
-        if args.smoke and args.regions > 1:
-            preset = SMOKE_REGION_CONVERGENCE
+        if args.regions > 1:
+            preset = SMOKE_REGION_CONVERGENCE if args.smoke else REGION_CONVERGENCE
     else:
         preset = SMOKE if args.smoke else QUICK if args.quick else FULL
         for flag in ("convergence_ratios", "seeds", "eval_every"):
@@ -287,7 +295,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                 parser.error(f"--{flag.replace('_', '-')} only applies with --convergence.")
     if args.micro_batch is None:
         args.micro_batch = 1 if not args.convergence else \
-            REGION_CONVERGENCE_MICRO_BATCH if args.regions > 1 else CONVERGENCE_MICRO_BATCH
+            CONVERGENCE_MICRO_BATCH if args.regions == 1 else \
+            SMOKE_REGION_CONVERGENCE_MICRO_BATCH if args.smoke else REGION_CONVERGENCE_MICRO_BATCH
     for name, default in (("d_model", preset.d_model), ("layers", preset.n_layers), ("heads", preset.n_heads),
                           ("seq_len", preset.seq_len), ("warmup_steps", preset.warmup_steps),
                           ("steps", preset.measured_steps), ("run_timeout", preset.run_timeout_s)):
@@ -411,8 +420,10 @@ def _convergence_settings(args: argparse.Namespace) -> ConvergenceSettings:
         window=SMOKE_CONVERGENCE_WINDOW if args.smoke else CONVERGENCE_WINDOW,
     )
     settings.check(shape.world_size)
-    defaults = REGION_CONVERGENCE_RATIOS if args.regions > 1 else \
-        SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS
+    if args.regions > 1:
+        defaults = SMOKE_REGION_CONVERGENCE_RATIOS if args.smoke else REGION_CONVERGENCE_RATIOS
+    else:
+        defaults = SMOKE_CONVERGENCE_RATIOS if args.smoke else CONVERGENCE_RATIOS
     args.ratios = args.convergence_ratios or defaults
     return settings
 

@@ -190,7 +190,8 @@ def _busy_enough(answer: dict[str, Any], worker: Any, every: int) -> bool:
 
     cluster = ClusterSpec(**answer["inputs"]["cluster"])
     model = CONVERGENCE.setup.model.model_spec(name="benchmark GPT")
-    training = TrainingSpec(micro_batch=2, accumulation=4, precision="32-true")
+    setup = CONVERGENCE.setup
+    training = TrainingSpec(micro_batch=setup.micro_batch, accumulation=setup.accumulate, precision="32-true")
     synchronous = plan(cluster, model, training, grad_accumulation="auto").winner
     semi = plan(cluster, model, replace(training, sync_every=every, diloco_worker_size=worker),
                 grad_accumulation="auto").winner
@@ -327,11 +328,14 @@ def test_regions_command_line() -> None:
     args = CONVERGENCE
     assert (args.cluster.num_nodes, args.cluster.ranks_per_node, args.nodes_per_region) == (4, 2, 2)
     assert [s.name for s in args.specs] == ["mics-auto"] and args.planned_rows == [PLANNED_ROW, TWO_LEVEL_ROW]
-    assert args.ratios == (6.0,) and args.region_bandwidth_ratio == 240.0
+    assert args.ratios == (24.0,) and args.region_bandwidth_ratio == 240.0  # the cluster
     assert args.convergence_settings.seeds == (0, 1, 2)
-    assert args.output_dir == emulated_cluster.RESULTS_DIR and args.setup.tokens_per_step(args.cluster) == 512
+    # the one-region mode's micro-batch per rank and its token budget: 128 steps of 1,024 tokens
+    assert args.output_dir == emulated_cluster.RESULTS_DIR and args.setup.tokens_per_step(args.cluster) == 1024
+    assert args.setup.measured_steps * 1024 == 131072
     smoke = emulated_cluster.parse_args(["--convergence", "--regions", "2", "--smoke"])
     assert smoke.convergence_settings.seeds == (0,) and smoke.region_bandwidth_ratio == 120.0
+    assert smoke.ratios == (6.0,) and smoke.setup.tokens_per_step(smoke.cluster) == 512
     assert smoke.output_dir == emulated_cluster.RESULTS_DIR / "convergence_regions_smoke"
     single = emulated_cluster.parse_args(["--bandwidth-ratio", "24", "--regions", "2", "--region-bandwidth-ratio",
                                           "240", "--strategies", "mics-auto,mics-diloco-two-level-h8"])
