@@ -48,7 +48,7 @@ def format_convergence_table(report: dict[str, Any], markdown: bool = False) -> 
         planner_row = (point.get("planner") or {}).get("row")
         for r in point["summary"]:
             if r["s_per_step"] is None:
-                statuses = ", ".join(str(s["status"])[:40] for s in r["seeds"])
+                statuses = ", ".join(dict.fromkeys(str(s["status"])[:40] for s in r["seeds"]))  # each once
                 table.append([f"{point['bandwidth_ratio']:g}", _label(r, planner_row), statuses, *["-"] * 6])
                 continue
             table.append([
@@ -125,6 +125,13 @@ REGIONS_NOT_MEASURED = (
 )
 
 
+def _mode_h(mode: str, every: Optional[int], row: Optional[str]) -> str:
+    """One mode's H as the figure's sentence says it: the H and its row, or that the planner names none."""
+    if every is None:
+        return f"no H for {mode} (its row is skipped)"
+    return f"{mode} H = {every} (`{row}`)"
+
+
 def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
     """The block ``benchmarks/figures.py`` renders into docs/semi-sync.md from ``convergence_regions.json``: the
     links and each mode's H, the table, two-level DiLoCo's three ratios against their targets, the bytes per level
@@ -138,8 +145,8 @@ def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
          f"1/{point['bandwidth_ratio']:g} and region links 1/{regions.get('region_bandwidth_ratio', 0):g} of loopback "
          f"({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
          f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {len(report.get('seeds', []))} "
-         f"seeds; the planner names flat DiLoCo H = {every.get('flat')} (`{rows.get('flat')}`) and two-level "
-         f"H = {every.get('two_level')} (`{rows.get('two_level')}`)."),
+         f"seeds; the planner names {_mode_h('flat DiLoCo', every.get('flat'), rows.get('flat'))} and "
+         f"{_mode_h('two-level DiLoCo', every.get('two_level'), rows.get('two_level'))}."),
         "",
         format_convergence_table({"points": report["points"][:1]}, markdown=True),
         "",

@@ -310,7 +310,9 @@ def test_the_regions_report_puts_two_levels_ratios_and_each_modes_h_on_top(tmp_p
     assert len(report["bytes_per_level"]) == 6 and "time_to_flat_diloco_ratio" in report["definitions"]
     json.dumps(report)
     block = regions_figure_markdown(report)  # docs/semi-sync.md's block, once the run exists
-    assert "flat DiLoCo H = 16 (`mics-diloco-h16`) and two-level H = 32" in block
+    assert "flat DiLoCo H = 16 (`mics-diloco-h16`) and two-level DiLoCo H = 32 (`mics-diloco-two-level-h32`)" in block
+    unnamed = regions_figure_markdown({**report, "sync_every": {"flat": 16, "two_level": None}})
+    assert "and no H for two-level DiLoCo (its row is skipped)" in unnamed
     assert "| time_to_flat_diloco_ratio | 0.486 | 0.417 / 0.556 | <= 0.8 | yes |" in block
     assert "convergence_regions.png" in block and regions_figure_markdown(None) == REGIONS_NOT_MEASURED
     # `python benchmarks/convergence.py convergence_regions.json` recomputes the two-level analysis, not the flat one

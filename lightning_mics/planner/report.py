@@ -69,7 +69,8 @@ class SemiSyncAdvice:
             )
             return f"Two-level: synchronous inside each region ({inside}), DiLoCo across regions only. "
         return (
-            f"Flat: DiLoCo workers of {worker_ranks} ranks, smaller than a region of {region} -- even inside a region "
+            f"Flat: DiLoCo workers of {worker_ranks} rank{'s' if worker_ranks != 1 else ''}, smaller than a region of "
+            f"{region} -- even inside a region "
             "the links cannot carry a per-step hop 2 while the GPUs stay busy. "
         )
 
