@@ -221,7 +221,7 @@ def failure_results(run: RunLog, steps: int) -> dict[str, Any]:
 def rejoin_results(run: RunLog, failure_free_step: float, checkpoint_every: int = 0) -> dict[str, Any]:
     """Run (3)'s numbers: the restarted node's first commit, its first commit with its shards current (a catch-up
     heal downloads them meanwhile; the blocking one has them at once), its digests vs the survivors' (per rank,
-    at every step both committed after the heal, from its shards being current), and what the heal cost the
+    at every step both committed with their shards current after the heal), and what the heal cost the
     survivors: ``survivor_stall_steps`` (:func:`survivor_stall_steps`, in ``failure_free_step`` seconds -- run 5's
     median step) and the heal step's own gap (``heal_step_stall_steps``, the survivors' saves every
     ``checkpoint_every`` steps taken out)."""
@@ -234,7 +234,8 @@ def rejoin_results(run: RunLog, failure_free_step: float, checkpoint_every: int 
         healed = {r["step"]: r["digest"] for r in rows
                   if r["node"] == VICTIM and r["t"] > restart and r.get("current", True)}
         for node in (n for n in range(NODES) if n != VICTIM):
-            peer = {r["step"]: r["digest"] for r in rows if r["node"] == node}
+            # a survivor left out of a quorum heals too: its steps before its shards are current are not compared
+            peer = {r["step"]: r["digest"] for r in rows if r["node"] == node and r.get("current", True)}
             common = sorted(set(healed) & set(peer))
             compared += len(common)
             equal = equal and bool(common) and all(healed[s] == peer[s] for s in common)

@@ -31,8 +31,10 @@ LIGHTHOUSE_PORT = 29510
 MASTER_PORT_BASE = 29700
 #: The Lighthouse's join timeout: longer than the stretch between two quorums (``quorum_every`` steps of 0.15-0.25
 #: s), else a restarted group that waits for the survivors' next quorum gets one with whichever survivor asks
-#: first, the others left out (docs/fault-tolerance.md). A lost group is dropped after the heartbeat timeout (2 s)
-#: whatever this is.
+#: first, the others left out (docs/fault-tolerance.md) -- a safe event: the one left out heals at the next quorum,
+#: as on a host a third as fast (10 steps of 0.6 s). Not longer: the Lighthouse also holds the survivors' quorum
+#: for a group that heartbeats but does not ask yet (a restarted one setting up) until this passes. A lost group
+#: is dropped after the heartbeat timeout (2 s) whatever this is.
 LIGHTHOUSE_JOIN_TIMEOUT_MS = 5000
 #: The demo's tiny GPT, shorter and shallower: ~0.5 M parameters, a step of a few tenths of a second here.
 MODEL = GPTConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4)

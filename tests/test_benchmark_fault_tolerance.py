@@ -183,6 +183,27 @@ def test_a_catching_up_rejoin_is_compared_from_its_shards_being_current(tmp_path
     assert healed["survivor_stall_steps"] == pytest.approx(3.0 / 0.5 - 1)
 
 
+def test_a_survivor_left_out_of_a_quorum_is_compared_only_where_its_own_shards_are_current(tmp_path: Path) -> None:
+    """On a slow host the Lighthouse can form the heal's quorum with one survivor and the restarted node, and the
+    survivor left out heals from them at the next quorum: its step while catching up carries stale digests by
+    design and is not held against the rejoin; its current steps still are."""
+    run = _write_run(tmp_path, catching_up=True)
+    for rank in range(2):
+        path = tmp_path / f"node1.rank{rank}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            if row["step"] == 9:
+                row.update(current=False, contributes=False, digest=f"behind{rank}9")
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    healed = rejoin_results(run, failure_free_step=0.5)
+    assert healed["bit_identical"] is True
+    assert healed["digests_compared"] == 2 * 3  # 2 ranks x (node 0: steps 8, 9; node 1: step 8)
+    for rank in range(2):  # a current step that differs still fails the rejoin
+        path = tmp_path / f"node1.rank{rank}.jsonl"
+        path.write_text(path.read_text().replace(f"same{rank}8", f"drift{rank}8"))
+    assert rejoin_results(run, failure_free_step=0.5)["bit_identical"] is False
+
+
 def test_the_heal_steps_own_gap_leaves_the_saves_out_and_the_stall_counts_everything() -> None:
     """Node 0 commits every second, a save every 3 steps adds 0.5 s to the next gap; the heal step (7) comes
     after a save and took 1 s more than a step: 0.5 s of it was the save. The heal step's own gap takes the save

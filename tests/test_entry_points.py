@@ -56,7 +56,10 @@ def test_fault_tolerance_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     assert results["no_failure"]["max_abs_diff_between_groups"] == 0
     assert results["no_failure"]["overhead"] > 0
     assert results["failure"]["steps_discarded"] <= 1
-    assert results["rejoin"]["bit_identical"] is True and results["rejoin"]["digests_compared"] > 0
+    assert results["rejoin"]["bit_identical"] is True and results["rejoin"]["digests_compared"] > 0, results["rejoin"]
+    trajectory = results["trajectory"]  # the failure run read what the failure-free one did, step for step
+    assert trajectory["samples_skipped"] == 0 and trajectory["samples_repeated"] == 0, trajectory
+    assert trajectory["global_batch_constant"] is True and trajectory["steps_compared"] > 0, trajectory
     assert results["ft"]["seconds"] > 0 and results["restart_baseline"]["seconds"] > 0
     assert results["network"]["inter_node_rate_bytes_per_s"] > 0  # the links came from set_up_network
     assert (tmp_path / "fault_tolerance.png").stat().st_size > 0
