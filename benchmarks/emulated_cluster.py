@@ -139,10 +139,12 @@ SMOKE_REGION_CONVERGENCE = replace(SMOKE_CONVERGENCE, measured_steps=8)
 #: --convergence --regions N: the one-region mode's tokens in steps of twice as many ranks
 #: (:data:`~benchmarks.convergence_regions.REGION_CONVERGENCE_STEPS`)
 REGION_CONVERGENCE = replace(CONVERGENCE, measured_steps=REGION_CONVERGENCE_STEPS)
-#: --convergence --regions N --smoke: one seed, and region links 1/120 of loopback rather than 1/240, so that the
-#: planner's H -- and with it a two-level row's budget of whole rounds -- stays small (the smoke measures nothing)
+#: --convergence --regions N --smoke: one seed, and region links 1/60 of loopback rather than 1/240 (ten times
+#: slower than its node links, as the full run's), so that the planner's H -- and with it a two-level row's budget
+#: of whole rounds -- stays small: at 1/60 it names 8 and 32 (0.5 min in all), at 1/120 32 and 128 (1.5 min). The
+#: smoke measures nothing
 SMOKE_REGION_CONVERGENCE_SEEDS = (0,)
-SMOKE_REGION_BANDWIDTH_RATIO = 120.0
+SMOKE_REGION_BANDWIDTH_RATIO = 60.0
 CONVERGENCE_RANKS_PER_NODE = 2
 #: --convergence's micro-batch per rank (the throughput rows use 1): a global batch of 512 tokens per step, so
 #: that the loss of a step says something about the model

@@ -336,7 +336,7 @@ def test_regions_command_line() -> None:
     assert args.output_dir == emulated_cluster.RESULTS_DIR and args.setup.tokens_per_step(args.cluster) == 1024
     assert args.setup.measured_steps * 1024 == 131072
     smoke = emulated_cluster.parse_args(["--convergence", "--regions", "2", "--smoke"])
-    assert smoke.convergence_settings.seeds == (0,) and smoke.region_bandwidth_ratio == 120.0
+    assert smoke.convergence_settings.seeds == (0,) and smoke.region_bandwidth_ratio == 60.0
     assert smoke.ratios == (6.0,) and smoke.setup.tokens_per_step(smoke.cluster) == 512
     assert smoke.output_dir == emulated_cluster.RESULTS_DIR / "convergence_regions_smoke"
     single = emulated_cluster.parse_args(["--bandwidth-ratio", "24", "--regions", "2", "--region-bandwidth-ratio",
