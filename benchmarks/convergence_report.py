@@ -165,9 +165,52 @@ def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
     lines += ["", (f"Bytes per level against the byte model, worst run: inside a region "
                    f"{_fmt(worst['inside_region'], '{:.1f}')} %, across regions "
                    f"{_fmt(worst['across_regions'], '{:.1f}')} % (target within 10 %: {met})."),
+              *two_level_pricing(point),
               "", "![Held-out loss of the global models against tokens and training wall-clock, with regions]"
                   "(../benchmarks/results/convergence_regions.png)"]
     return "\n".join(lines) + "\n"
+
+
+#: the cluster preset a "real" zone is compared with: A100s on 400 Gbps node links
+REAL_ZONE_PRESET = "p4d"
+
+
+def two_level_pricing(point: dict[str, Any]) -> list[str]:
+    """Where the planner names no two-level H: why, in its own prices on the measured cluster (the run's planner
+    inputs) -- two-level's step at the largest H it tries, how much of it computes against the rule's
+    :data:`~lightning_mics.planner.report.BUSY_ENOUGH` -- and the compute per byte of a rank's share of the node
+    links there and on :data:`REAL_ZONE_PRESET`, which decides whether a per-step hop 2 inside a region hides behind
+    the step. Empty where two-level has an H or the run recorded no planner inputs."""
+    from dataclasses import replace
+
+    from lightning_mics.planner import CLUSTER_PRESETS, ClusterSpec, TrainingSpec, plan
+    from lightning_mics.planner.cost_model import ModelSpec
+    from lightning_mics.planner.report import BUSY_ENOUGH
+    from lightning_mics.planner.search import ADVISED_SYNC_EVERY
+
+    planner = point.get("planner") or {}
+    inputs = planner.get("inputs")
+    if inputs is None or any(seed.get("two_level_sync_every") for seed in planner.get("per_seed", [])):
+        return []
+    cluster, model = ClusterSpec(**inputs["cluster"]), ModelSpec(**inputs["model"])
+    every = ADVISED_SYNC_EVERY[-1]
+    training = replace(TrainingSpec(**inputs["training"]), sync_every=every, diloco_worker_size="region")
+    two_level = plan(cluster, model, training, grad_accumulation="auto").winner
+    real = CLUSTER_PRESETS[REAL_ZONE_PRESET]
+
+    def per_byte(spec: Any) -> float:
+        return spec.compute_flops / (spec.inter_node_bandwidth / spec.gpus_per_node)
+
+    return ["", (
+        f"Why two-level has no H here, in the planner's prices for the measured cluster (seed 0's inputs): at H = "
+        f"{every}, the most it tries, a two-level step takes {two_level.step_time_s:.3f} s, of which "
+        f"{two_level.compute_s:.3f} s compute -- {two_level.busy_fraction:.3f} busy where the rule asks "
+        f"{BUSY_ENOUGH:g} -- since the hop 2 inside a region runs at every step whatever H is. The emulated ranks "
+        f"compute {per_byte(cluster):,.0f} FLOP per byte of their share of a node link, the planner's "
+        f"`{REAL_ZONE_PRESET}` preset {per_byte(real):,.0f} ({per_byte(real) / per_byte(cluster):.0f}x more): there a "
+        f"per-step hop 2 between a region's nodes hides behind the step, and `lightning-mics plan` names two-level "
+        f"DiLoCo for two regions joined at 2 Gbps ([Planner](planner.md))."
+    )]
 
 
 def _fmt(value: Optional[float], pattern: str) -> str:
