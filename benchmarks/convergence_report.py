@@ -171,6 +171,55 @@ def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fixed_h_regions_markdown(report: Optional[dict[str, Any]]) -> str:
+    """The block of a ``--convergence --regions 2`` run whose DiLoCo rows were given (``--strategies
+    mics-auto,mics-diloco-h<H>,mics-diloco-two-level-h<H>``) rather than planned: a labelled extra beside the
+    headline. The links, the table, and two-level against flat DiLoCo at the same H, per seed and mean: the tokens
+    and the wall-clock each took to mics-auto's final held-out loss, and the final held-out loss."""
+    if report is None:
+        return REGIONS_NOT_MEASURED
+    regions, point = report.get("regions") or {}, report["points"][0]
+    rows = point["comparison"]
+    flat_name = next(r["strategy"] for r in rows if r["strategy"].startswith("mics-diloco-h"))
+    two_name = next(r["strategy"] for r in rows if r["strategy"].startswith("mics-diloco-two-level-h"))
+    seeds = sorted({r["seed"] for r in rows})
+
+    def of(name: str, seed: int) -> dict[str, Any]:
+        return next(r for r in rows if r["strategy"] == name and r["seed"] == seed)
+
+    def ratios(key: str) -> list[Optional[float]]:
+        out: list[Optional[float]] = []
+        for seed in seeds:
+            two, flat = of(two_name, seed).get(key), of(flat_name, seed).get(key)
+            out.append(two / flat if two is not None and flat else None)
+        return out
+
+    def line(what: str, key: str) -> str:
+        values = ratios(key)
+        known = [v for v in values if v is not None]
+        mean = statistics.mean(known) if len(known) == len(values) else None
+        return (f"| {what} | {_fmt(mean, '{:.3f}')} | {' / '.join(_fmt(v, '{:.3f}') for v in values)} |")
+
+    lines = [
+        (f"A labelled extra, not the headline: {regions.get('regions')} regions of {regions.get('nodes_per_region')} "
+         f"nodes, node links 1/{point['bandwidth_ratio']:g} and region links "
+         f"1/{regions.get('region_bandwidth_ratio', 0):g} of loopback "
+         f"({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
+         f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {len(seeds)} seeds, both DiLoCo "
+         f"rows given at the same H (`{flat_name}`, `{two_name}`) rather than each at its planner's."),
+        "",
+        format_convergence_table({"points": report["points"][:1]}, markdown=True),
+        "",
+        "| two-level over flat DiLoCo, same H | mean | per seed |",
+        "|---|---:|---:|",
+        line("tokens to mics-auto's final held-out loss", "tokens_to_reference_loss"),
+        line("wall-clock to mics-auto's final held-out loss", "time_to_reference_loss_s"),
+        line("seconds per step", "s_per_step"),
+        line("final held-out loss", "final_heldout_loss"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 #: the cluster preset a "real" zone is compared with: A100s on 400 Gbps node links
 REAL_ZONE_PRESET = "p4d"
 

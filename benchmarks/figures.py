@@ -253,6 +253,14 @@ def convergence_regions_table(results: Optional[dict[str, Any]]) -> str:
     return regions_figure_markdown(results)
 
 
+def convergence_regions_fixed_h_table(results: Optional[dict[str, Any]]) -> str:
+    """docs/semi-sync.md's block of the labelled extra: flat and two-level DiLoCo given at the same H."""
+    _importable()
+    from benchmarks.convergence_report import fixed_h_regions_markdown
+
+    return fixed_h_regions_markdown(results)
+
+
 def _row(results: dict[str, Any], strategy: str) -> dict[str, Any]:
     return next(r for r in results["results"] if r["strategy"] == strategy)
 
@@ -455,6 +463,8 @@ FIGURES: dict[str, tuple[Optional[str], Callable[[Any], str]]] = {
     ),
     "convergence": ("benchmarks/results/convergence/convergence.json", convergence_table),
     "convergence-regions": ("benchmarks/results/convergence_regions.json", convergence_regions_table),
+    "convergence-regions-h32": ("benchmarks/results/convergence_regions_h32/convergence_regions.json",
+                                convergence_regions_fixed_h_table),
     "emulated-cluster-ratio24": ("benchmarks/results/ratio24_overlap/emulated_cluster.json", emulated_cluster_table),
     "emulated-cluster-peers": ("benchmarks/results/peers/emulated_cluster.json", emulated_cluster_table),
     "emulated-cluster-ratio240": ("benchmarks/results/emulated_cluster_ratio240/emulated_cluster.json",
