@@ -47,11 +47,12 @@ pytestmark = pytest.mark.entry_point
 # ------------------------------------------------------------------------------------ emulated cluster
 @needs_root
 @pytest.mark.distributed
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(450)
 def test_fault_tolerance_benchmark_runs_its_main_path(tmp_path: Path) -> None:
     """Every run (plain, fault-tolerant, a node killed and restarted, restart from checkpoint), and the JSON
-    keys the docs quote; the groups bit-identical and the rejoin healed bit-identically."""
-    output = run_from_repo("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=300)
+    keys the docs quote; the groups bit-identical and the rejoin healed bit-identically. About 90 s here; the
+    bound leaves room for a host like CI's, where it took 231 s."""
+    output = run_from_repo("benchmarks/fault_tolerance.py", "--smoke", "--output-dir", str(tmp_path), timeout=420)
     results = json.loads((tmp_path / "fault_tolerance.json").read_text())
     assert results["no_failure"]["max_abs_diff_between_groups"] == 0
     assert results["no_failure"]["overhead"] > 0
