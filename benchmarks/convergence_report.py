@@ -125,6 +125,14 @@ REGIONS_NOT_MEASURED = (
 )
 
 
+def _links(regions: dict[str, Any], point: dict[str, Any], seeds: int) -> str:
+    """A regions run's cluster, links and seed count, as its figure's first sentence opens."""
+    return (f"{regions.get('regions')} regions of {regions.get('nodes_per_region')} nodes, node links "
+            f"1/{point['bandwidth_ratio']:g} and region links 1/{regions.get('region_bandwidth_ratio', 0):g} of "
+            f"loopback ({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
+            f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {seeds} seeds")
+
+
 def _mode_h(mode: str, every: Optional[int], row: Optional[str]) -> str:
     """One mode's H as the figure's sentence says it: the H and its row, or that the planner names none."""
     if every is None:
@@ -141,11 +149,8 @@ def regions_figure_markdown(report: Optional[dict[str, Any]]) -> str:
     regions, point = report.get("regions") or {}, report["points"][0]
     every, rows = report.get("sync_every") or {}, report.get("rows_by_mode") or {}
     lines = [
-        (f"{regions.get('regions')} regions of {regions.get('nodes_per_region')} nodes, node links "
-         f"1/{point['bandwidth_ratio']:g} and region links 1/{regions.get('region_bandwidth_ratio', 0):g} of loopback "
-         f"({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
-         f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {len(report.get('seeds', []))} "
-         f"seeds; the planner names {_mode_h('flat DiLoCo', every.get('flat'), rows.get('flat'))} and "
+        (f"{_links(regions, point, len(report.get('seeds', [])))}; the planner names "
+         f"{_mode_h('flat DiLoCo', every.get('flat'), rows.get('flat'))} and "
          f"{_mode_h('two-level DiLoCo', every.get('two_level'), rows.get('two_level'))}."),
         "",
         format_convergence_table({"points": report["points"][:1]}, markdown=True),
@@ -201,12 +206,8 @@ def fixed_h_regions_markdown(report: Optional[dict[str, Any]]) -> str:
         return (f"| {what} | {_fmt(mean, '{:.3f}')} | {' / '.join(_fmt(v, '{:.3f}') for v in values)} |")
 
     lines = [
-        (f"A labelled extra, not the headline: {regions.get('regions')} regions of {regions.get('nodes_per_region')} "
-         f"nodes, node links 1/{point['bandwidth_ratio']:g} and region links "
-         f"1/{regions.get('region_bandwidth_ratio', 0):g} of loopback "
-         f"({point['network']['inter_node_measured_bytes_per_s'] / 1e6:,.1f} and "
-         f"{regions.get('region_measured_bytes_per_s', 0) / 1e6:,.2f} MB/s measured), {len(seeds)} seeds, both DiLoCo "
-         f"rows given at the same H (`{flat_name}`, `{two_name}`) rather than each at its planner's."),
+        (f"A labelled extra, not the headline: {_links(regions, point, len(seeds))}, both DiLoCo rows given at the "
+         f"same H (`{flat_name}`, `{two_name}`) rather than each at its planner's."),
         "",
         format_convergence_table({"points": report["points"][:1]}, markdown=True),
         "",
