@@ -78,7 +78,9 @@ def test_slow_links_inside_a_region_too_get_flat_diloco() -> None:
     advice = result.semi_sync_advice
     assert advice is not None
     assert advice.semi_sync.layout.grads * advice.semi_sync.diloco_worker_size < 16
-    assert "Flat: DiLoCo workers of" in result.explain()
+    assert "Flat: DiLoCo workers of 8 ranks, smaller than a region of 16" in result.explain()
+    one_rank = replace(advice.semi_sync, layout=replace(advice.semi_sync.layout, params=1, grads=1, optim=1))
+    assert "Flat: DiLoCo workers of 1 rank, smaller" in replace(advice, semi_sync=one_rank).explain()
 
 
 def test_a_two_level_estimate_prices_the_inner_hop_every_step_and_the_outer_every_h() -> None:
